@@ -1,0 +1,225 @@
+"""The Python predicates behind the spec's named invariants.
+
+Each predicate takes a `World` (a snapshot of the connector, the pool and, on `SimDevice`, the log of every
+access the device executed) and returns the violations it finds, one readable line each; `[]` means it holds.
+
+The four ordering invariants share one rule: two accesses to the same block, at least one of them a write, must
+execute in the order the host issued them. Each invariant owns the pairs of actors its hazard is about, so a
+violation names the hazard (a store that read before compute wrote is `store-after-compute`; a load that wrote
+while a store still read is `load-after-readers`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Literal, Mapping, Protocol, Sequence
+
+from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TransferJob
+from kvfsm.registry import REGISTRY
+
+Actor = Literal["compute", "store", "load"]
+Mode = Literal["read", "write"]
+Space = Literal["gpu", "cpu"]
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """One block touched by one executed device operation."""
+
+    issued: int  # host issue order of the operation
+    executed: int  # device execution order of the operation
+    actor: Actor
+    mode: Mode
+    space: Space
+    block: int
+    label: str  # e.g. "compute step 3", "store job 7"
+
+
+@dataclass(frozen=True, slots=True)
+class Deferral:
+    """A request deferred at `step` because these jobs were in flight on blocks it needs."""
+
+    step: int
+    blockers: frozenset[int]
+
+
+class World(Protocol):
+    cpu_blocks: Sequence[CpuBlock]
+    catalogue: Mapping[int, int]  # prefix hash -> CPU slot
+    jobs: Mapping[int, TransferJob]  # every job of the run, finished ones included
+    requests: Mapping[str, RequestRecord]
+    gpu_blocks: Mapping[int, GpuBlock]
+    deferrals: Mapping[str, Deferral]
+    reported_failed: set[int]  # job ids reported failed to the scheduler
+    accesses: Sequence[Access]  # empty when the device keeps no log (CUDA)
+    idle: bool
+
+
+def _ordering(world: World, pairs: set[tuple[tuple[Actor, Mode], tuple[Actor, Mode]]], space: Space) -> list[str]:
+    """Conflicting accesses in `pairs` (earlier-issued, later-issued) that executed out of issue order."""
+    by_block: dict[int, list[Access]] = defaultdict(list)
+    for access in world.accesses:
+        if access.space == space:
+            by_block[access.block].append(access)
+    found = []
+    for block, accesses in by_block.items():
+        accesses.sort(key=lambda a: a.executed)
+        for i, late in enumerate(accesses):
+            for early in accesses[i + 1:]:
+                # `early` was issued before `late` but executed after it.
+                if early.issued < late.issued and ((early.actor, early.mode), (late.actor, late.mode)) in pairs:
+                    found.append(
+                        f"{space} block {block}: {late.label} ({late.mode}) ran before {early.label} "
+                        f"({early.mode}), which was issued first"
+                    )
+    return found
+
+
+@REGISTRY.invariant("store-after-compute")
+def store_after_compute(world: World) -> list[str]:
+    return _ordering(world, {(("compute", "write"), ("store", "read"))}, "gpu")
+
+
+@REGISTRY.invariant("fence")
+def fence(world: World) -> list[str]:
+    return _ordering(world, {(("store", "read"), ("compute", "write"))}, "gpu")
+
+
+@REGISTRY.invariant("load-after-readers")
+def load_after_readers(world: World) -> list[str]:
+    return _ordering(world, {(("compute", "read"), ("load", "write")), (("store", "read"), ("load", "write"))}, "gpu")
+
+
+@REGISTRY.invariant("load-before-use")
+def load_before_use(world: World) -> list[str]:
+    return _ordering(world, {(("load", "write"), ("compute", "read")), (("load", "write"), ("compute", "write"))}, "gpu")
+
+
+@REGISTRY.invariant("readers-pin")
+def readers_pin(world: World) -> list[str]:
+    found = [
+        f"CPU slot {b.slot} is {b.state} with {b.readers} readers"
+        for b in world.cpu_blocks
+        if b.readers < 0
+        or (b.readers > 0 and b.state not in ("loading", "orphaned"))
+        or (b.state == "loading" and b.readers == 0)
+    ]
+    return found + _ordering(world, {(("load", "read"), ("store", "write"))}, "cpu")
+
+
+@REGISTRY.invariant("ready-means-written")
+def ready_means_written(world: World) -> list[str]:
+    found = []
+    for block_hash, slot in world.catalogue.items():
+        block = world.cpu_blocks[slot]
+        if block.block_hash != block_hash or block.state in ("free", "orphaned"):
+            found.append(f"hash {block_hash:#x} is catalogued at CPU slot {slot}, which is {block.state}")
+    return found + _ordering(world, {(("store", "write"), ("load", "read"))}, "cpu")
+
+
+@REGISTRY.invariant("single-load")
+def single_load(world: World) -> list[str]:
+    loads = Counter(slot for job in world.jobs.values() if job.kind == "load" and job.in_flight for slot in job.cpu_slots)
+    return [f"CPU slot {slot} has {n} loads in flight" for slot, n in loads.items() if n > 1]
+
+
+@REGISTRY.invariant("pool-accounting")
+def pool_accounting(world: World) -> list[str]:
+    found = []
+    catalogued = set(world.catalogue.values())
+    if len(catalogued) != len(world.catalogue):
+        found.append("two hashes share one CPU slot")
+    for block in world.cpu_blocks:
+        listed = block.slot in catalogued
+        should = block.state not in ("free", "orphaned")
+        if listed != should:
+            found.append(f"CPU slot {block.slot} is {block.state} but {'is' if listed else 'is not'} catalogued")
+    return found
+
+
+@REGISTRY.invariant("failure-visible")
+def failure_visible(world: World) -> list[str]:
+    found = []
+    for job in world.jobs.values():
+        if job.state != "failed":
+            continue
+        if job.job_id not in world.reported_failed:
+            found.append(f"{job.kind} job {job.job_id} failed without being reported")
+        if job.kind == "store":
+            for slot in job.cpu_slots:
+                block = world.cpu_blocks[slot]
+                if block.writer_job == job.job_id and block.state in ("ready", "loading"):
+                    found.append(f"failed store job {job.job_id} left CPU slot {slot} {block.state}")
+    return found
+
+
+@REGISTRY.invariant("one-kind-of-job")
+def one_kind_of_job(world: World) -> list[str]:
+    found = []
+    for request in world.requests.values():
+        kinds = Counter(job.kind for job in request.jobs_in_flight)
+        if kinds["load"] > 1 or (kinds["load"] and kinds["store"]):
+            found.append(f"request {request.req_id} has {dict(kinds)} jobs in flight")
+    return found
+
+
+@REGISTRY.invariant("no-convoy")
+def no_convoy(world: World) -> list[str]:
+    found = []
+    for req_id, deferral in world.deferrals.items():
+        request = world.requests.get(req_id)
+        if request is None or request.state != "deferred":
+            continue
+        stale = [
+            j for j in deferral.blockers
+            if world.jobs[j].finished_step is not None and world.jobs[j].finished_step < deferral.step
+        ]
+        if not deferral.blockers or len(stale) == len(deferral.blockers):
+            found.append(f"request {req_id} was deferred at step {deferral.step} with nothing in flight to wait for")
+    return found
+
+
+@REGISTRY.invariant("preempt-flushes")
+def preempt_flushes(world: World) -> list[str]:
+    return [
+        f"preempted request {r.req_id} has store job {j.job_id} still {j.state}"
+        for r in world.requests.values()
+        if r.state == "preempted"
+        for j in r.jobs.values()
+        if j.kind == "store" and j.state in ("pending-store", "submitted")
+    ]
+
+
+@REGISTRY.invariant("drained")
+def drained(world: World) -> list[str]:
+    if not world.idle:
+        return []
+    found = [f"{j.kind} job {j.job_id} is still {j.state}" for j in world.jobs.values() if j.in_flight]
+    found += [f"CPU slot {b.slot} still has {b.readers} readers" for b in world.cpu_blocks if b.readers]
+    settled = sum(b.state in ("free", "ready") for b in world.cpu_blocks)
+    if settled != len(world.cpu_blocks):
+        found.append(f"free + ready = {settled} of {len(world.cpu_blocks)} CPU slots")
+    found += [f"GPU block {b.block_id} is still fenced" for b in world.gpu_blocks.values() if b.state != "writable"]
+    return found
+
+
+@REGISTRY.invariant("fence-count")
+def fence_count(world: World) -> list[str]:
+    readers: Counter[int] = Counter(
+        block for job in world.jobs.values() if job.kind == "store" and job.in_flight for block in job.gpu_blocks
+    )
+    found = [f"GPU block {b} is read by a store but not tracked" for b in readers if b not in world.gpu_blocks]
+    for block in world.gpu_blocks.values():
+        expect = readers.get(block.block_id, 0)
+        if block.store_readers != expect or (block.state == "fenced") != (expect > 0):
+            found.append(f"GPU block {block.block_id} is {block.state} with {block.store_readers} store readers, "
+                         f"{expect} stores read it")
+    return found
+
+
+def check_all(world: World, names: Sequence[str] | None = None) -> dict[str, list[str]]:
+    """Every registered invariant (or those named) that does not hold, with its violations."""
+    selected = names if names is not None else list(REGISTRY.invariants)
+    results = {name: REGISTRY.invariants[name](world) for name in selected}
+    return {name: found for name, found in results.items() if found}

@@ -1,0 +1,199 @@
+"""The models each lifecycle moves, and the guards and effects `spec/` names for them.
+
+A record's `state` is a state name from the spec and changes only through `kvfsm.machines`; the counters beside
+it (readers, store readers) change only through the effects bound here, so a count and its state never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvfsm.registry import REGISTRY
+
+JobKind = Literal["store", "load"]
+IN_FLIGHT_JOB_STATES = frozenset({"created", "pending-store", "submitted", "flushed-on-preempt"})
+FLUSHABLE_JOB_STATES = frozenset({"pending-store", "submitted"})
+
+
+@dataclass(slots=True, eq=False)
+class CpuBlock:
+    """A slot of the pinned host pool."""
+
+    slot: int
+    state: str = "free"
+    readers: int = 0
+    block_hash: int | None = None
+    writer_job: int | None = None
+
+
+@dataclass(slots=True, eq=False)
+class TransferJob:
+    """One store or load: which request, which GPU blocks, which CPU slots, which prefix hashes."""
+
+    job_id: int
+    kind: JobKind
+    req_id: str
+    gpu_blocks: tuple[int, ...]
+    cpu_slots: tuple[int, ...]
+    hashes: tuple[int, ...]
+    gpu_offset: int = 0
+    ordered_step: int = 0
+    state: str = "created"
+    submit_step: int | None = None
+    finished_step: int | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.state in IN_FLIGHT_JOB_STATES
+
+
+@dataclass(slots=True, eq=False)
+class RequestRecord:
+    """A request as the connector tracks it; `jobs` holds its transfer jobs still in flight."""
+
+    req_id: str
+    state: str = "new"
+    jobs: dict[int, TransferJob] = field(default_factory=dict)
+    load_error: bool = False
+
+    @property
+    def jobs_in_flight(self) -> list[TransferJob]:
+        return [job for job in self.jobs.values() if job.in_flight]
+
+
+@dataclass(slots=True, eq=False)
+class GpuBlock:
+    """The connector's fence on one engine-owned GPU block."""
+
+    block_id: int
+    state: str = "writable"
+    store_readers: int = 0
+
+
+# cpu-block -------------------------------------------------------------------------------------------------
+
+
+@REGISTRY.guard("cpu-block", "has-other-readers")
+def _has_other_readers(block: CpuBlock, **_: object) -> bool:
+    return block.readers > 1
+
+
+@REGISTRY.guard("cpu-block", "is-last-reader")
+def _is_last_reader(block: CpuBlock, **_: object) -> bool:
+    return block.readers == 1
+
+
+@REGISTRY.effect("cpu-block", "claim-hash")
+def _claim_hash(block: CpuBlock, block_hash: int, job_id: int | None = None, **_: object) -> None:
+    block.block_hash = block_hash
+    block.writer_job = job_id
+
+
+@REGISTRY.effect("cpu-block", "forget-hash")
+def _forget_hash(block: CpuBlock, **_: object) -> None:
+    block.block_hash = None
+
+
+@REGISTRY.effect("cpu-block", "add-reader")
+def _add_reader(block: CpuBlock, **_: object) -> None:
+    block.readers += 1
+
+
+@REGISTRY.effect("cpu-block", "drop-reader")
+def _drop_reader(block: CpuBlock, **_: object) -> None:
+    block.readers -= 1
+
+
+# transfer-job ----------------------------------------------------------------------------------------------
+
+
+@REGISTRY.guard("transfer-job", "is-store")
+def _is_store(job: TransferJob, **_: object) -> bool:
+    return job.kind == "store"
+
+
+@REGISTRY.guard("transfer-job", "is-load")
+def _is_load(job: TransferJob, **_: object) -> bool:
+    return job.kind == "load"
+
+
+@REGISTRY.effect("transfer-job", "record-submit-step")
+def _record_submit_step(job: TransferJob, step: int | None = None, **_: object) -> None:
+    job.submit_step = step
+
+
+@REGISTRY.effect("transfer-job", "record-finish-step")
+def _record_finish_step(job: TransferJob, step: int | None = None, **_: object) -> None:
+    job.finished_step = step
+
+
+# request ---------------------------------------------------------------------------------------------------
+
+
+@REGISTRY.guard("request", "prefix-busy")
+def _prefix_busy(_: RequestRecord, busy: bool = False, **__: object) -> bool:
+    return busy
+
+
+@REGISTRY.guard("request", "prefix-free")
+def _prefix_free(_: RequestRecord, busy: bool = False, **__: object) -> bool:
+    return not busy
+
+
+@REGISTRY.guard("request", "has-external-tokens")
+def _has_external_tokens(_: RequestRecord, external_tokens: int = 0, **__: object) -> bool:
+    return external_tokens > 0
+
+
+@REGISTRY.guard("request", "no-external-tokens")
+def _no_external_tokens(_: RequestRecord, external_tokens: int = 0, **__: object) -> bool:
+    return external_tokens == 0
+
+
+@REGISTRY.guard("request", "has-jobs-in-flight")
+def _has_jobs_in_flight(request: RequestRecord, **_: object) -> bool:
+    return bool(request.jobs_in_flight)
+
+
+@REGISTRY.guard("request", "no-jobs-in-flight")
+def _no_jobs_in_flight(request: RequestRecord, **_: object) -> bool:
+    return not request.jobs_in_flight
+
+
+@REGISTRY.effect("request", "mark-load-error")
+def _mark_load_error(request: RequestRecord, **_: object) -> None:
+    request.load_error = True
+
+
+@REGISTRY.effect("request", "flush-stores")
+def _flush_stores(request: RequestRecord, **_: object) -> None:
+    from kvfsm.machines import default_machines
+
+    jobs = default_machines()["transfer-job"]
+    for job in request.jobs.values():
+        if job.kind == "store" and job.state in FLUSHABLE_JOB_STATES:
+            jobs.fire(job, "flush")
+
+
+# gpu-block -------------------------------------------------------------------------------------------------
+
+
+@REGISTRY.guard("gpu-block", "has-other-store-readers")
+def _has_other_store_readers(block: GpuBlock, **_: object) -> bool:
+    return block.store_readers > 1
+
+
+@REGISTRY.guard("gpu-block", "is-last-store-reader")
+def _is_last_store_reader(block: GpuBlock, **_: object) -> bool:
+    return block.store_readers == 1
+
+
+@REGISTRY.effect("gpu-block", "add-store-reader")
+def _add_store_reader(block: GpuBlock, **_: object) -> None:
+    block.store_readers += 1
+
+
+@REGISTRY.effect("gpu-block", "drop-store-reader")
+def _drop_store_reader(block: GpuBlock, **_: object) -> None:
+    block.store_readers -= 1

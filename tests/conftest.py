@@ -1,0 +1,38 @@
+"""Hypothesis profiles and the `gpu` marker.
+
+`ci` is registered under the name hypothesis would otherwise fill with its built-in profile when CI=true, so the
+project's bounds win. Every profile prints the reproduction blob of a failing example.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+_common = dict(print_blob=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+settings.register_profile("ci", max_examples=60, derandomize=True, **_common)
+settings.register_profile("dev", max_examples=25, **_common)
+settings.register_profile("thorough", max_examples=1000, **_common)
+settings.register_profile("gpu", max_examples=30, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run through the device tool)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
