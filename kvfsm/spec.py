@@ -127,6 +127,8 @@ def load_lifecycle(path: Path, registry: Registry | None = None) -> Lifecycle:
         first = err.errors()[0]
         item = ".".join(str(p) for p in first["loc"]) or "document"
         raise SpecError(path, name, item, first["msg"]) from err
+    if path.stem != lifecycle.name:
+        raise SpecError(path, lifecycle.name, "lifecycle", f"file must be named {lifecycle.name}.yaml")
     _check_graph(path, lifecycle)
     if registry is not None:
         _check_names(path, lifecycle, registry)
@@ -148,8 +150,6 @@ def load_spec(directory: Path | str = DEFAULT_SPEC_DIR, registry: Registry | Non
     invariant_owner: dict[str, str] = {}
     for path in paths:
         lifecycle = load_lifecycle(path, registry)
-        if path.stem != lifecycle.name:
-            raise SpecError(path, lifecycle.name, "lifecycle", f"file must be named {lifecycle.name}.yaml")
         if lifecycle.name in lifecycles:
             raise SpecError(path, lifecycle.name, "lifecycle", f"declared twice (also in {files[lifecycle.name]})")
         for invariant in lifecycle.invariants:

@@ -1,0 +1,120 @@
+"""The compiled table and the transitions-library machine agree on every (state, trigger, guard outcome)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfsm.machines import CompiledLifecycle, GuardRefused, IllegalTrigger, MachineSet, TransitionsLifecycle
+from kvfsm.records import CpuBlock
+from kvfsm.registry import Registry
+from kvfsm.spec import Spec, load_spec
+
+
+@dataclass
+class Probe:
+    """A model whose guard outcomes are chosen by the test and whose effects are logged."""
+
+    state: str
+    guard_values: dict[str, bool]
+    effects: list[str] = field(default_factory=list)
+
+
+@cache
+def probe_machines() -> tuple[Spec, dict[str, CompiledLifecycle], dict[str, TransitionsLifecycle]]:
+    spec = load_spec()
+    registry = Registry()
+    for lc in spec.lifecycles.values():
+        for t in lc.transitions:
+            for g in t.guards:
+                registry.guards[(lc.name, g)] = lambda model, _g=g, **_: model.guard_values[_g]
+            for e in t.effects:
+                registry.effects[(lc.name, e)] = lambda model, _e=e, **_: model.effects.append(_e)
+    table = {name: CompiledLifecycle(lc, registry) for name, lc in spec.lifecycles.items()}
+    reference = {name: TransitionsLifecycle(lc, registry) for name, lc in spec.lifecycles.items()}
+    return spec, table, reference
+
+
+@st.composite
+def probes(draw: st.DrawFn) -> tuple[str, str, str, dict[str, bool]]:
+    spec, _, _ = probe_machines()
+    name = draw(st.sampled_from(sorted(spec.lifecycles)))
+    lc = spec[name]
+    state = draw(st.sampled_from(sorted(lc.states)))
+    trigger = draw(st.sampled_from([*lc.triggers, "no-such-trigger"]))
+    guard_names = sorted({g for t in lc.transitions for g in t.guards})
+    values = {g: draw(st.booleans()) for g in guard_names}
+    return name, state, trigger, values
+
+
+def outcome(machine: object, state: str, trigger: str, values: dict[str, bool]) -> tuple:
+    probe = Probe(state, values)
+    try:
+        dest = machine.fire(probe, trigger)  # type: ignore[attr-defined]
+    except GuardRefused:
+        return ("refused-by-guard", probe.state, tuple(probe.effects))
+    except IllegalTrigger:
+        return ("illegal", probe.state, tuple(probe.effects))
+    assert dest == probe.state
+    return ("moved", probe.state, tuple(probe.effects))
+
+
+@given(probes())
+def test_table_and_transitions_machine_agree(case: tuple[str, str, str, dict[str, bool]]) -> None:
+    name, state, trigger, values = case
+    _, table, reference = probe_machines()
+    assert outcome(table[name], state, trigger, values) == outcome(reference[name], state, trigger, values)
+
+
+def test_every_state_trigger_pair_agrees_exhaustively() -> None:
+    spec, table, reference = probe_machines()
+    for name, lc in spec.lifecycles.items():
+        guard_names = sorted({g for t in lc.transitions for g in t.guards})
+        for state in lc.states:
+            for trigger in lc.triggers:
+                for bits in range(2 ** len(guard_names)):
+                    values = {g: bool(bits >> i & 1) for i, g in enumerate(guard_names)}
+                    assert outcome(table[name], state, trigger, values) == outcome(
+                        reference[name], state, trigger, values
+                    ), (name, state, trigger, values)
+
+
+@pytest.mark.parametrize("backend", ["table", "transitions"])
+def test_illegal_trigger_names_lifecycle_state_and_trigger(backend: str) -> None:
+    machines = MachineSet(load_spec(), backend=backend)  # type: ignore[arg-type]
+    block = CpuBlock(slot=0)
+    with pytest.raises(IllegalTrigger, match="lifecycle 'cpu-block': trigger 'evict' is illegal in state 'free'"):
+        machines["cpu-block"].fire(block, "evict")
+    assert block.state == "free"
+
+
+@pytest.mark.parametrize("backend", ["table", "transitions"])
+def test_refused_guard_raises_and_leaves_the_model_unchanged(backend: str) -> None:
+    machines = MachineSet(load_spec(), backend=backend)  # type: ignore[arg-type]
+    block = CpuBlock(slot=0, state="loading", readers=0)  # a count no legal path produces: no guard holds
+    with pytest.raises(GuardRefused):
+        machines["cpu-block"].fire(block, "unpin")
+    assert (block.state, block.readers) == ("loading", 0)
+
+
+@pytest.mark.parametrize("backend", ["table", "transitions"])
+def test_effects_keep_reader_count_and_state_together(backend: str) -> None:
+    blocks = MachineSet(load_spec(), backend=backend)["cpu-block"]  # type: ignore[arg-type]
+    block = CpuBlock(slot=3)
+    for trigger in ("allocate", "submit", "store-done", "pin", "pin", "unpin"):
+        blocks.fire(block, trigger, block_hash=0xAB)
+    assert (block.state, block.readers, block.block_hash) == ("loading", 1, 0xAB)
+    blocks.fire(block, "unpin")
+    assert (block.state, block.readers) == ("ready", 0)
+
+
+def test_observers_see_every_transition() -> None:
+    machines = MachineSet(load_spec())
+    trace: list[tuple[str, str, str, str]] = []
+    machines.observe(lambda lc, model, src, trig, dest: trace.append((lc, src, trig, dest)))
+    machines["cpu-block"].fire(CpuBlock(slot=0), "allocate", block_hash=1)
+    assert trace == [("cpu-block", "free", "allocate", "pending-store")]

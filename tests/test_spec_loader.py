@@ -1,0 +1,127 @@
+"""The loader refuses every kind of broken spec, each with an error naming the file, the lifecycle and the item."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from kvfsm.spec import DEFAULT_SPEC_DIR, SpecError, load_spec
+
+Doc = dict
+
+
+def broken_spec(tmp_path: Path, lifecycle: str, mutate: Callable[[Doc], None]) -> Path:
+    """A copy of the shipped spec with one lifecycle file mutated."""
+    spec_dir = tmp_path / "spec"
+    shutil.copytree(DEFAULT_SPEC_DIR, spec_dir)
+    path = spec_dir / f"{lifecycle}.yaml"
+    doc = yaml.safe_load(path.read_text())
+    mutate(doc)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return spec_dir
+
+
+def refusal(spec_dir: Path, lifecycle: str, *fragments: str) -> SpecError:
+    with pytest.raises(SpecError) as caught:
+        load_spec(spec_dir)
+    message = str(caught.value)
+    assert f"{lifecycle}.yaml" in message and repr(lifecycle) in message
+    for fragment in fragments:
+        assert fragment in message, message
+    return caught.value
+
+
+def test_shipped_spec_loads_with_the_states_the_design_card_names() -> None:
+    spec = load_spec()
+    assert {"pending-store", "submitted", "loading", "ready"} <= set(spec["cpu-block"].states)
+    assert {"pending-store", "submitted", "flushed-on-preempt", "done", "failed"} <= set(spec["transfer-job"].states)
+    assert {"new", "deferred", "loading", "running", "preempted", "draining", "released"} <= set(spec["request"].states)
+
+
+def test_unknown_destination_state_is_refused(tmp_path: Path) -> None:
+    spec_dir = broken_spec(tmp_path, "cpu-block", lambda d: d["transitions"][0].update(dest="redy"))
+    refusal(spec_dir, "cpu-block", "transition #1 (allocate)", "unknown state 'redy'")
+
+
+def test_unknown_initial_state_is_refused(tmp_path: Path) -> None:
+    spec_dir = broken_spec(tmp_path, "request", lambda d: d.update(initial="fresh"))
+    refusal(spec_dir, "request", "initial", "unknown state 'fresh'")
+
+
+def test_duplicate_state_is_refused(tmp_path: Path) -> None:
+    spec_dir = tmp_path / "spec"
+    shutil.copytree(DEFAULT_SPEC_DIR, spec_dir)
+    path = spec_dir / "gpu-block.yaml"
+    path.write_text(path.read_text().replace("  fenced:", "  writable: again.\n  fenced:", 1))
+    with pytest.raises(SpecError, match=r"gpu-block\.yaml.*YAML.*duplicate key 'writable'"):
+        load_spec(spec_dir)
+
+
+def test_unreachable_state_is_refused(tmp_path: Path) -> None:
+    def add_island(doc: Doc) -> None:
+        doc["states"]["limbo"] = "nothing leads here."
+        doc["transitions"].append({"trigger": "escape", "source": "limbo", "dest": "free"})
+
+    refusal(broken_spec(tmp_path, "cpu-block", add_island), "cpu-block", "state 'limbo'", "unreachable")
+
+
+def test_non_terminal_dead_end_is_refused(tmp_path: Path) -> None:
+    def drop_exits(doc: Doc) -> None:
+        doc["transitions"] = [t for t in doc["transitions"] if t["trigger"] != "job-done"]
+
+    refusal(broken_spec(tmp_path, "request", drop_exits), "request", "state 'draining'", "dead end")
+
+
+def test_transition_out_of_a_terminal_state_is_refused(tmp_path: Path) -> None:
+    def revive(doc: Doc) -> None:
+        doc["transitions"].append({"trigger": "revive", "source": "done", "dest": "submitted"})
+
+    refusal(broken_spec(tmp_path, "transfer-job", revive), "transfer-job", "(revive)", "leaves terminal state 'done'")
+
+
+def test_two_destinations_without_a_guard_are_refused(tmp_path: Path) -> None:
+    def unguard(doc: Doc) -> None:
+        for t in doc["transitions"]:
+            if t["trigger"] == "unpin" and t["dest"] == "ready":
+                del t["guards"]
+
+    refusal(broken_spec(tmp_path, "cpu-block", unguard), "cpu-block", "state 'loading' trigger 'unpin'",
+            "not every one has a guard")
+
+
+@pytest.mark.parametrize(
+    ("kind", "mutate", "fragment"),
+    [
+        ("guard", lambda d: d["transitions"][6].update(guards=["has-other-reader"]), "guard 'has-other-reader'"),
+        ("effect", lambda d: d["transitions"][0].update(effects=["claim-hashes"]), "effect 'claim-hashes'"),
+        ("invariant", lambda d: d["invariants"].update({"readers-pinn": "typo."}), "invariant 'readers-pinn'"),
+    ],
+)
+def test_unbound_name_is_refused(tmp_path: Path, kind: str, mutate: Callable[[Doc], None], fragment: str) -> None:
+    refusal(broken_spec(tmp_path, "cpu-block", mutate), "cpu-block", fragment, f"not defined in the {kind} registry")
+
+
+def test_misspelt_field_is_refused(tmp_path: Path) -> None:
+    spec_dir = broken_spec(tmp_path, "transfer-job", lambda d: d["transitions"][0].update(gaurds=["is-store"]))
+    refusal(spec_dir, "transfer-job", "transitions.0.gaurds", "Extra inputs are not permitted")
+
+
+def test_file_named_after_another_lifecycle_is_refused(tmp_path: Path) -> None:
+    spec_dir = broken_spec(tmp_path, "gpu-block", lambda d: d.update(lifecycle="gpu-blocks"))
+    with pytest.raises(SpecError, match=r"gpu-block\.yaml.*'gpu-blocks'.*must be named gpu-blocks\.yaml"):
+        load_spec(spec_dir)
+
+
+def test_invariant_declared_by_two_lifecycles_is_refused(tmp_path: Path) -> None:
+    spec_dir = broken_spec(tmp_path, "gpu-block", lambda d: d["invariants"].update({"fence": "again."}))
+    # gpu-block.yaml loads first, so the later file is the one refused.
+    refusal(spec_dir, "transfer-job", "invariant 'fence'", "already declared by lifecycle 'gpu-block'")
+
+
+def test_empty_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="no \\*.yaml lifecycle file"):
+        load_spec(tmp_path)
