@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Callable, Iterator, Literal, Protocol
+from typing import Any, Callable, Iterable, Iterator, Literal, Protocol
 
 from transitions import Machine, MachineError
 
@@ -101,6 +101,31 @@ class CompiledLifecycle(LifecycleMachine):
                 return branch.dest
         refused = " / ".join("+".join(b.guard_names) for b in branches)
         raise GuardRefused(self.lifecycle.name, source, trigger, f"no guard holds: {refused}")
+
+    def fire_many(self, models: Iterable[Stateful], trigger: str, **context: Any) -> None:
+        """Fire `trigger` on each model in order, with the outcome of calling `fire` on each.
+
+        A batch of blocks (a store's slots, a load's slots) pays per block only the table lookup and its guards
+        and effects, not a call and a keyword-argument dict each. A refusal is re-raised by `fire` itself, so it
+        carries the same exception and message; the models before it have moved, those after it have not.
+        """
+        table = self.table
+        observers = self.observers
+        for model in models:
+            source = model.state
+            for branch in table.get((source, trigger), ()):
+                for guard in branch.guards:
+                    if not guard(model, **context):
+                        break
+                else:
+                    model.state = branch.dest
+                    for effect in branch.effects:
+                        effect(model, **context)
+                    if observers:
+                        self._notify(model, source, trigger)
+                    break
+            else:
+                self.fire(model, trigger, **context)
 
     def allows(self, state: str, trigger: str) -> bool:
         """Whether the spec gives `trigger` any transition from `state` (guards aside)."""
