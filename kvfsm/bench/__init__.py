@@ -1,0 +1,1 @@
+"""Benchmarks of kvfsm components."""

@@ -1,0 +1,32 @@
+"""The host pool's catalogue (`OffloadingManager`) and the eviction policies behind it."""
+
+from kvfsm.manager.catalogue import (
+    BadSlots,
+    DuplicateHashes,
+    Lookup,
+    ManagerError,
+    NotLoadable,
+    OffloadingManager,
+    StorePlan,
+)
+from kvfsm.manager.events import BlockRemoved, BlockStored, KVCacheEvent
+from kvfsm.manager.policies import ArcPolicy, EvictionPolicy, LruPolicy, PolicyName, UnknownPolicy, make_policy
+
+__all__ = [
+    "ArcPolicy",
+    "BadSlots",
+    "BlockRemoved",
+    "BlockStored",
+    "DuplicateHashes",
+    "EvictionPolicy",
+    "KVCacheEvent",
+    "Lookup",
+    "LruPolicy",
+    "ManagerError",
+    "NotLoadable",
+    "OffloadingManager",
+    "PolicyName",
+    "StorePlan",
+    "UnknownPolicy",
+    "make_policy",
+]

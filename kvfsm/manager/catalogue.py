@@ -1,0 +1,222 @@
+"""The scheduler's catalogue of the host pool: which prefix hash lives in which CPU slot, and in what state.
+
+Every state change goes through the spec's `cpu-block` machine; this module decides only which blocks to move
+and keeps its indexes (catalogue, free slots, policy, events) in step with the states the machine produced.
+Each batch call checks all of its slots before firing on any, so bad input raises a named error and moves
+nothing, rather than leaving the indexes half updated.
+
+Prefix order: a block's hash covers its whole prefix, so a later block is useless once an earlier one is gone.
+Stores and hits therefore enter the policy head last: the head of a prefix is the most recent, and a prefix is
+evicted from its tail.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvfsm.machines import CompiledLifecycle, default_machines
+from kvfsm.manager.events import BlockRemoved, BlockStored, KVCacheEvent
+from kvfsm.manager.policies import EvictionPolicy, PolicyName, make_policy
+from kvfsm.records import CpuBlock
+
+READABLE = frozenset({"ready", "loading"})  # catalogued and holding their bytes: counted by the policy
+BUSY = frozenset({"pending-store", "submitted", "loading"})  # a lookup that meets one of these defers
+
+
+class ManagerError(RuntimeError):
+    """A manager call that would break the pool's bookkeeping; nothing was changed."""
+
+
+class NotLoadable(ManagerError):
+    """`prepare_load` named a hash that is not catalogued as ready."""
+
+
+class BadSlots(ManagerError, ValueError):
+    """A batch named a slot outside the pool, named one twice, or named one whose state refuses the trigger."""
+
+
+class DuplicateHashes(ManagerError, ValueError):
+    """One call named the same prefix hash twice; a hash chain never repeats, so the caller is confused."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """`hits`: leading blocks that are ready; `busy`: slots of the leading catalogued run someone is moving."""
+
+    hits: int
+    busy: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """The hashes a store writes (those not yet catalogued, in input order) and the slot each one got."""
+
+    hashes: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+class OffloadingManager:
+    """The host pool's catalogue, addressed by CPU-block hashes; one instance per scheduler."""
+
+    def __init__(self, num_slots: int, policy: PolicyName | EvictionPolicy = "lru") -> None:
+        if num_slots <= 0:
+            raise ValueError(f"the pool needs at least one slot, got {num_slots}")
+        self.blocks: list[CpuBlock] = [CpuBlock(slot) for slot in range(num_slots)]
+        self.catalogue: dict[int, int] = {}
+        self.policy: EvictionPolicy = make_policy(policy, num_slots) if isinstance(policy, str) else policy
+        if self.policy.capacity != num_slots:
+            raise ValueError(f"policy capacity {self.policy.capacity} != pool size {num_slots}")
+        self._machine: CompiledLifecycle = default_machines()["cpu-block"]  # type: ignore[assignment]
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot is handed out first
+        self._events: list[KVCacheEvent] = []
+        self._sources = {
+            trigger: frozenset(state for state, t in self._machine.table if t == trigger)
+            for trigger in self._machine.lifecycle.triggers
+        }
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks)
+
+    # lookups and loads -------------------------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[int]) -> Lookup:
+        blocks, catalogue = self.blocks, self.catalogue
+        hits = 0
+        counting = True
+        busy: list[int] = []
+        for block_hash in hashes:
+            slot = catalogue.get(block_hash)
+            if slot is None:
+                break
+            state = blocks[slot].state
+            if counting and state == "ready":
+                hits += 1
+                continue
+            counting = False
+            if state in BUSY:
+                busy.append(slot)
+        return Lookup(hits, tuple(busy))
+
+    def prepare_load(self, hashes: Sequence[int]) -> tuple[int, ...]:
+        """Pin the ready blocks of `hashes` for one load; the caller releases them with `complete_load`."""
+        self._require_distinct(hashes)
+        blocks, catalogue = self.blocks, self.catalogue
+        slots = tuple(catalogue.get(h, -1) for h in hashes)
+        for block_hash, slot in zip(hashes, slots):
+            if slot < 0 or blocks[slot].state != "ready":
+                state = "not catalogued" if slot < 0 else blocks[slot].state
+                raise NotLoadable(f"hash {block_hash:#x} cannot be loaded: {state}")
+        self._machine.fire_many([blocks[s] for s in slots], "pin")
+        return slots
+
+    def complete_load(self, slots: Sequence[int]) -> None:
+        picked = self._picked(slots, "unpin")
+        self._machine.fire_many(picked, "unpin")
+        self._free.extend(b.slot for b in picked if b.state == "free")
+
+    def touch(self, hashes: Sequence[int]) -> None:
+        """A hit on `hashes`: refresh their readable blocks in the policy, head of the prefix last."""
+        blocks, catalogue, touch = self.blocks, self.catalogue, self.policy.touch
+        for block_hash in reversed(hashes):
+            slot = catalogue.get(block_hash)
+            if slot is not None and blocks[slot].state in READABLE:
+                touch(slot)
+
+    # stores ------------------------------------------------------------------------------------------------
+
+    def prepare_store(self, hashes: Sequence[int], job_id: int) -> StorePlan | None:
+        """Claim a slot for each uncatalogued hash, evicting if needed; None (and no change) when they don't fit."""
+        self._require_distinct(hashes)
+        catalogue = self.catalogue
+        new = [h for h in hashes if h not in catalogue]
+        shortfall = len(new) - len(self._free)
+        if shortfall > 0 and not self._make_room(shortfall, {catalogue[h] for h in hashes if h in catalogue}):
+            return None
+        free, blocks, fire = self._free, self.blocks, self._machine.fire
+        slots = tuple(free.pop() for _ in new)
+        for block_hash, slot in zip(new, slots):
+            fire(blocks[slot], "allocate", block_hash=block_hash, job_id=job_id)
+            catalogue[block_hash] = slot
+        return StorePlan(tuple(new), slots)
+
+    def _make_room(self, n: int, protected: set[int]) -> bool:
+        """Evict `n` unpinned ready blocks outside `protected`, or evict nothing and say so."""
+        blocks = self.blocks
+        victims = self.policy.victims(n, lambda s: s not in protected and blocks[s].state == "ready")
+        if victims is None:
+            return False
+        picked = [blocks[s] for s in victims]
+        hashes = tuple(b.block_hash for b in picked)  # read before `evict` forgets them
+        self._machine.fire_many(picked, "evict")
+        for slot, block_hash in zip(victims, hashes):
+            self.policy.remove(slot)
+            del self.catalogue[block_hash]
+        self._free.extend(victims)
+        self._events.append(BlockRemoved(hashes))  # type: ignore[arg-type]
+        return True
+
+    def mark_submitted(self, slots: Sequence[int]) -> None:
+        self._machine.fire_many(self._picked(slots, "submit"), "submit")
+
+    def complete_store(self, slots: Sequence[int], success: bool) -> None:
+        """End a store: its blocks become ready, or free and forgotten; orphaned slots go free either way."""
+        trigger = "store-done" if success else "store-failed"
+        picked = self._picked(slots, trigger)
+        hashes = [b.block_hash for b in picked]  # read before `store-failed` forgets them
+        self._machine.fire_many(picked, trigger)
+        stored = [(b.slot, h) for b, h in zip(picked, hashes) if b.state == "ready"]
+        for slot, block_hash in reversed(stored):
+            self.policy.insert(slot, block_hash)  # type: ignore[arg-type]
+        for block, block_hash in zip(picked, hashes):
+            if block.state == "free":
+                self._free.append(block.slot)
+                if block_hash is not None:
+                    del self.catalogue[block_hash]
+        if stored:
+            self._events.append(BlockStored(tuple(h for _, h in stored)))  # type: ignore[misc]
+
+    # whole pool --------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Drop the catalogue: readable-now blocks are announced removed, in-flight ones become orphaned."""
+        announced = tuple(h for h, s in self.catalogue.items() if self.blocks[s].state in READABLE)
+        held = [b for b in self.blocks if b.state != "free"]
+        self._machine.fire_many(held, "reset")
+        self._free.extend(b.slot for b in held if b.state == "free")
+        self.catalogue.clear()
+        self.policy.clear()
+        if announced:
+            self._events.append(BlockRemoved(announced))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def usage(self) -> dict[str, int]:
+        """Slots per state, every state of the spec listed."""
+        counts = Counter(b.state for b in self.blocks)
+        return {state: counts[state] for state in self._machine.lifecycle.states}
+
+    # input checks ------------------------------------------------------------------------------------------
+
+    def _picked(self, slots: Sequence[int], trigger: str) -> list[CpuBlock]:
+        """The blocks of `slots`, once every one of them is a distinct pool slot from which `trigger` is legal."""
+        blocks = self.blocks
+        if len(set(slots)) != len(slots):
+            raise BadSlots(f"{trigger}: a slot is named twice in {list(slots)}")
+        if slots and (min(slots) < 0 or max(slots) >= len(blocks)):
+            raise BadSlots(f"{trigger}: a slot of {list(slots)} is outside the pool of {len(blocks)}")
+        picked = [blocks[s] for s in slots]
+        legal = self._sources[trigger]
+        refused = [(b.slot, b.state) for b in picked if b.state not in legal]
+        if refused:
+            raise BadSlots(f"{trigger} is illegal for (slot, state) {refused}")
+        return picked
+
+    @staticmethod
+    def _require_distinct(hashes: Sequence[int]) -> None:
+        if len(set(hashes)) != len(hashes):
+            raise DuplicateHashes(f"a hash is named twice in one call: {list(hashes)}")
