@@ -29,7 +29,7 @@ from kvfsm.spec import DEFAULT_SPEC_DIR, Lifecycle, Spec, SpecError, load_spec
 DOCS_DIR = DEFAULT_SPEC_DIR.parent / "docs"
 DOCS_COMMAND = "python -m kvfsm.render --docs"
 INSTALL_GRAPHVIZ = (
-    "Graphviz's `dot` program is not installed, so no pictures were drawn (mermaid files were still written). "
+    "Graphviz's `dot` program is not installed, so no pictures were drawn (the mermaid text was still written). "
     "Install it with `apt-get install graphviz` (Debian/Ubuntu) or `brew install graphviz` (macOS), then rerun."
 )
 
@@ -185,7 +185,7 @@ class _SpecGraphMachine(GraphMachine):
 def digraph(lifecycle: Lifecycle) -> graphviz.Digraph:
     """The lifecycle as a Graphviz digraph: start arrow into the initial state, terminal states double-bordered.
 
-    Each state carries its meaning as a tooltip, and a legend under the title lists every meaning, so a reader of
+    Each state carries its meaning as a tooltip, and a legend above the picture lists every meaning, so a reader of
     a PNG (which has no tooltips) still learns what the states are.
     """
     name = lifecycle.name
@@ -212,7 +212,8 @@ def _legend(lifecycle: Lifecycle) -> str:
         f'<td align="left"><font point-size="12">{html.escape(meaning)}</font></td></tr>'
         for state, meaning in lifecycle.states.items()
     )
-    marks = "blue: initial state" + (" · green, double border: terminal" if lifecycle.terminal else " · no terminal state")
+    terminal = "green, double border: terminal" if lifecycle.terminal else "no terminal state"
+    marks = f"blue: initial state · yellow diamond: choice by guards · {terminal}"
     return (
         f'<<table border="0" cellspacing="0" cellpadding="3">'
         f'<tr><td colspan="2" align="left"><font point-size="20"><b>{html.escape(lifecycle.name)}</b></font></td></tr>'
@@ -337,7 +338,7 @@ def main(
     spec_dir: Path = typer.Option(DEFAULT_SPEC_DIR, "--spec", help="Spec folder to load (and so validate)."),
     out: Path | None = typer.Option(None, "--out", help="Folder for one diagram per lifecycle."),
     fmt: Format = typer.Option(Format.svg, "--format", help="Picture format; mermaid text is written in every case."),
-    docs: bool = typer.Option(False, "--docs", help=f"Regenerate {DOCS_DIR}/spec.md and its SVG diagrams."),
+    docs: bool = typer.Option(False, "--docs", help="Regenerate docs/spec.md and docs/diagrams/*.svg."),
 ) -> None:
     """Draw one diagram per lifecycle of the spec, and/or regenerate the docs."""
     if out is None and not docs:
