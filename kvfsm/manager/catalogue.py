@@ -183,7 +183,8 @@ class OffloadingManager:
     def reset(self) -> None:
         """Drop the catalogue: readable-now blocks are announced removed, in-flight ones become orphaned."""
         announced = tuple(h for h, s in self.catalogue.items() if self.blocks[s].state in READABLE)
-        held = [b for b in self.blocks if b.state != "free"]
+        resettable = self._sources["reset"]  # every catalogued state; orphaned blocks already left the catalogue
+        held = [b for b in self.blocks if b.state in resettable]
         self._machine.fire_many(held, "reset")
         self._free.extend(b.slot for b in held if b.state == "free")
         self.catalogue.clear()
