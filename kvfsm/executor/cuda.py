@@ -1,0 +1,81 @@
+"""The `Device` protocol on a real GPU: torch streams and events, and a pinned host pool that is exactly its size.
+
+The compute stream is whatever stream the engine computes on (torch's current stream when the device is built);
+the store and load streams are private, so offload traffic is ordered against compute only through the waits the
+connector asks for. Host memory is one plain allocation registered with `cudaHostRegister` rather than torch's
+pinned caching allocator, which rounds each request up to a power of two (a 40 GiB pool would pin 64 GiB).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from kvfsm.executor.device import StreamName, Touch
+from kvfsm.invariants import Access, Actor
+
+
+class HostRegisterError(RuntimeError):
+    """The CUDA runtime refused to register (or unregister) a host buffer."""
+
+
+class CudaDevice:
+    """Three CUDA streams and torch events; `enqueue` issues work at once, on the named stream."""
+
+    kind = "cuda"
+    accesses: tuple[Access, ...] = ()  # the GPU keeps no access log; the ordering invariants run on SimDevice
+
+    def __init__(self, index: int | None = None) -> None:
+        self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self.streams: dict[StreamName, torch.cuda.Stream] = {
+            "compute": torch.cuda.current_stream(self._device),
+            "store": torch.cuda.Stream(self._device),
+            "load": torch.cuda.Stream(self._device),
+        }
+        self._registered: dict[int, int] = {}
+
+    def tensor_device(self) -> torch.device:
+        return self._device
+
+    def new_event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def record(self, stream: StreamName, event: torch.cuda.Event) -> None:
+        event.record(self.streams[stream])
+
+    def wait(self, stream: StreamName, event: torch.cuda.Event) -> None:
+        self.streams[stream].wait_event(event)
+
+    def query(self, event: torch.cuda.Event) -> bool:
+        return event.query()
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def enqueue(self, stream: StreamName, actor: Actor, label: str, fn: Callable[[], None],
+                touches: Iterable[Touch] = ()) -> None:
+        with torch.cuda.stream(self.streams[stream]):
+            fn()
+
+    def pin_host(self, nbytes: int) -> torch.Tensor:
+        if nbytes <= 0:
+            raise ValueError(f"a host allocation needs a positive size, got {nbytes}")
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        if code != 0:
+            raise HostRegisterError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {code}")
+        self._registered[buffer.data_ptr()] = nbytes
+        return buffer
+
+    def unpin_host(self, buffer: torch.Tensor) -> None:
+        if self._registered.pop(buffer.data_ptr(), None) is None:
+            raise HostRegisterError("this buffer was not registered by pin_host, or was already released")
+        code = int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+        if code != 0:
+            raise HostRegisterError(f"cudaHostUnregister failed with cudaError {code}")
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes currently registered through `pin_host`: what a leak check looks at."""
+        return sum(self._registered.values())

@@ -1,0 +1,165 @@
+"""Ways to move GPU blocks to and from host byte ranges, all driven by the same placement.
+
+A placement says, for each GPU block of a job, the byte offset of its copy in the host pool. Every mechanism
+moves exactly those bytes; they differ only in how many copies they issue and where the gathering happens:
+
+- "copy-per-block": one `copy_` per contiguous piece; a run of consecutive blocks is one copy only where a block
+  is one piece (a single block-contiguous tensor), otherwise one per block, tensor and K/V piece. The baseline.
+- "cross-layer": the same plan, refused unless every tensor holds each block contiguously, where it issues one
+  copy per run of blocks (per tensor).
+- "staged-gather": gather a chunk of scattered blocks on the device into a staging slot (one kernel pair per
+  tensor), then one DMA per contiguous host run; two slots pipelined so gathering overlaps the DMA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Literal, Protocol, Sequence
+
+import torch
+
+from kvfsm.executor.lanes import SLOTS, Lanes, Step, lanes_for
+from kvfsm.executor.layouts import KVCaches, Plane
+
+Direction = Literal["store", "load"]
+MECHANISMS = ("copy-per-block", "cross-layer", "staged-gather")
+DEFAULT_STAGING_BYTES = 64 << 20
+
+
+class MechanismError(ValueError):
+    """A mechanism that does not exist, or cannot move this layout."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """GPU block `gpu_blocks[i]` is copied at byte `host_offsets[i]` of the host buffer."""
+
+    gpu_blocks: tuple[int, ...]
+    host_offsets: tuple[int, ...]
+
+
+def runs(starts: Sequence[int], offsets: Sequence[int], stride: int) -> Iterator[tuple[int, int, int, int]]:
+    """Maximal runs (first index, start, offset, length) where both sequences advance together (start by 1,
+    offset by `stride`), so each run is contiguous on both sides of a copy."""
+    i = 0
+    while i < len(starts):
+        n = 1
+        while (i + n < len(starts) and starts[i + n] == starts[i] + n
+               and offsets[i + n] == offsets[i] + n * stride):
+            n += 1
+        yield i, starts[i], offsets[i], n
+        i += n
+
+
+def _move(direction: Direction, gpu: torch.Tensor, host: torch.Tensor) -> None:
+    if direction == "store":
+        host.copy_(gpu, non_blocking=True)
+    else:
+        gpu.copy_(host, non_blocking=True)
+
+
+def device_index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`ids` as an int64 tensor on `device`, copied without blocking the host (pageable copies would)."""
+    index = torch.tensor(ids, dtype=torch.int64)
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index
+
+
+class Mechanism(Protocol):
+    def run(self, direction: Direction, placement: Placement, host: torch.Tensor) -> None:
+        """Issue the copies of one job on the current stream."""
+
+
+class DirectCopy:
+    """One copy per piece that is contiguous on both sides, coalescing runs of blocks where a block is one piece."""
+
+    def __init__(self, caches: KVCaches, require_block_contiguous: bool = False) -> None:
+        if require_block_contiguous and not caches.block_contiguous:
+            raise MechanismError(
+                f"'cross-layer' needs each block contiguous in every tensor; layouts are {dict(caches.layouts)}")
+        self._caches = caches
+
+    def _pieces(self, plane: Plane, gpu_start: int, host_start: int, n: int) -> Iterator[tuple[torch.Tensor, int]]:
+        block_bytes = self._caches.gpu_block_bytes
+        if plane.pieces == 1 and plane.block_bytes == block_bytes:
+            yield plane.rows[0, gpu_start:gpu_start + n].reshape(-1), host_start
+            return
+        for i in range(n):
+            for p in range(plane.pieces):
+                yield plane.rows[p, gpu_start + i], host_start + i * block_bytes + plane.offset + p * plane.piece_bytes
+
+    def run(self, direction: Direction, placement: Placement, host: torch.Tensor) -> None:
+        stride = self._caches.gpu_block_bytes
+        for _, gpu_start, host_start, n in runs(placement.gpu_blocks, placement.host_offsets, stride):
+            for plane in self._caches.planes:
+                for gpu, offset in self._pieces(plane, gpu_start, host_start, n):
+                    _move(direction, gpu, host[offset:offset + gpu.numel()])
+
+
+class StagedGather:
+    """Gather/scatter chunks of blocks through two device staging slots; one DMA per contiguous host run."""
+
+    def __init__(self, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self._caches = caches
+        self._chunk = max(1, min(staging_bytes // caches.gpu_block_bytes, caches.num_blocks))
+        size = self._chunk * caches.gpu_block_bytes
+        self._staging = {
+            d: [torch.empty(size, dtype=torch.uint8, device=caches.device) for _ in range(SLOTS)]
+            for d in ("store", "load")
+        }
+        self._lanes: dict[Direction, Lanes] = {d: lanes_for(caches.device) for d in ("store", "load")}
+
+    def _staged(self, plane: Plane, slot: torch.Tensor, n: int) -> torch.Tensor:
+        """Where `plane`'s pieces of n staged blocks sit in a staging slot, shaped like `plane.rows[:, :n]`."""
+        block_bytes = self._caches.gpu_block_bytes
+        rows = slot[:n * block_bytes].view(n, block_bytes)[:, plane.offset:plane.offset + plane.block_bytes]
+        return rows.view(n, plane.pieces, plane.piece_bytes).transpose(0, 1)
+
+    def _dma(self, direction: Direction, slot: torch.Tensor, offsets: Sequence[int], host: torch.Tensor) -> None:
+        block_bytes = self._caches.gpu_block_bytes
+        for first, _, host_start, n in runs(range(len(offsets)), offsets, block_bytes):
+            _move(direction, slot[first * block_bytes:(first + n) * block_bytes],
+                  host[host_start:host_start + n * block_bytes])
+
+    def _gather(self, blocks: Sequence[int], slot: torch.Tensor) -> None:
+        index = device_index(blocks, self._caches.device)
+        for plane in self._caches.planes:
+            self._staged(plane, slot, len(blocks)).copy_(plane.rows.index_select(1, index))
+
+    def _scatter(self, blocks: Sequence[int], slot: torch.Tensor) -> None:
+        index = device_index(blocks, self._caches.device)
+        for plane in self._caches.planes:
+            plane.rows.index_copy_(1, index, self._staged(plane, slot, len(blocks)))
+
+    def _step(self, direction: Direction, blocks: Sequence[int], offsets: Sequence[int], host: torch.Tensor) -> Step:
+        slots = self._staging[direction]
+        if direction == "store":
+            return (lambda s: self._gather(blocks, slots[s]),
+                    lambda s: self._dma("store", slots[s], offsets, host))
+        return (lambda s: self._dma("load", slots[s], offsets, host),
+                lambda s: self._scatter(blocks, slots[s]))
+
+    def run(self, direction: Direction, placement: Placement, host: torch.Tensor) -> None:
+        c = self._chunk
+        steps = [
+            self._step(direction, placement.gpu_blocks[i:i + c], placement.host_offsets[i:i + c], host)
+            for i in range(0, len(placement.gpu_blocks), c)
+        ]
+        self._lanes[direction].run(steps)
+
+
+def resolve(name: str, caches: KVCaches) -> str:
+    """The mechanism `name` stands for: "auto" picks the fastest measured one for the layout."""
+    if name == "auto":
+        return "staged-gather"
+    if name not in MECHANISMS:
+        raise MechanismError(f"unknown transfer mechanism {name!r}; choose one of {MECHANISMS} or 'auto'")
+    return name
+
+
+def build(name: str, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTES) -> Mechanism:
+    """The mechanism `name` (already resolved) for `caches`."""
+    if name == "staged-gather":
+        return StagedGather(caches, staging_bytes)
+    return DirectCopy(caches, require_block_contiguous=(name == "cross-layer"))

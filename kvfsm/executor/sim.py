@@ -1,0 +1,175 @@
+"""A deterministic virtual GPU whose schedule the caller picks.
+
+Real streams run concurrently and the order in which their operations interleave is up to the hardware. The
+simulator keeps each stream as a FIFO of operations over CPU tensors and lets the caller (or `scheduler`) choose
+which runnable stream advances next, so every interleaving a GPU could produce is reachable on demand and none that
+it could not: an operation runs only at the head of its stream and only once every event it waits on is done. A
+missing `wait` is therefore a race that some schedule exposes, and the access log lets the spec's ordering
+invariants say which rule it broke.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from kvfsm.executor.device import STREAMS, StreamName, Touch
+from kvfsm.invariants import Access, Actor
+
+Scheduler = Callable[[list[StreamName]], StreamName]
+
+
+class SimDeadlock(RuntimeError):
+    """The host waits for an event that no schedule can ever reach."""
+
+
+class SimScheduleError(ValueError):
+    """A stream was asked to advance although its head operation cannot run."""
+
+
+class UnknownHostBuffer(ValueError):
+    """`unpin_host` was given a buffer this device did not allocate (or already released)."""
+
+
+def first_runnable(runnable: list[StreamName]) -> StreamName:
+    """The default schedule: always advance the first runnable stream in the order compute, store, load."""
+    return runnable[0]
+
+
+@dataclass(eq=False)
+class _Op:
+    """One enqueued operation; markers (event records) and waits are operations with no work of their own."""
+
+    issued: int
+    actor: Actor
+    label: str
+    fn: Callable[[], None] | None = None
+    touches: tuple[Touch, ...] = ()
+    after: _Op | None = None  # the event record this operation waits for
+    done: bool = False
+
+
+@dataclass(eq=False)
+class SimEvent:
+    """An event: `latest` is the marker of its most recent record (CUDA binds waits and queries to it)."""
+
+    latest: _Op | None = field(default=None)
+
+
+class SimDevice:
+    """The `Device` protocol on the CPU, with a caller-chosen schedule and a log of every executed access."""
+
+    kind = "sim"
+
+    def __init__(self, scheduler: Scheduler = first_runnable) -> None:
+        self.scheduler: Scheduler = scheduler
+        self.accesses: list[Access] = []
+        self._queues: dict[StreamName, deque[_Op]] = {s: deque() for s in STREAMS}
+        self._running: set[StreamName] = set()
+        self._issued = 0
+        self._executed = 0
+        self._host_buffers: dict[int, torch.Tensor] = {}
+
+    def tensor_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    # -- enqueueing ---------------------------------------------------------------------------------------------
+
+    def _push(self, stream: StreamName, op_factory: Callable[[int], _Op]) -> _Op:
+        self._issued += 1
+        op = op_factory(self._issued)
+        self._queues[stream].append(op)
+        return op
+
+    def new_event(self) -> SimEvent:
+        return SimEvent()
+
+    def record(self, stream: StreamName, event: SimEvent) -> None:
+        event.latest = self._push(stream, lambda n: _Op(n, stream, f"record on {stream}"))
+
+    def wait(self, stream: StreamName, event: SimEvent) -> None:
+        marker = event.latest
+        if marker is None:  # CUDA: waiting on an event that was never recorded is a no-op
+            return
+        self._push(stream, lambda n: _Op(n, stream, f"wait on {stream}", after=marker))
+
+    def enqueue(self, stream: StreamName, actor: Actor, label: str, fn: Callable[[], None],
+                touches: Iterable[Touch] = ()) -> None:
+        touched = tuple(touches)
+        self._push(stream, lambda n: _Op(n, actor, label, fn=fn, touches=touched))
+
+    # -- running ------------------------------------------------------------------------------------------------
+
+    def runnable(self) -> list[StreamName]:
+        """Streams whose head operation may run now, in the order compute, store, load."""
+        return [
+            s for s in STREAMS
+            if self._queues[s] and s not in self._running
+            and (self._queues[s][0].after is None or self._queues[s][0].after.done)
+        ]
+
+    def run_one(self, stream: StreamName) -> None:
+        """Run the head operation of `stream`; while it runs its stream is busy (host blocking inside it sees that)."""
+        if stream not in self.runnable():
+            raise SimScheduleError(f"stream {stream!r} has no runnable operation (runnable: {self.runnable()})")
+        op = self._queues[stream][0]
+        self._running.add(stream)
+        try:
+            if op.fn is not None:
+                op.fn()
+        finally:
+            self._running.discard(stream)
+            self._queues[stream].popleft()
+            self._executed += 1
+            op.done = True
+        self.accesses.extend(
+            Access(op.issued, self._executed, op.actor, touch.mode, touch.space, block, op.label)
+            for touch in op.touches
+            for block in touch.blocks
+        )
+
+    def _step(self, choose: Scheduler, what: str) -> None:
+        options = self.runnable()
+        if not options:
+            raise SimDeadlock(f"{what}, but no stream can make progress")
+        self.run_one(choose(options))
+
+    def run_until_idle(self, choose: Scheduler | None = None) -> None:
+        """Drive every stream to empty, picking each step with `choose` (default: `self.scheduler`)."""
+        chooser = choose or self.scheduler
+        while not self.idle:
+            self._step(chooser, "operations remain queued")
+
+    @property
+    def idle(self) -> bool:
+        return not any(self._queues.values())
+
+    def query(self, event: SimEvent) -> bool:
+        return event.latest is None or event.latest.done
+
+    def synchronize(self, event: SimEvent) -> None:
+        """Block the host: advance streams chosen by `self.scheduler` until the event's latest record ran."""
+        marker = event.latest
+        while marker is not None and not marker.done:
+            self._step(self.scheduler, f"the host waits for {marker.label} (issued #{marker.issued})")
+
+    # -- host memory --------------------------------------------------------------------------------------------
+
+    def pin_host(self, nbytes: int) -> torch.Tensor:
+        if nbytes <= 0:
+            raise ValueError(f"a host allocation needs a positive size, got {nbytes}")
+        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        self._host_buffers[buffer.data_ptr()] = buffer
+        return buffer
+
+    def unpin_host(self, buffer: torch.Tensor) -> None:
+        if self._host_buffers.pop(buffer.data_ptr(), None) is None:
+            raise UnknownHostBuffer("this buffer was not allocated by pin_host, or was already released")
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes currently held through `pin_host`: what a leak check looks at."""
+        return sum(b.numel() for b in self._host_buffers.values())

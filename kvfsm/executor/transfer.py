@@ -1,0 +1,123 @@
+"""Stores and loads of KV blocks between registered caches and the host pool, as device operations.
+
+`Transfers` is the one place a job's block ids and slots are checked and turned into a placement; a bad job
+raises before anything is enqueued, so a wrong id can never become a silent wrong copy. Every operation declares
+the blocks it reads and writes, which is what the simulator's access log (and so the spec's ordering invariants)
+is built from. A CPU slot holds `block_size_factor` consecutive GPU blocks, block-major.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Sequence
+
+import torch
+
+from kvfsm.executor.device import Device, StreamName, Touch
+from kvfsm.executor.layouts import KVCaches
+from kvfsm.executor.mechanisms import DEFAULT_STAGING_BYTES, Placement, build, device_index, resolve
+from kvfsm.executor.pool import HostPool
+
+POISON_BYTE = 0xA5
+
+
+class TransferError(ValueError):
+    """A job whose shape does not match the caches, the pool or the block size factor."""
+
+
+class IdOutOfRange(TransferError, IndexError):
+    """A GPU block id or CPU slot outside the registered caches or the pool."""
+
+
+def _ids(values: Sequence[int], limit: int, what: str) -> tuple[int, ...]:
+    ids = tuple(operator.index(v) for v in values)
+    bad = [v for v in ids if not 0 <= v < limit]
+    if bad:
+        raise IdOutOfRange(f"{what} {bad} out of range [0, {limit})")
+    return ids
+
+
+def _distinct(ids: tuple[int, ...], what: str) -> None:
+    if len(set(ids)) != len(ids):
+        raise TransferError(f"{what} {list(ids)} name the same one twice: one of the two writes would be lost")
+
+
+class Transfers:
+    """Enqueues stores on the "store" stream and loads on the "load" stream of `device`."""
+
+    def __init__(self, device: Device, caches: KVCaches, pool: HostPool, block_size_factor: int,
+                 mechanism: str = "auto", staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        if block_size_factor < 1:
+            raise TransferError(f"block_size_factor must be at least 1, got {block_size_factor}")
+        if pool.slot_bytes != block_size_factor * caches.gpu_block_bytes:
+            raise TransferError(
+                f"a pool slot is {pool.slot_bytes} bytes, but {block_size_factor} GPU blocks are "
+                f"{block_size_factor * caches.gpu_block_bytes}")
+        if caches.device.type != device.tensor_device().type:
+            raise TransferError(f"the caches are on {caches.device}, but the device runs on {device.tensor_device()}")
+        self._device = device
+        self._caches = caches
+        self._pool = pool
+        self.block_size_factor = block_size_factor
+        self.mechanism = resolve(mechanism, caches)
+        self._mechanism = build(self.mechanism, caches, staging_bytes)
+
+    def _host_offset(self, slot: int, sub_block: int) -> int:
+        return slot * self._pool.slot_bytes + sub_block * self._caches.gpu_block_bytes
+
+    def store(self, gpu_blocks: Sequence[int], cpu_slots: Sequence[int], label: str = "store") -> None:
+        """Copy k consecutive GPU blocks into each CPU slot, filling every slot."""
+        k = self.block_size_factor
+        blocks = _ids(gpu_blocks, self._caches.num_blocks, "GPU blocks")
+        slots = _ids(cpu_slots, self._pool.num_slots, "CPU slots")
+        if len(blocks) != k * len(slots):
+            raise TransferError(f"a store of {len(slots)} CPU slots needs {k * len(slots)} GPU blocks, got {len(blocks)}")
+        _distinct(slots, "CPU slots")
+        placement = Placement(blocks, tuple(self._host_offset(slots[i // k], i % k) for i in range(len(blocks))))
+        self._device.enqueue(
+            "store", "store", label, lambda: self._mechanism.run("store", placement, self._pool.buffer),
+            (Touch("read", "gpu", blocks), Touch("write", "cpu", slots)))
+
+    def load(self, cpu_slots: Sequence[int], gpu_blocks: Sequence[int], gpu_offset: int = 0,
+             label: str = "load") -> None:
+        """Copy CPU sub-blocks, starting at sub-block `gpu_offset` of the first slot, into consecutive GPU blocks;
+        the last slot may be used only in part, every other slot from the offset on."""
+        k = self.block_size_factor
+        slots = _ids(cpu_slots, self._pool.num_slots, "CPU slots")
+        blocks = _ids(gpu_blocks, self._caches.num_blocks, "GPU blocks")
+        if not 0 <= gpu_offset < k:
+            raise TransferError(f"gpu_offset must be in [0, {k}), got {gpu_offset}")
+        most = k * len(slots) - gpu_offset if slots else 0
+        fewest = most - k + 1 if slots else 0
+        if not fewest <= len(blocks) <= most:
+            raise TransferError(
+                f"a load of {len(slots)} CPU slots from sub-block {gpu_offset} fills {fewest} to {most} GPU blocks, "
+                f"got {len(blocks)}")
+        _distinct(blocks, "GPU blocks")
+        placement = Placement(
+            blocks, tuple(self._host_offset(slots[(i + gpu_offset) // k], (i + gpu_offset) % k) for i in range(len(blocks))))
+        self._device.enqueue(
+            "load", "load", label, lambda: self._mechanism.run("load", placement, self._pool.buffer),
+            (Touch("read", "cpu", slots), Touch("write", "gpu", blocks)))
+
+    def poison_gpu(self, gpu_blocks: Sequence[int], stream: StreamName, label: str = "poison GPU blocks") -> None:
+        """Fill every byte of these GPU blocks with `POISON_BYTE`, so a copy that never landed shows."""
+        blocks = _ids(gpu_blocks, self._caches.num_blocks, "GPU blocks")
+
+        def fill() -> None:
+            index = device_index(blocks, self._caches.device)
+            for plane in self._caches.planes:
+                plane.rows.index_fill_(1, index, POISON_BYTE)
+
+        self._device.enqueue(stream, stream, label, fill, (Touch("write", "gpu", blocks),))
+
+    def poison_cpu(self, cpu_slots: Sequence[int], stream: StreamName, label: str = "poison CPU slots") -> None:
+        """Fill every byte of these CPU slots with `POISON_BYTE`, by a copy on `stream` so it keeps stream order."""
+        slots = _ids(cpu_slots, self._pool.num_slots, "CPU slots")
+
+        def fill() -> None:
+            poison = torch.full((self._pool.slot_bytes,), POISON_BYTE, dtype=torch.uint8, device=self._caches.device)
+            for slot in slots:
+                self._pool.slot(slot).copy_(poison, non_blocking=True)
+
+        self._device.enqueue(stream, stream, label, fill, (Touch("write", "cpu", slots),))
