@@ -1,0 +1,54 @@
+"""What a user sets, validated at start-up: a bad key or value is a clear error before any memory is pinned."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
+
+Mechanism = Literal["auto", "copy-per-block", "staged-gather", "cross-layer"]
+
+
+class OffloadConfig(BaseModel):
+    """kvfsm's configuration; also what vLLM's `kv_connector_extra_config` is validated against."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu_blocks: PositiveInt | None = None
+    """Size of the pinned host pool in CPU blocks; give this or `cpu_bytes`."""
+    cpu_bytes: PositiveInt | None = None
+    """Size of the pinned host pool in bytes (rounded down to whole CPU blocks); give this or `cpu_blocks`."""
+    block_size_factor: PositiveInt = 1
+    """A CPU block holds this many consecutive GPU blocks (bigger copies, coarser hits)."""
+    gpu_block_size: PositiveInt = 16
+    """Tokens per GPU block, as the engine pages its KV cache."""
+    eviction: Literal["lru", "arc"] = "lru"
+    mechanism: Mechanism = "auto"
+    num_workers: PositiveInt = 1
+    """A job completes when this many workers (tensor-parallel ranks) reported it."""
+    poison: bool = False
+    """Fill freed CPU slots with a poison pattern so a stale read shows (tests turn it on)."""
+    checksum: bool = False
+    """Checksum every CPU block on store and verify it on load, failing the load loudly on a mismatch."""
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> "OffloadConfig":
+        if (self.cpu_blocks is None) == (self.cpu_bytes is None):
+            raise ValueError("give exactly one of cpu_blocks and cpu_bytes")
+        return self
+
+    @property
+    def cpu_block_tokens(self) -> int:
+        return self.gpu_block_size * self.block_size_factor
+
+    def num_cpu_blocks(self, gpu_block_bytes: int) -> int:
+        """Pool size in CPU blocks, given the bytes one GPU block occupies across all layers."""
+        if self.cpu_blocks is not None:
+            return self.cpu_blocks
+        assert self.cpu_bytes is not None
+        blocks = self.cpu_bytes // (gpu_block_bytes * self.block_size_factor)
+        if blocks == 0:
+            raise ValueError(
+                f"cpu_bytes={self.cpu_bytes} holds no CPU block of {gpu_block_bytes * self.block_size_factor} bytes"
+            )
+        return blocks

@@ -1,0 +1,58 @@
+"""`kvfsm.Connector`: the scheduler half and the worker half of the connector, for a single-process engine.
+
+Multi-process engines use `SchedulerConnector` in the scheduler process and one `WorkerConnector` per GPU worker;
+the metadata between them is pydantic (`kvfsm.connector.metadata`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfsm.config import OffloadConfig
+from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
+from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult
+from kvfsm.connector.worker import NotRegistered, WorkerConnector
+from kvfsm.executor.device import Device
+from kvfsm.executor.layouts import KVCaches
+
+__all__ = ["Connector", "SchedulerConnector", "WorkerConnector", "StepResult"]
+
+
+class Connector:
+    """Both halves in one object; the scheduler half exists once the KV caches are registered (it needs their size)."""
+
+    def __init__(self, config: OffloadConfig, device: Device, keep_history: bool = False) -> None:
+        self.config = config
+        self.worker = WorkerConnector(config, device)
+        self.keep_history = keep_history
+        self._scheduler: SchedulerConnector | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout: str,
+                           groups: dict[str, list[str]] | None = None) -> KVCaches:
+        caches = self.worker.register_kv_caches(kv_caches, layout, groups)
+        self._scheduler = SchedulerConnector(self.config, caches.gpu_block_bytes, keep_history=self.keep_history)
+        return caches
+
+    @property
+    def scheduler(self) -> SchedulerConnector:
+        if self._scheduler is None:
+            raise NotRegistered("register_kv_caches must run before the scheduler half is used")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool] | None:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
+        return self.scheduler.build_connector_meta(output)
+
+    def update_connector_output(self, output: ConnectorOutput) -> StepResult:
+        return self.scheduler.update_connector_output(output)
+
+    def request_finished(self, request_id: str, aborted: bool = False) -> bool:
+        return self.scheduler.request_finished(request_id, aborted)
+
+    def reset_cache(self) -> None:
+        self.scheduler.reset_cache()

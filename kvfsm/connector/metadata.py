@@ -1,0 +1,67 @@
+"""What crosses the scheduler/worker boundary each step: pydantic models, so they serialize across processes."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StoreOrder(_Message):
+    """Copy `gpu_blocks` into `cpu_slots` (k GPU blocks per slot), behind the compute of the step that ordered it."""
+
+    job_id: int
+    req_id: str
+    gpu_blocks: tuple[int, ...]
+    cpu_slots: tuple[int, ...]
+
+
+class LoadOrder(_Message):
+    """Copy `cpu_slots` into `gpu_blocks`, starting at sub-block `gpu_offset` of the first slot."""
+
+    job_id: int
+    req_id: str
+    gpu_blocks: tuple[int, ...]
+    cpu_slots: tuple[int, ...]
+    gpu_offset: int = 0
+
+
+class ConnectorMetadata(_Message):
+    """One engine step's orders for every worker."""
+
+    step: int
+    loads: tuple[LoadOrder, ...] = ()
+    stores: tuple[StoreOrder, ...] = ()
+    flush: tuple[int, ...] = ()
+    """Store jobs to submit now (if still pending) and wait for before the engine reuses any GPU block."""
+
+
+class ScheduledRequest(_Message):
+    """A request the engine computes this step, with all its GPU blocks and its computed tokens after the step."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(_Message):
+    """The part of an engine's schedule the connector needs to build the step's orders."""
+
+    scheduled: tuple[ScheduledRequest, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+
+class WorkerOutput(_Message):
+    """What one worker saw finish since it last reported."""
+
+    worker: int = 0
+    done: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
+
+
+class ConnectorOutput(_Message):
+    """Every worker's report for one step, as the engine hands it to the scheduler."""
+
+    workers: tuple[WorkerOutput, ...] = Field(default_factory=tuple)

@@ -1,0 +1,188 @@
+"""The connector's worker half: executes the scheduler's orders on a device, in the order the spec demands.
+
+Each order becomes a transfer job that moves through the spec's job lifecycle on this worker too. The ordering
+rules live here and nowhere else:
+- a store waits on the compute event recorded after the forward pass that wrote its blocks, and is submitted at
+  the start of the next step (`start_load_kv`), after that step's sampled tokens were copied out;
+- a load waits for everything already enqueued on the compute stream and for every store still reading its
+  destination blocks (write-after-read);
+- `handle_preemptions` submits and waits for every flushed store before the engine reuses its GPU blocks;
+- a load is reported by `get_finished` only once its event is done, so compute never reads it early.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from kvfsm.config import OffloadConfig
+from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
+from kvfsm.executor.device import Device, Event
+from kvfsm.executor.layouts import KVCaches, register_kv_caches
+from kvfsm.executor.pool import HostPool
+from kvfsm.executor.transfer import TransferError, Transfers
+from kvfsm.machines import MachineSet, default_machines
+from kvfsm.records import TransferJob
+
+
+class NotRegistered(RuntimeError):
+    """A transfer was ordered before `register_kv_caches`."""
+
+
+class WorkerConnector:
+    def __init__(self, config: OffloadConfig, device: Device, worker: int = 0,
+                 machines: MachineSet | None = None) -> None:
+        self.config = config
+        self.device = device
+        self.worker = worker
+        self.jobs: dict[int, TransferJob] = {}
+        self._job = (machines or default_machines())["transfer-job"]
+        self._meta = ConnectorMetadata(step=0)
+        self._events: dict[int, Event] = {}
+        self._compute_done: dict[int, Event] = {}
+        self._pending: list[TransferJob] = []
+        self._failed: list[int] = []
+        self._caches: KVCaches | None = None
+        self._pool: HostPool | None = None
+        self._transfers: Transfers | None = None
+
+    # --- set-up ----------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout: str,
+                           groups: dict[str, list[str]] | None = None) -> KVCaches:
+        """Validate the engine's caches and pin a host pool of exactly the configured size for them."""
+        caches = register_kv_caches(kv_caches, layout, groups)
+        k = self.config.block_size_factor
+        self._pool = HostPool(self.device, self.config.num_cpu_blocks(caches.gpu_block_bytes),
+                              k * caches.gpu_block_bytes)
+        self._transfers = Transfers(self.device, caches, self._pool, block_size_factor=k,
+                                    mechanism=self.config.mechanism)
+        self._caches = caches
+        return caches
+
+    @property
+    def transfers(self) -> Transfers:
+        if self._transfers is None:
+            raise NotRegistered("register_kv_caches must run before any transfer")
+        return self._transfers
+
+    @property
+    def pool(self) -> HostPool:
+        if self._pool is None:
+            raise NotRegistered("register_kv_caches must run before the host pool exists")
+        return self._pool
+
+    def shutdown(self) -> None:
+        """Wait for every transfer in flight, then unpin and free the host pool."""
+        self.wait([job_id for job_id, job in self.jobs.items() if job.state in ("submitted", "flushed-on-preempt")])
+        if self._pool is not None:
+            self._pool.close()
+
+    # --- one engine step ---------------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, meta: ConnectorMetadata) -> None:
+        self._meta = meta
+
+    def handle_preemptions(self) -> None:
+        """Before the engine writes any reused GPU block: submit the flushed stores still pending, wait for all."""
+        flushed = [self.jobs[j] for j in self._meta.flush if j in self.jobs and self.jobs[j].in_flight]
+        for job in flushed:
+            was_pending = job.state == "pending-store"
+            self._job.fire(job, "flush")
+            if was_pending:
+                self._submit_store(job)
+        self.wait([job.job_id for job in flushed if job.in_flight])
+
+    def start_load_kv(self) -> None:
+        """Submit the stores prepared last step, then this step's loads."""
+        for job in self._pending:
+            if job.state == "pending-store":
+                self._job.fire(job, "submit", step=self._meta.step)
+                self._submit_store(job)
+        self._pending = []
+        for order in self._meta.loads:
+            self._submit_load(order)
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: mark where compute ends and queue this step's stores behind that mark."""
+        if not self._meta.stores:
+            return
+        compute_done = self.device.new_event()
+        self.device.record("compute", compute_done)
+        for order in self._meta.stores:
+            job = self._new_job(order, "store")
+            self._job.fire(job, "prepare")
+            self._compute_done[job.job_id] = compute_done
+            self._pending.append(job)
+
+    def get_finished(self) -> WorkerOutput:
+        """Jobs whose copies completed (or failed) since the last call, each reported once."""
+        done = []
+        for job in self.jobs.values():
+            if job.state in ("submitted", "flushed-on-preempt") and self.device.query(self._events[job.job_id]):
+                self._job.fire(job, "complete", step=self._meta.step)
+                done.append(job.job_id)
+        failed, self._failed = self._failed, []
+        for job_id in (*done, *failed):
+            self._drop(job_id)
+        return WorkerOutput(worker=self.worker, done=tuple(done), failed=tuple(failed))
+
+    def wait(self, job_ids: Sequence[int]) -> None:
+        """Block until these jobs' copies are done (they are still reported by `get_finished`)."""
+        for job_id in job_ids:
+            event = self._events.get(job_id)
+            if event is not None:
+                self.device.synchronize(event)
+
+    # --- ordering rules ------------------------------------------------------------------------------------
+
+    def _submit_store(self, job: TransferJob) -> None:
+        self._wait_for_compute(job)
+        self._enqueue(job, "store", lambda: self.transfers.store(job.gpu_blocks, job.cpu_slots,
+                                                                 label=f"store job {job.job_id}"))
+
+    def _wait_for_compute(self, job: TransferJob) -> None:
+        """store-after-compute: the store stream waits on the event recorded after the forward that wrote it."""
+        self.device.wait("store", self._compute_done.pop(job.job_id))
+
+    def _submit_load(self, order: LoadOrder) -> None:
+        job = self._new_job(order, "load")
+        self._job.fire(job, "submit", step=self._meta.step)
+        self._wait_for_readers(job)
+        self._enqueue(job, "load", lambda: self.transfers.load(job.cpu_slots, job.gpu_blocks, job.gpu_offset,
+                                                               label=f"load job {job.job_id}"))
+
+    def _wait_for_readers(self, job: TransferJob) -> None:
+        """load-after-readers: wait for all compute enqueued so far and for stores still reading the blocks."""
+        barrier = self.device.new_event()
+        self.device.record("compute", barrier)
+        self.device.wait("load", barrier)
+        targets = set(job.gpu_blocks)
+        for other in self.jobs.values():
+            if other.kind == "store" and other.job_id in self._events and targets.intersection(other.gpu_blocks):
+                self.device.wait("load", self._events[other.job_id])
+
+    def _enqueue(self, job: TransferJob, stream: Any, copy: Any) -> None:
+        """Enqueue the copies and record the job's event; a refused transfer fails the job visibly."""
+        try:
+            copy()
+        except TransferError:
+            self._job.fire(job, "fail", step=self._meta.step)
+            self._failed.append(job.job_id)
+            return
+        event = self.device.new_event()
+        self.device.record(stream, event)
+        self._events[job.job_id] = event
+
+    def _new_job(self, order: StoreOrder | LoadOrder, kind: str) -> TransferJob:
+        job = TransferJob(job_id=order.job_id, kind=kind, req_id=order.req_id,  # type: ignore[arg-type]
+                          gpu_blocks=order.gpu_blocks, cpu_slots=order.cpu_slots, hashes=(),
+                          gpu_offset=getattr(order, "gpu_offset", 0), ordered_step=self._meta.step)
+        self.jobs[job.job_id] = job
+        return job
+
+    def _drop(self, job_id: int) -> None:
+        del self.jobs[job_id]
+        self._events.pop(job_id, None)
+        self._compute_done.pop(job_id, None)

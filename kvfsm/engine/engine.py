@@ -1,0 +1,348 @@
+"""A deliberately small inference engine that drives `kvfsm.Connector` the way a vLLM-style engine does.
+
+Real where it matters for offloading: continuous batching over a paged GPU KV cache with prefix caching;
+preemption when blocks run out (freed blocks are reallocated at once); async scheduling (the host enqueues step
+N+1 while step N's GPU work may still be pending — nothing here waits for compute); a model that writes KV on the
+compute stream and whose tokens depend on the bytes actually in the cache. The connector is called at vLLM's
+points: lookup, after-allocation, metadata, preemption hook before reused blocks are written, start of step,
+after forward, finished transfers, request finished. Without a connector it is the no-offloading baseline.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvfsm.connector import Connector
+from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
+from kvfsm.engine.blocks import BlockPool
+from kvfsm.engine.model import POISON_BYTE, ModelShape, ToyModel
+from kvfsm.executor.device import Device, Touch
+
+_HASH_MASK = (1 << 63) - 1
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    LOADING = "loading"
+    RUNNING = "running"
+    HELD = "held"
+    """Finished or aborted; the engine keeps its blocks until the connector releases them."""
+    DONE = "done"
+
+
+class _Admission(enum.Enum):
+    ADMITTED = "admitted"
+    DEFERRED = "deferred"
+    STOP = "stop"
+
+
+class RequestIdInUse(ValueError):
+    """A request id was reused while the earlier request with that id is still in the engine."""
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One request: its host-known prompt, and the tokens the device samples (read only when it finishes)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    block_size: int
+    handle: int
+    phase: Phase = Phase.WAITING
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    sampled: list[torch.Tensor] = field(default_factory=list)
+    num_sampled: int = 0
+    block_hashes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        hashes, parent = [], 0
+        for start in range(0, len(self.prompt) - self.block_size + 1, self.block_size):
+            parent = hash((parent, self.prompt[start:start + self.block_size])) & _HASH_MASK
+            hashes.append(parent)
+        self.block_hashes = tuple(hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus the tokens sampled so far: the positions its KV must cover before the next sample."""
+        return len(self.prompt) + self.num_sampled
+
+    @property
+    def finished(self) -> bool:
+        return self.num_sampled >= self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_gpu_blocks: int = 16
+    max_batched_tokens: int = 64
+    model: ModelShape = ModelShape()
+    compute_delay_cycles: int = 0
+    """CUDA only: the compute stream sleeps this long before each forward (`torch.cuda._sleep`)."""
+
+
+@dataclass(frozen=True)
+class _Work:
+    """One request's part of a forward pass: KV for positions [start, end), then maybe a sample."""
+
+    request: EngineRequest
+    blocks: tuple[int, ...]
+    start: int
+    end: int
+    sample: bool
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, device: Device, connector: Connector | None = None) -> None:
+        self.config = config
+        self.device = device
+        shape = config.model
+        self.caches = [
+            torch.zeros(2, config.num_gpu_blocks, shape.block_size, shape.num_heads, shape.head_dim,
+                        dtype=shape.dtype, device=device.tensor_device())
+            for _ in range(shape.num_layers)
+        ]
+        self.model = ToyModel(shape, self.caches)
+        self.pool = BlockPool(config.num_gpu_blocks)
+        self.connector = connector
+        if connector is not None:
+            if connector.config.gpu_block_size != shape.block_size:
+                raise ValueError(f"the connector pages {connector.config.gpu_block_size}-token blocks, "
+                                 f"the engine {shape.block_size}-token blocks")
+            connector.register_kv_caches({f"layer.{i}": c for i, c in enumerate(self.caches)}, "kv-first")
+        self.step_count = 0
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.loading: dict[str, EngineRequest] = {}
+        self.held: dict[str, EngineRequest] = {}
+        self.live: dict[str, EngineRequest] = {}
+        self.finished: list[EngineRequest] = []
+        self._next_handle = 0
+        self.preemptions = 0
+        self.computed_tokens = 0
+        self.gpu_hit_tokens = 0
+        self.cpu_hit_tokens = 0
+
+    # --- requests ----------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Sequence[int], max_new_tokens: int) -> int:
+        """Queue a request; returns a handle for its output (request ids may be reused once one is done)."""
+        if request_id in self.live:
+            raise RequestIdInUse(f"request id {request_id!r} is still in the engine")
+        request = EngineRequest(request_id, tuple(prompt), max_new_tokens, self.config.model.block_size,
+                                handle=self._next_handle)
+        self._next_handle += 1
+        self.live[request_id] = request
+        self.waiting.append(request)
+        return request.handle
+
+    def abort(self, request_id: str) -> None:
+        request = self.live.get(request_id)
+        if request is None or request.phase in (Phase.HELD, Phase.DONE):
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self.loading.pop(request_id, None)
+        self._finish(request, aborted=True)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.loading or self.held)
+
+    # --- one step ------------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Schedule and enqueue one step; never waits for the GPU except where kvfsm's fence requires it."""
+        self.step_count += 1
+        work, preempted = self._schedule()
+        conn = self.connector
+        if conn is not None:
+            scheduled = tuple(
+                ScheduledRequest(req_id=w.request.request_id, block_ids=w.blocks, num_computed_tokens=w.end)
+                for w in work
+            )
+            meta = conn.build_connector_meta(SchedulerOutput(scheduled=scheduled, preempted=tuple(preempted)))
+            conn.worker.bind_connector_metadata(meta)
+            conn.worker.handle_preemptions()
+        self._poison(self.pool.take_poison())
+        if conn is not None:
+            conn.worker.start_load_kv()
+        self._forward(work)
+        if conn is not None:
+            conn.worker.wait_for_save()
+            result = conn.update_connector_output(ConnectorOutput(workers=(conn.worker.get_finished(),)))
+            self._after_transfers(result.loaded, result.released, result.load_errors)
+        for w in work:
+            if w.sample and w.request.finished:
+                self.running.remove(w.request)
+                self._finish(w.request, aborted=False)
+
+    def _schedule(self) -> tuple[list[_Work], list[str]]:
+        budget = self.config.max_batched_tokens
+        work: list[_Work] = []
+        preempted: list[str] = []
+        for request in list(self.running):  # running first: decode (or finish a prefill after a load)
+            if request not in self.running:
+                continue  # preempted below to make room for an earlier one
+            need = -(-request.num_tokens // self.config.model.block_size) - len(request.blocks)
+            while need > 0 and (fresh := self.pool.allocate(need)) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request not in self.running:
+                continue
+            if need > 0:
+                request.blocks.extend(fresh)  # type: ignore[arg-type]
+            count = request.num_tokens - request.num_computed
+            budget -= count
+            work.append(self._compute(request, request.num_computed, request.num_tokens))
+        for request in list(self.waiting) if not preempted else []:
+            if self._admit(request, budget, work) is _Admission.STOP:
+                break
+            budget = self.config.max_batched_tokens - sum(w.end - w.start for w in work)
+        return work, preempted
+
+    def _admit(self, request: EngineRequest, budget: int, work: list[_Work]) -> _Admission:
+        """Try to schedule a waiting request in queue order; STOP keeps later ones waiting behind it (FCFS)."""
+        block_size = self.config.model.block_size
+        if request.num_tokens > budget:
+            return _Admission.STOP
+        computable = (request.num_tokens - 1) // block_size
+        hits = self.pool.cached_prefix(request.block_hashes[:computable])
+        num_computed = len(hits) * block_size
+        external = 0
+        if self.connector is not None:
+            match = self.connector.get_num_new_matched_tokens(request, num_computed)
+            if match is None:  # deferred: someone else is loading its blocks; later requests may go first
+                return _Admission.DEFERRED
+            external = match[0]
+        need = -(-request.num_tokens // block_size) - len(hits)
+        self.pool.acquire(hits)
+        fresh = self.pool.allocate(need)
+        if fresh is None:
+            self.pool.release(hits)
+            return _Admission.STOP
+        self.waiting.remove(request)
+        request.blocks = hits + fresh
+        request.num_computed = num_computed
+        self.gpu_hit_tokens += num_computed
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(request, request.blocks, external)
+        if external:
+            request.phase = Phase.LOADING
+            request.num_computed = num_computed + external
+            self.cpu_hit_tokens += external
+            self.loading[request.request_id] = request
+            return _Admission.ADMITTED
+        request.phase = Phase.RUNNING
+        self.running.append(request)
+        work.append(self._compute(request, num_computed, request.num_tokens))
+        return _Admission.ADMITTED
+
+    def _compute(self, request: EngineRequest, start: int, end: int) -> _Work:
+        """Schedule KV for [start, end) and a sample; full prompt blocks become prefix-cache hits."""
+        self.computed_tokens += end - start
+        block_size = self.config.model.block_size
+        for index in range(min(end, len(request.prompt)) // block_size):
+            self.pool.cache(request.blocks[index], request.block_hashes[index])
+        request.num_computed = end
+        request.num_sampled += 1
+        return _Work(request, tuple(request.blocks), start, end, sample=True)
+
+    def _preempt(self, request: EngineRequest) -> None:
+        self.running.remove(request)
+        self.pool.release(request.blocks)
+        request.blocks, request.num_computed, request.phase = [], 0, Phase.WAITING
+        self.waiting.appendleft(request)
+        self.preemptions += 1
+
+    def _finish(self, request: EngineRequest, aborted: bool) -> None:
+        hold = self.connector is not None and self.connector.request_finished(request.request_id, aborted=aborted)
+        if hold:
+            request.phase = Phase.HELD
+            self.held[request.request_id] = request
+        else:
+            self._release(request)
+
+    def _release(self, request: EngineRequest) -> None:
+        self.pool.release(request.blocks)
+        request.blocks, request.phase = [], Phase.DONE
+        del self.live[request.request_id]
+        self.finished.append(request)
+
+    def _after_transfers(self, loaded: set[str], released: set[str], errors: dict[str, tuple[int, ...]]) -> None:
+        block_size = self.config.model.block_size
+        for req_id in loaded:
+            request = self.loading.pop(req_id, None)
+            if request is None:
+                continue  # aborted while loading: it is held until released
+            bad = errors.get(req_id, ())
+            if bad:
+                request.num_computed = min(request.blocks.index(b) for b in bad) * block_size
+            for index in range(request.num_computed // block_size):
+                self.pool.cache(request.blocks[index], request.block_hashes[index])
+            request.phase = Phase.RUNNING
+            self.running.append(request)
+        for req_id in released:
+            request = self.held.pop(req_id, None)
+            if request is not None:
+                self._release(request)
+
+    # --- device work ---------------------------------------------------------------------------------------
+
+    def _poison(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
+        index = torch.tensor(blocks, device=self.device.tensor_device())
+
+        def fill() -> None:
+            for cache in self.caches:
+                cache.view(torch.uint8)[:, index] = POISON_BYTE
+
+        self.device.enqueue("compute", "compute", f"poison step {self.step_count}", fill,
+                            [Touch("write", "gpu", tuple(blocks))])
+
+    def _forward(self, work: list[_Work]) -> None:
+        if not work:
+            return
+        block_size = self.config.model.block_size
+        device = self.device.tensor_device()
+        delay = self.config.compute_delay_cycles
+
+        def forward() -> None:
+            if delay:
+                torch.cuda._sleep(delay)
+            for w in work:
+                blocks = torch.tensor(w.blocks, device=device)
+                tokens = self._tokens(w.request, w.start, w.end, device)
+                self.model.write(blocks, tokens, w.start)
+                if w.sample:
+                    w.request.sampled.append(self.model.next_token(blocks, w.end))
+
+        reads = {b for w in work for b in w.blocks[: -(-w.end // block_size)]}
+        writes = {b for w in work for b in w.blocks[w.start // block_size: -(-w.end // block_size)]}
+        self.device.enqueue("compute", "compute", f"compute step {self.step_count}", forward,
+                            [Touch("write", "gpu", tuple(sorted(writes))), Touch("read", "gpu", tuple(sorted(reads)))])
+
+    @staticmethod
+    def _tokens(request: EngineRequest, start: int, end: int, device: torch.device) -> torch.Tensor:
+        """Tokens at positions [start, end): prompt from the host, sampled ones from the device."""
+        prompt = torch.tensor(request.prompt[start:end], dtype=torch.int64, device=device)
+        sampled = request.sampled[max(0, start - len(request.prompt)): end - len(request.prompt)]
+        return torch.cat([prompt, *(t.view(1) for t in sampled)]) if sampled else prompt
+
+    # --- results -------------------------------------------------------------------------------------------
+
+    def outputs(self) -> dict[int, list[int]]:
+        """Every finished request's sampled tokens by handle (call once the device has run everything)."""
+        return {r.handle: [int(t) for t in r.sampled[: r.max_new_tokens]] for r in self.finished}

@@ -1,0 +1,65 @@
+"""A small deterministic model whose output depends on the KV bytes actually in the cache.
+
+It writes each layer's K and V for the scheduled tokens as a pure function of (token, position, layer), and picks
+the next token from a position-weighted sum of every KV value the request's blocks hold. A stale, poisoned,
+swapped or half-written block therefore changes the output, as a real model's garbled output would; and because
+every value is a small integer, the arithmetic is exact and the same workload gives the same tokens on any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+POISON_BYTE = 0xFF
+"""Freed blocks are filled with this byte: as float16 it is NaN, so a poisoned read shows in the output."""
+POISONED_TOKEN = -1
+"""What `next_token` yields when it read a poisoned value: no real token is negative."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 4
+    block_size: int = 4
+    vocab: int = 1000
+    dtype: torch.dtype = torch.float16
+
+
+class ToyModel:
+    """The compute a step runs for one request: write KV for new positions, then read all of it for a token."""
+
+    def __init__(self, shape: ModelShape, caches: list[torch.Tensor]) -> None:
+        self.shape = shape
+        self.caches = caches  # per layer, kv-first: (2, blocks, block_size, heads, dim)
+        device = caches[0].device
+        s = shape
+        lanes = torch.arange(2 * s.num_heads * s.head_dim, device=device, dtype=torch.int64)
+        self._lanes = lanes.view(2, 1, s.num_heads, s.head_dim)  # broadcast over positions
+
+    def kv_values(self, tokens: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+        """K and V for `tokens` at `positions`, shape (2, n, heads, dim): small exact integers."""
+        base = tokens.to(torch.int64) * 31 + positions * 7 + layer * 13
+        return ((base.view(1, -1, 1, 1) + self._lanes) % 251 - 125).to(self.shape.dtype)
+
+    def write(self, block_ids: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+        """Write KV for `tokens` occupying positions start, start+1, ... of a request whose blocks are `block_ids`."""
+        positions = torch.arange(start, start + tokens.numel(), device=tokens.device)
+        blocks = block_ids[positions // self.shape.block_size]
+        offsets = positions % self.shape.block_size
+        for layer, cache in enumerate(self.caches):
+            cache[:, blocks, offsets] = self.kv_values(tokens, positions, layer)
+
+    def next_token(self, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+        """The token after `length` positions, read from the cache: NaN (poison) propagates to a negative token."""
+        positions = torch.arange(length, device=block_ids.device)
+        blocks = block_ids[positions // self.shape.block_size]
+        offsets = positions % self.shape.block_size
+        weights = (positions + 1).to(torch.float64).view(1, -1, 1, 1)
+        total = torch.zeros((), dtype=torch.float64, device=block_ids.device)
+        for layer, cache in enumerate(self.caches):
+            total = total + (cache[:, blocks, offsets].to(torch.float64) * weights).sum() * (layer + 1)
+        return torch.where(torch.isnan(total), torch.tensor(float(POISONED_TOKEN), dtype=torch.float64, device=total.device),
+                           torch.remainder(total, self.shape.vocab)).to(torch.int64)
