@@ -1,0 +1,128 @@
+"""SimDevice follows CUDA stream semantics, lets the caller pick the schedule, and logs what it executed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfsm.executor import HostPool, PoolClosed, SimDeadlock, SimDevice, SimScheduleError, Touch, UnknownHostBuffer
+
+
+def trace(device: SimDevice, stream: str, name: str, log: list[str]) -> None:
+    device.enqueue(stream, stream, name, lambda: log.append(name))
+
+
+def test_operations_on_one_stream_run_in_fifo_order() -> None:
+    device, log = SimDevice(), []
+    for name in ("a", "b", "c"):
+        trace(device, "store", name, log)
+    device.run_until_idle()
+    assert log == ["a", "b", "c"]
+
+
+def test_nothing_runs_until_the_caller_drives_the_device() -> None:
+    device, log = SimDevice(), []
+    trace(device, "compute", "a", log)
+    event = device.new_event()
+    device.record("compute", event)
+    assert log == [] and not device.query(event) and not device.idle
+
+
+def test_a_wait_blocks_its_stream_until_the_event_record_ran() -> None:
+    device, log = SimDevice(), []
+    trace(device, "compute", "compute", log)
+    event = device.new_event()
+    device.record("compute", event)
+    device.wait("store", event)
+    trace(device, "store", "store", log)
+    assert device.runnable() == ["compute"]
+    with pytest.raises(SimScheduleError):
+        device.run_one("store")
+    device.run_until_idle(choose=lambda runnable: runnable[-1])
+    assert log == ["compute", "store"]
+
+
+def test_a_wait_binds_to_the_latest_record_issued_before_it() -> None:
+    device, log = SimDevice(), []
+    event = device.new_event()
+    device.record("compute", event)
+    device.wait("store", event)
+    trace(device, "store", "store", log)
+    trace(device, "compute", "later compute", log)
+    device.record("compute", event)  # re-recording after the wait does not move what the wait waits for
+    device.run_until_idle(choose=lambda runnable: "store" if "store" in runnable else runnable[0])
+    assert log == ["store", "later compute"]
+
+
+def test_a_wait_on_a_never_recorded_event_is_a_no_op() -> None:
+    device, log = SimDevice(), []
+    device.wait("load", device.new_event())
+    trace(device, "load", "load", log)
+    assert device.runnable() == ["load"]
+    device.run_one("load")
+    assert log == ["load"] and device.idle
+
+
+def test_query_never_runs_anything() -> None:
+    device, log = SimDevice(), []
+    trace(device, "store", "store", log)
+    event = device.new_event()
+    device.record("store", event)
+    assert not device.query(event) and log == []
+    assert device.query(device.new_event())
+
+
+def test_synchronize_drives_streams_through_the_scheduler() -> None:
+    picks: list[list[str]] = []
+
+    def last(runnable: list[str]) -> str:
+        picks.append(list(runnable))
+        return runnable[-1]
+
+    device, log = SimDevice(scheduler=last), []
+    trace(device, "compute", "compute", log)
+    trace(device, "store", "store", log)
+    event = device.new_event()
+    device.record("store", event)
+    device.synchronize(event)
+    assert log == ["store"] and device.query(event)
+    assert picks == [["compute", "store"], ["compute", "store"]]
+
+
+def test_host_blocking_inside_its_own_streams_operation_is_a_named_deadlock() -> None:
+    device = SimDevice()
+    event = device.new_event()
+    device.enqueue("store", "store", "blocks on itself", lambda: device.synchronize(event))
+    device.record("store", event)
+    with pytest.raises(SimDeadlock):
+        device.run_until_idle()
+
+
+def test_the_access_log_keeps_issue_and_execution_order() -> None:
+    device = SimDevice()
+    device.enqueue("compute", "compute", "compute step 1", lambda: None, [Touch("write", "gpu", (3,))])
+    device.enqueue("store", "store", "store job 1", lambda: None, [Touch("read", "gpu", (3, 4))])
+    device.run_until_idle(choose=lambda runnable: runnable[-1])
+    assert [(a.label, a.block) for a in device.accesses] == [("store job 1", 3), ("store job 1", 4),
+                                                             ("compute step 1", 3)]
+    store, compute = device.accesses[0], device.accesses[-1]
+    assert store.issued > compute.issued and store.executed < compute.executed
+
+
+def test_pin_host_is_exact_and_released_once() -> None:
+    device = SimDevice()
+    with HostPool(device, num_slots=5, slot_bytes=3000) as pool:
+        assert pool.buffer.numel() == pool.registered_bytes == 15000 == device.host_bytes
+        assert pool.slot(4).numel() == 3000
+    assert device.host_bytes == 0 and pool.registered_bytes == 0
+    pool.close()
+    with pytest.raises(PoolClosed):
+        pool.slot(0)
+
+
+def test_unpinning_a_foreign_buffer_is_refused() -> None:
+    device = SimDevice()
+    buffer = device.pin_host(16)
+    device.unpin_host(buffer)
+    with pytest.raises(UnknownHostBuffer):
+        device.unpin_host(buffer)
+
