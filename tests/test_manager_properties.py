@@ -21,7 +21,7 @@ from kvfsm.machines import IllegalTrigger
 from kvfsm.manager import ArcPolicy, BlockRemoved, BlockStored, Lookup, LruPolicy, NotLoadable, OffloadingManager
 
 POOL = 3  # small enough that stores keep needing eviction and refusals happen
-hashes = st.lists(st.integers(0, 11), unique=True, min_size=1, max_size=4)
+hashes = st.lists(st.integers(0, 6), unique=True, min_size=1, max_size=3)
 MakeManager = Callable[[int], OffloadingManager]
 
 
@@ -55,6 +55,14 @@ def manager_machine(make: MakeManager, pool: int = POOL) -> type[RuleBasedStateM
             self.announced: set[int] = set()
             self.job = 0
 
+        def _keys(self, data: st.DataObject) -> list[int]:
+            """Hashes for one call, often a run of catalogued ones so that calls meet each other's blocks."""
+            known = sorted(self.manager.catalogue)
+            if not known:
+                return data.draw(hashes)
+            mixed = st.lists(st.sampled_from([*known, *range(7)]), unique=True, min_size=1, max_size=3)
+            return data.draw(st.one_of(hashes, mixed))
+
         def _drain_events(self) -> None:
             for event in self.manager.take_events():
                 if isinstance(event, BlockStored):
@@ -65,16 +73,18 @@ def manager_machine(make: MakeManager, pool: int = POOL) -> type[RuleBasedStateM
                     assert set(event.hashes) <= self.announced, f"removed what was never stored: {event}"
                     self.announced -= set(event.hashes)
 
-        @rule(keys=hashes)
-        def lookup(self, keys: list[int]) -> None:
+        @rule(data=st.data())
+        def lookup(self, data: st.DataObject) -> None:
+            keys = self._keys(data)
             result = self.manager.lookup(keys)
             blocks, catalogue = self.manager.blocks, self.manager.catalogue
             for key in keys[: result.hits]:
                 assert key in catalogue and blocks[catalogue[key]].state == "ready", f"counted {key}: not ready"
             assert result == reference_lookup(self.manager, keys)
 
-        @rule(keys=hashes)
-        def prepare_load(self, keys: list[int]) -> None:
+        @rule(data=st.data())
+        def prepare_load(self, data: st.DataObject) -> None:
+            keys = self._keys(data)
             manager = self.manager
             loadable = all(k in manager.catalogue and manager.blocks[manager.catalogue[k]].state == "ready"
                            for k in keys)
@@ -92,8 +102,9 @@ def manager_machine(make: MakeManager, pool: int = POOL) -> type[RuleBasedStateM
             slots = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
             self.manager.complete_load(slots)
 
-        @rule(keys=hashes)
-        def prepare_store(self, keys: list[int]) -> None:
+        @rule(data=st.data())
+        def prepare_store(self, data: st.DataObject) -> None:
+            keys = self._keys(data)
             manager = self.manager
             self.job += 1
             pinned = {b.slot: b.readers for b in manager.blocks if b.readers}
@@ -140,8 +151,9 @@ def manager_machine(make: MakeManager, pool: int = POOL) -> type[RuleBasedStateM
                 else:
                     assert blocks[s].state == "ready"
 
-        @rule(keys=hashes)
-        def touch(self, keys: list[int]) -> None:
+        @rule(data=st.data())
+        def touch(self, data: st.DataObject) -> None:
+            keys = self._keys(data)
             self.manager.touch(keys)
 
         @rule()
@@ -270,7 +282,7 @@ CONTROLS: dict[str, MakeManager] = {
     "reset-keeps-in-flight": lambda n: ResetKeepsInFlight(n, "lru"),
 }
 
-FIND = settings(max_examples=300, phases=[Phase.generate], database=None, derandomize=True)
+FIND = settings(max_examples=1000, phases=[Phase.generate], database=None, derandomize=True)
 
 
 @pytest.mark.parametrize("control", sorted(CONTROLS))
