@@ -1,0 +1,180 @@
+"""How close each transfer mechanism comes to the copy engines' own ceiling, measured in one process.
+
+Absolute GB/s move from machine to machine, so every figure is reported beside the contiguous pinned ceiling
+measured in the same run (device-to-host, host-to-device, and both at once). The workload is a Llama-3-8B-shaped
+cache (32 layers, 8 KV heads, 128 dims, bf16, 16-token blocks: 2 MiB per block over all layers) in a per-layer
+kv-first layout and in a cross-layer layout; half the GPU blocks, chosen at random, are stored into consecutive
+fresh pool slots (what a store into an empty pool gets) and the other half loaded back from the rest of the pool.
+Times are wall-clock medians, host submission included. Run `python -m kvfsm.bench.transfer`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from kvfsm.executor import MECHANISMS, CudaDevice, HostPool, KVCaches, Transfers, register_kv_caches
+from kvfsm.executor.layouts import allocate_kv_caches
+
+GIB = 1 << 30
+GOALS = {"kv-first": 0.95, "cross-layer": 0.97, "both-ways": 0.90, "compute-slowdown": 1.02}
+
+
+def _median_seconds(fn: Callable[[], None], reps: int) -> float:
+    """Median wall time of `fn` until the GPU is idle, after one warm-up run."""
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def ceilings(device: CudaDevice, nbytes: int, reps: int) -> dict[str, float]:
+    """GB/s of one contiguous pinned copy each way, and of both at once (their sum)."""
+    hosts = [device.pin_host(nbytes) for _ in range(2)]
+    gpus = [torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256) for _ in range(2)]
+    store, load = device.streams["store"], device.streams["load"]
+
+    def d2h() -> None:
+        with torch.cuda.stream(store):
+            hosts[0].copy_(gpus[0], non_blocking=True)
+
+    def h2d() -> None:
+        with torch.cuda.stream(load):
+            gpus[1].copy_(hosts[1], non_blocking=True)
+
+    def both() -> None:
+        d2h()
+        h2d()
+
+    result = {
+        "d2h": nbytes / _median_seconds(d2h, reps) / 1e9,
+        "h2d": nbytes / _median_seconds(h2d, reps) / 1e9,
+        "both": 2 * nbytes / _median_seconds(both, reps) / 1e9,
+    }
+    for host in hosts:
+        device.unpin_host(host)
+    return result
+
+
+def _cache(device: CudaDevice, layout: str, num_blocks: int) -> tuple[KVCaches, HostPool]:
+    tensors, groups = allocate_kv_caches(layout, 32, num_blocks, 16, 8, 128, torch.bfloat16, "cuda")
+    for tensor in tensors.values():
+        tensor.view(torch.uint8).view(-1).random_(0, 256)
+    caches = register_kv_caches(tensors, layout, groups)
+    return caches, HostPool(device, num_blocks, caches.gpu_block_bytes)
+
+
+def _block(caches: KVCaches, b: int) -> torch.Tensor:
+    return torch.cat([plane.rows[p, b] for plane in caches.planes for p in range(plane.pieces)])
+
+
+def mechanisms(device: CudaDevice, layout: str, num_blocks: int, peaks: dict[str, float],
+               reps: int) -> dict[str, dict[str, float]]:
+    """Store and load GB/s (and share of ceiling) of every mechanism that fits `layout`; both at once for 'auto'."""
+    caches, pool = _cache(device, layout, num_blocks)
+    half = num_blocks // 2
+    order = torch.randperm(num_blocks).tolist()
+    stored, loaded = order[:half], order[half:]
+    moved = half * caches.gpu_block_bytes
+    results: dict[str, dict[str, float]] = {}
+    for name in [m for m in MECHANISMS if m != "cross-layer" or caches.block_contiguous] + ["auto"]:
+        transfers = Transfers(device, caches, pool, 1, name)
+        repeat = 1 if name == "copy-per-block" and not caches.block_contiguous else reps
+        store_s = _median_seconds(lambda: transfers.store(stored, range(half)), repeat)
+        if not torch.equal(pool.slot(0).cuda(), _block(caches, stored[0])):
+            raise AssertionError(f"{layout}/{name}: the store did not land byte-exact")
+        load_s = _median_seconds(lambda: transfers.load(range(half, num_blocks), loaded), repeat)
+        entry = {"store_gbps": moved / store_s / 1e9, "load_gbps": moved / load_s / 1e9}
+        entry["store_share"] = entry["store_gbps"] / peaks["d2h"]
+        entry["load_share"] = entry["load_gbps"] / peaks["h2d"]
+        if name == "auto":
+            def both() -> None:
+                transfers.store(stored, range(half))
+                transfers.load(range(half, num_blocks), loaded)
+
+            entry["both_gbps"] = 2 * moved / _median_seconds(both, reps) / 1e9
+            entry["both_share"] = entry["both_gbps"] / peaks["both"]
+            entry["resolved"] = transfers.mechanism
+        results[name] = entry
+    interference = compute_interference(device, caches, pool, stored, loaded)
+    pool.close()
+    return {**results, "compute": interference}
+
+
+def compute_interference(device: CudaDevice, caches: KVCaches, pool: HostPool, stored: list[int],
+                         loaded: list[int], size: int = 8192, iters: int = 24) -> dict[str, float]:
+    """A bf16 matmul loop on the compute stream alone, then while 'auto' stores and loads run both ways."""
+    half = len(stored)
+    transfers = Transfers(device, caches, pool, 1, "auto")
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+
+    def loop_ms(with_transfers: bool) -> float:
+        torch.cuda.synchronize()
+        if with_transfers:
+            for _ in range(2):
+                transfers.store(stored, range(half))
+                transfers.load(range(half, 2 * half), loaded)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            torch.mm(a, b)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    loop_ms(False)
+    alone = statistics.median(loop_ms(False) for _ in range(3))
+    busy = statistics.median(loop_ms(True) for _ in range(3))
+    return {"alone_ms": alone, "with_transfers_ms": busy, "slowdown": busy / alone}
+
+
+def run(num_blocks: int = 1024, ceiling_bytes: int = GIB, reps: int = 5) -> dict:
+    """Every measurement of this benchmark, as one JSON-ready dict."""
+    device = CudaDevice()
+    peaks = ceilings(device, ceiling_bytes, reps)
+    layouts = {layout: mechanisms(device, layout, num_blocks, peaks, reps) for layout in ("kv-first", "cross-layer")}
+    return {"device": torch.cuda.get_device_name(), "peaks_gbps": peaks, "layouts": layouts, "goals": GOALS,
+            "blocks_moved_each_way": num_blocks // 2, "block_bytes": 2 << 20}
+
+
+def _table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    peaks = result["peaks_gbps"]
+    table = Table(title=f"KV transfer on {result['device']}: D2H {peaks['d2h']:.1f}, H2D {peaks['h2d']:.1f}, "
+                        f"both {peaks['both']:.1f} GB/s")
+    for column in ("layout", "mechanism", "store GB/s", "share", "load GB/s", "share", "both GB/s", "share"):
+        table.add_column(column)
+    for layout, entries in result["layouts"].items():
+        for name, e in entries.items():
+            if name == "compute":
+                continue
+            both = (f"{e['both_gbps']:.1f}", f"{e['both_share']:.3f}") if "both_gbps" in e else ("", "")
+            table.add_row(layout, name, f"{e['store_gbps']:.1f}", f"{e['store_share']:.3f}",
+                          f"{e['load_gbps']:.1f}", f"{e['load_share']:.3f}", *both)
+        c = entries["compute"]
+        table.add_row(layout, "matmul slowdown", f"{c['slowdown']:.3f}x", "", "", "", "", "")
+    Console().print(table)
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("kvfsm.bench.transfer: no CUDA device here; skipped every measurement")
+        return
+    result = run()
+    print(json.dumps(result, indent=1))
+    _table(result)
+
+
+if __name__ == "__main__":
+    main()

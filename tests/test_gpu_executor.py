@@ -1,0 +1,125 @@
+"""The executor on a real GPU: round trips in every layout, an exact pinned pool, and the two copy-stream races
+reproduced with a delayed stream, where the control (no event wait) must corrupt and kvfsm's path never does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfsm.executor import LAYOUTS, MECHANISMS, POISON_BYTE, CudaDevice, HostPool, KVCaches, Transfers
+from kvfsm.executor import register_kv_caches
+from kvfsm.executor.layouts import allocate_kv_caches
+
+pytestmark = pytest.mark.gpu
+TRIALS = 50
+SLEEP_CYCLES = 20_000_000  # ~10 ms at H100 clocks: far longer than the copies it races
+
+
+def rig(layout: str, k: int, mechanism: str) -> tuple[CudaDevice, KVCaches, HostPool, Transfers]:
+    device = CudaDevice()
+    tensors, groups = allocate_kv_caches(layout, 4, 64, 16, 2, 64, torch.bfloat16, "cuda", 2)
+    for t in tensors.values():
+        t.view(torch.uint8).view(-1).random_(0, 256)
+    caches = register_kv_caches(tensors, layout, groups)
+    pool = HostPool(device, 32, k * caches.gpu_block_bytes)
+    return device, caches, pool, Transfers(device, caches, pool, k, mechanism,
+                                           staging_bytes=5 * caches.gpu_block_bytes)
+
+
+def block(caches: KVCaches, b: int) -> torch.Tensor:
+    return torch.cat([plane.rows[p, b] for plane in caches.planes for p in range(plane.pieces)])
+
+
+def settle(device: CudaDevice, stream: str) -> None:
+    event = device.new_event()
+    device.record(stream, event)
+    device.synchronize(event)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize(("layout", "mechanism"),
+                         [(lay, m) for lay in LAYOUTS for m in MECHANISMS if m != "cross-layer" or lay == "cross-layer"])
+def test_cuda_round_trip_is_byte_exact(layout: str, mechanism: str, k: int) -> None:
+    device, caches, pool, transfers = rig(layout, k, mechanism)
+    shift = 1 if k > 1 else 0  # with several blocks per slot, start the load inside the first one
+    sources = torch.randperm(64)[:12 if k == 1 else 16].tolist()
+    slots = torch.randperm(32)[:len(sources) // k].tolist()
+    expected = [block(caches, b).clone() for b in sources]
+    transfers.store(sources, slots)
+    settle(device, "store")
+    targets = torch.randperm(64)[:len(sources) - shift].tolist()
+    transfers.poison_gpu(range(64), "load")
+    transfers.load(slots, targets, gpu_offset=shift)
+    settle(device, "load")
+    for i, b in enumerate(targets):
+        assert torch.equal(block(caches, b), expected[i + shift])
+    pool.close()
+
+
+def test_cuda_pool_registers_exactly_the_configured_bytes() -> None:
+    device = CudaDevice()
+    slot_bytes = 3 * (2 << 20) + 4096  # deliberately not a power of two
+    with HostPool(device, 7, slot_bytes) as pool:
+        assert pool.registered_bytes == pool.buffer.numel() == device.host_bytes == 7 * slot_bytes
+        assert pool.buffer.is_pinned()
+    assert device.host_bytes == 0
+
+
+def store_race(wait: bool) -> int:
+    """Trials in which a store copied stale bytes: compute (delayed) rewrites block 1, then the store reads it."""
+    device, caches, pool, transfers = rig("kv-first", 1, "auto")
+    corrupt = 0
+    for trial in range(TRIALS):
+        value = trial % 200 + 1
+        transfers.poison_cpu([0], "store")
+        settle(device, "store")
+        computed = device.new_event()
+
+        def write() -> None:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for plane in caches.planes:
+                plane.rows[:, 1].fill_(value)
+
+        device.enqueue("compute", "compute", "compute", write)
+        device.record("compute", computed)
+        if wait:
+            device.wait("store", computed)
+        transfers.store([1], [0])
+        settle(device, "store")
+        settle(device, "compute")
+        corrupt += not bool((pool.slot(0) == value).all())
+    pool.close()
+    return corrupt
+
+
+def load_race(wait: bool) -> int:
+    """Trials in which a load overwrote block 2 before an earlier (delayed) store had read it."""
+    device, caches, pool, transfers = rig("kv-first", 1, "auto")
+    corrupt = 0
+    for trial in range(TRIALS):
+        value = trial % 200 + 1
+        for plane in caches.planes:
+            plane.rows[:, 2].fill_(value)
+        pool.slot(1).fill_(POISON_BYTE)
+        torch.cuda.synchronize()
+        device.enqueue("store", "store", "delay", lambda: torch.cuda._sleep(SLEEP_CYCLES))
+        transfers.store([2], [0])
+        stored = device.new_event()
+        device.record("store", stored)
+        if wait:
+            device.wait("load", stored)
+        transfers.load([1], [2])
+        settle(device, "load")
+        settle(device, "store")
+        corrupt += not bool((pool.slot(0) == value).all())
+    pool.close()
+    return corrupt
+
+
+@pytest.mark.parametrize("race", [store_race, load_race], ids=["store-after-compute", "load-after-readers"])
+def test_delayed_stream_race_corrupts_the_control_and_never_kvfsm(race, record_property) -> None:
+    control, kvfsm = race(wait=False), race(wait=True)
+    record_property("corrupt", {"control": control, "kvfsm": kvfsm, "trials": TRIALS})
+    print(f"\n{race.__name__}: control corrupt {control}/{TRIALS}, kvfsm corrupt {kvfsm}/{TRIALS}")
+    assert control > TRIALS // 2
+    assert kvfsm == 0
