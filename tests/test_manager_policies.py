@@ -1,0 +1,166 @@
+"""The eviction policies on their own: order, ARC's lists and target, and the bounds both must keep."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfsm.manager import ArcPolicy, EvictionPolicy, LruPolicy
+from tests.test_manager_properties import IgnoresPins
+
+CAPACITY = 4
+
+
+class UnboundedGhosts(ArcPolicy):
+    """Control: an ARC that never forgets an evicted hash."""
+
+    def _bound_ghosts(self) -> None:
+        pass
+
+
+class NoAdaptation(ArcPolicy):
+    """Control: an ARC whose target never moves."""
+
+    def insert(self, slot: int, block_hash: int) -> None:
+        target = self.target
+        super().insert(slot, block_hash)
+        self.target = target
+
+
+class NoPromotion(ArcPolicy):
+    """Control: an ARC in which a hit refreshes a block inside T1 instead of promoting it."""
+
+    def touch(self, slot: int) -> None:
+        if slot in self.t1:
+            self.t1.move_to_end(slot)
+        else:
+            super().touch(slot)
+
+
+def evict(policy: EvictionPolicy, n: int, evictable: Callable[[int], bool] = lambda _s: True) -> list[int]:
+    """Pick and remove `n` victims, as the manager does once the plan fits."""
+    victims = policy.victims(n, evictable)
+    assert victims is not None
+    for slot in victims:
+        policy.remove(slot)
+    return victims
+
+
+def test_lru_picks_in_order_of_last_use() -> None:
+    lru = LruPolicy(CAPACITY)
+    for slot in range(4):
+        lru.insert(slot, 100 + slot)
+    lru.touch(0)
+    lru.touch(2)
+    assert lru.victims(4, lambda _s: True) == [1, 3, 0, 2]
+
+
+def test_victims_is_a_question_and_none_when_too_few() -> None:
+    for policy in (LruPolicy(CAPACITY), ArcPolicy(CAPACITY)):
+        policy.insert(0, 100)
+        policy.insert(1, 101)
+        assert policy.victims(2, lambda s: s != 1) is None
+        assert policy.victims(1, lambda s: s != 1) == [0]
+        assert len(policy) == 2 and 0 in policy and 1 in policy
+
+
+def check_promotion(arc: ArcPolicy) -> None:
+    arc.insert(0, 100)
+    assert list(arc.t1) == [0] and not arc.t2
+    arc.touch(0)
+    assert not arc.t1 and list(arc.t2) == [0], "a hit did not promote T1 to T2"
+
+
+def test_arc_a_hit_promotes_a_block_from_t1_to_t2() -> None:
+    check_promotion(ArcPolicy(CAPACITY))
+    with pytest.raises(AssertionError):
+        check_promotion(NoPromotion(CAPACITY))
+
+
+def test_arc_evicts_t1_before_t2_while_t1_exceeds_its_target() -> None:
+    arc = ArcPolicy(CAPACITY)
+    for slot in range(3):
+        arc.insert(slot, 100 + slot)
+    arc.touch(0)  # 0 is in T2; T1 = [1, 2]; target 0
+    assert arc.victims(3, lambda _s: True) == [1, 2, 0]
+
+
+def check_adaptive_target(arc: ArcPolicy) -> None:
+    for slot in range(CAPACITY):
+        arc.insert(slot, 100 + slot)
+    arc.touch(3)
+    assert evict(arc, 1) == [0] and list(arc.b1) == [100]
+    arc.insert(0, 100)  # stored again while B1 remembers it: T1 was too small
+    assert arc.target == 1.0 and 0 in arc.t2 and not arc.b1, "a B1 ghost hit did not grow the target"
+    arc.target = 0.0
+    victims = evict(arc, 2, lambda s: s in arc.t2)
+    assert list(arc.b2) == [100 + s for s in victims]
+    arc.target = 2.0
+    arc.insert(victims[0], 100 + victims[0])  # a B2 ghost hit: T2 was too small
+    assert arc.target == 1.0, "a B2 ghost hit did not shrink the target"
+
+
+def test_arc_a_ghost_hit_on_insert_adapts_the_target() -> None:
+    check_adaptive_target(ArcPolicy(CAPACITY))
+    with pytest.raises(AssertionError):
+        check_adaptive_target(NoAdaptation(CAPACITY))
+
+
+def test_arc_clear_forgets_history() -> None:
+    arc = ArcPolicy(CAPACITY)
+    arc.insert(0, 100)
+    evict(arc, 1)
+    arc.insert(0, 100)
+    arc.clear()
+    assert (len(arc), arc.b1, arc.b2, arc.target) == (0, {}, {}, 0.0)
+
+
+# random sequences ------------------------------------------------------------------------------------------
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["insert", "touch", "evict", "clear"]), st.integers(0, CAPACITY - 1),
+              st.integers(0, 11), st.frozensets(st.integers(0, CAPACITY - 1))),
+    max_size=60,
+)
+
+
+def check_bounds(policy: EvictionPolicy, sequence: list[tuple[str, int, int, frozenset[int]]]) -> None:
+    """Victims are held, distinct and evictable; the policy and its ghost lists stay within capacity."""
+    for op, slot, key, pinned in sequence:
+        if op == "insert" and slot not in policy:
+            policy.insert(slot, key)
+        elif op == "touch":
+            policy.touch(slot)
+        elif op == "evict":
+            n = 1 + key % CAPACITY
+            victims = policy.victims(n, lambda s: s not in pinned)
+            if victims is not None:
+                assert len(victims) == len(set(victims)) == n
+                assert all(v in policy and v not in pinned for v in victims), f"{victims} hits {pinned}"
+                for victim in victims:
+                    policy.remove(victim)
+        elif op == "clear":
+            policy.clear()
+        assert len(policy) <= policy.capacity
+        if isinstance(policy, ArcPolicy):
+            assert len(policy.b1) + len(policy.b2) <= policy.capacity, "ghost lists outgrew capacity"
+            assert 0 <= policy.target <= policy.capacity
+
+
+@given(sequence=ops, name=st.sampled_from(["lru", "arc"]))
+def test_policies_never_pick_a_pinned_slot_and_never_exceed_capacity(sequence: list, name: str) -> None:
+    check_bounds(LruPolicy(CAPACITY) if name == "lru" else ArcPolicy(CAPACITY), sequence)
+
+
+def test_controls_for_the_bounds_are_caught() -> None:
+    insert_all = [("insert", s, 100 + s, frozenset()) for s in range(CAPACITY)]
+    with pytest.raises(AssertionError):
+        check_bounds(IgnoresPins(CAPACITY), [*insert_all, ("evict", 0, 0, frozenset({0}))])
+    # Each round evicts slot 0 and stores a new hash there: one more ghost a round.
+    rounds = [op for i in range(CAPACITY + 1)
+              for op in (("evict", 0, 0, frozenset()), ("insert", 0, 200 + i, frozenset()))]
+    with pytest.raises(AssertionError):
+        check_bounds(UnboundedGhosts(CAPACITY), [("insert", 0, 199, frozenset()), *rounds])
