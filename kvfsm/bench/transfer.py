@@ -77,64 +77,79 @@ def _block(caches: KVCaches, b: int) -> torch.Tensor:
 
 
 def mechanisms(device: CudaDevice, layout: str, num_blocks: int, peaks: dict[str, float],
-               reps: int) -> dict[str, dict[str, float]]:
-    """Store and load GB/s (and share of ceiling) of every mechanism that fits `layout`; both at once for 'auto'."""
+               reps: int) -> dict[str, dict[str, float | str]]:
+    """Store and load GB/s (and share of ceiling) of every mechanism that fits `layout`, both at once, and how
+    much each slows a matmul loop on the compute stream."""
     caches, pool = _cache(device, layout, num_blocks)
     half = num_blocks // 2
     order = torch.randperm(num_blocks).tolist()
     stored, loaded = order[:half], order[half:]
     moved = half * caches.gpu_block_bytes
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, float | str]] = {}
     for name in [m for m in MECHANISMS if m != "cross-layer" or caches.block_contiguous] + ["auto"]:
         transfers = Transfers(device, caches, pool, 1, name)
-        repeat = 1 if name == "copy-per-block" and not caches.block_contiguous else reps
-        store_s = _median_seconds(lambda: transfers.store(stored, range(half)), repeat)
+        per_piece = transfers.mechanism == "copy-per-block" and not caches.block_contiguous
+        repeat = 1 if per_piece else reps
+
+        def store() -> None:
+            transfers.store(stored, range(half))
+
+        def load() -> None:
+            transfers.load(range(half, num_blocks), loaded)
+
+        def both() -> None:
+            store()
+            load()
+
+        store_s = _median_seconds(store, repeat)
         if not torch.equal(pool.slot(0).cuda(), _block(caches, stored[0])):
             raise AssertionError(f"{layout}/{name}: the store did not land byte-exact")
-        load_s = _median_seconds(lambda: transfers.load(range(half, num_blocks), loaded), repeat)
-        entry = {"store_gbps": moved / store_s / 1e9, "load_gbps": moved / load_s / 1e9}
+        entry: dict[str, float | str] = {"resolved": transfers.mechanism}
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        store()
+        entry["store_submit_ms"] = (time.perf_counter() - start) * 1e3  # host time to enqueue the whole store
+        torch.cuda.synchronize()
+        entry["store_gbps"] = moved / store_s / 1e9
+        entry["load_gbps"] = moved / _median_seconds(load, repeat) / 1e9
+        entry["both_gbps"] = 2 * moved / _median_seconds(both, repeat) / 1e9
         entry["store_share"] = entry["store_gbps"] / peaks["d2h"]
         entry["load_share"] = entry["load_gbps"] / peaks["h2d"]
-        if name == "auto":
-            def both() -> None:
-                transfers.store(stored, range(half))
-                transfers.load(range(half, num_blocks), loaded)
-
-            entry["both_gbps"] = 2 * moved / _median_seconds(both, reps) / 1e9
-            entry["both_share"] = entry["both_gbps"] / peaks["both"]
-            entry["resolved"] = transfers.mechanism
+        entry["both_share"] = entry["both_gbps"] / peaks["both"]
+        if not per_piece:
+            entry.update(compute_interference(both))
         results[name] = entry
-    interference = compute_interference(device, caches, pool, stored, loaded)
     pool.close()
-    return {**results, "compute": interference}
+    return results
 
 
-def compute_interference(device: CudaDevice, caches: KVCaches, pool: HostPool, stored: list[int],
-                         loaded: list[int], size: int = 8192, iters: int = 24) -> dict[str, float]:
-    """A bf16 matmul loop on the compute stream alone, then while 'auto' stores and loads run both ways."""
-    half = len(stored)
-    transfers = Transfers(device, caches, pool, 1, "auto")
+def compute_interference(transfer: Callable[[], None], size: int = 8192, iters: int = 24,
+                         trials: int = 4) -> dict[str, float]:
+    """A bf16 matmul loop on the compute stream, timed by compute-stream events, alone and with `transfer` (twice)
+    enqueued right behind it so copies and matmuls run together; trials alternate so clock drift hits both."""
     a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
 
-    def loop_ms(with_transfers: bool) -> float:
+    def loop_ms(busy: bool) -> float:
         torch.cuda.synchronize()
-        if with_transfers:
-            for _ in range(2):
-                transfers.store(stored, range(half))
-                transfers.load(range(half, 2 * half), loaded)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
             torch.mm(a, b)
         end.record()
+        if busy:
+            transfer()
+            transfer()
         torch.cuda.synchronize()
         return start.elapsed_time(end)
 
     loop_ms(False)
-    alone = statistics.median(loop_ms(False) for _ in range(3))
-    busy = statistics.median(loop_ms(True) for _ in range(3))
-    return {"alone_ms": alone, "with_transfers_ms": busy, "slowdown": busy / alone}
+    alone, busy = [], []
+    for _ in range(trials):
+        alone.append(loop_ms(False))
+        busy.append(loop_ms(True))
+    return {"matmul_alone_ms": statistics.median(alone), "matmul_busy_ms": statistics.median(busy),
+            "compute_slowdown": statistics.median(busy) / statistics.median(alone)}
 
 
 def run(num_blocks: int = 1024, ceiling_bytes: int = GIB, reps: int = 5) -> dict:
@@ -151,20 +166,17 @@ def _table(result: dict) -> None:
     from rich.table import Table
 
     peaks = result["peaks_gbps"]
-    table = Table(title=f"KV transfer on {result['device']}: D2H {peaks['d2h']:.1f}, H2D {peaks['h2d']:.1f}, "
+    table = Table(title=f"KV transfer on {result['device']}: ceilings D2H {peaks['d2h']:.1f}, H2D {peaks['h2d']:.1f}, "
                         f"both {peaks['both']:.1f} GB/s")
-    for column in ("layout", "mechanism", "store GB/s", "share", "load GB/s", "share", "both GB/s", "share"):
+    for column in ("layout", "mechanism", "store", "share", "load", "share", "both", "share", "matmul"):
         table.add_column(column)
     for layout, entries in result["layouts"].items():
         for name, e in entries.items():
-            if name == "compute":
-                continue
-            both = (f"{e['both_gbps']:.1f}", f"{e['both_share']:.3f}") if "both_gbps" in e else ("", "")
-            table.add_row(layout, name, f"{e['store_gbps']:.1f}", f"{e['store_share']:.3f}",
-                          f"{e['load_gbps']:.1f}", f"{e['load_share']:.3f}", *both)
-        c = entries["compute"]
-        table.add_row(layout, "matmul slowdown", f"{c['slowdown']:.3f}x", "", "", "", "", "")
-    Console().print(table)
+            table.add_row(layout, f"{name}" if name != "auto" else f"auto={e['resolved']}",
+                          f"{e['store_gbps']:.1f}", f"{e['store_share']:.3f}", f"{e['load_gbps']:.1f}",
+                          f"{e['load_share']:.3f}", f"{e['both_gbps']:.1f}", f"{e['both_share']:.3f}",
+                          f"{e['compute_slowdown']:.3f}x" if "compute_slowdown" in e else "-")
+    Console(width=120).print(table)
 
 
 def main() -> None:

@@ -108,13 +108,16 @@ class StagedGather:
             d: [torch.empty(size, dtype=torch.uint8, device=caches.device) for _ in range(SLOTS)]
             for d in ("store", "load")
         }
+        # Each plane's place in each slot, built once: per-chunk Python work is what bounds host submission.
+        self._views = {d: [[self._staged(p, slot) for p in caches.planes] for slot in slots]
+                       for d, slots in self._staging.items()}
         self._lanes: dict[Direction, Lanes] = {d: lanes_for(caches.device) for d in ("store", "load")}
 
-    def _staged(self, plane: Plane, slot: torch.Tensor, n: int) -> torch.Tensor:
-        """Where `plane`'s pieces of n staged blocks sit in a staging slot, shaped like `plane.rows[:, :n]`."""
+    def _staged(self, plane: Plane, slot: torch.Tensor) -> torch.Tensor:
+        """Where `plane`'s pieces of a chunk sit in a staging slot, shaped like `plane.rows[:, :chunk]`."""
         block_bytes = self._caches.gpu_block_bytes
-        rows = slot[:n * block_bytes].view(n, block_bytes)[:, plane.offset:plane.offset + plane.block_bytes]
-        return rows.view(n, plane.pieces, plane.piece_bytes).transpose(0, 1)
+        rows = slot.view(self._chunk, block_bytes)[:, plane.offset:plane.offset + plane.block_bytes]
+        return rows.view(self._chunk, plane.pieces, plane.piece_bytes).transpose(0, 1)
 
     def _dma(self, direction: Direction, slot: torch.Tensor, offsets: Sequence[int], host: torch.Tensor) -> None:
         block_bytes = self._caches.gpu_block_bytes
@@ -122,28 +125,28 @@ class StagedGather:
             _move(direction, slot[first * block_bytes:(first + n) * block_bytes],
                   host[host_start:host_start + n * block_bytes])
 
-    def _gather(self, blocks: Sequence[int], slot: torch.Tensor) -> None:
-        index = device_index(blocks, self._caches.device)
-        for plane in self._caches.planes:
-            self._staged(plane, slot, len(blocks)).copy_(plane.rows.index_select(1, index))
+    def _gather(self, index: torch.Tensor, views: list[torch.Tensor]) -> None:
+        for plane, view in zip(self._caches.planes, views):
+            torch.index_select(plane.rows, 1, index, out=view[:, :len(index)])
 
-    def _scatter(self, blocks: Sequence[int], slot: torch.Tensor) -> None:
-        index = device_index(blocks, self._caches.device)
-        for plane in self._caches.planes:
-            plane.rows.index_copy_(1, index, self._staged(plane, slot, len(blocks)))
+    def _scatter(self, index: torch.Tensor, views: list[torch.Tensor]) -> None:
+        for plane, view in zip(self._caches.planes, views):
+            plane.rows.index_copy_(1, index, view[:, :len(index)])
 
-    def _step(self, direction: Direction, blocks: Sequence[int], offsets: Sequence[int], host: torch.Tensor) -> Step:
-        slots = self._staging[direction]
+    def _step(self, direction: Direction, index: torch.Tensor, offsets: Sequence[int], host: torch.Tensor) -> Step:
+        slots, views = self._staging[direction], self._views[direction]
         if direction == "store":
-            return (lambda s: self._gather(blocks, slots[s]),
+            return (lambda s: self._gather(index, views[s]),
                     lambda s: self._dma("store", slots[s], offsets, host))
         return (lambda s: self._dma("load", slots[s], offsets, host),
-                lambda s: self._scatter(blocks, slots[s]))
+                lambda s: self._scatter(index, views[s]))
 
     def run(self, direction: Direction, placement: Placement, host: torch.Tensor) -> None:
+        # One index for the whole job, on the enqueuing stream, which every lane starts behind.
+        index = device_index(placement.gpu_blocks, self._caches.device)
         c = self._chunk
         steps = [
-            self._step(direction, placement.gpu_blocks[i:i + c], placement.host_offsets[i:i + c], host)
+            self._step(direction, index[i:i + c], placement.host_offsets[i:i + c], host)
             for i in range(0, len(placement.gpu_blocks), c)
         ]
         self._lanes[direction].run(steps)
