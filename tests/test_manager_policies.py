@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfsm.manager import ArcPolicy, EvictionPolicy, LruPolicy
-from tests.test_manager_properties import IgnoresPins
+from test_manager_properties import IgnoresPins
 
 CAPACITY = 4
 

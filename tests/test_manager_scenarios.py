@@ -18,7 +18,7 @@ from kvfsm.manager import (
     StorePlan,
     UnknownPolicy,
 )
-from tests.test_manager_properties import (
+from test_manager_properties import (
     CountsSubmitted,
     EvictsBeforeRefusing,
     EvictsItsOwnPrefix,

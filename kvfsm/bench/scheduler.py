@@ -124,7 +124,7 @@ def scan_comparison(policy: PolicyName, num_slots: int = 1024, hot: int = 512, r
 
 
 def main() -> None:
-    console = Console()
+    console = Console(width=120)
     table = Table(title="OffloadingManager per-step workload (256 requests x 128 blocks, 64k-slot pool)")
     for column in ("policy", "µs / transition", "transitions", "seconds", "block hit rate", "deferred",
                    "refused"):
