@@ -13,6 +13,7 @@ from kvfsm.executor import (
     Transfers, register_kv_caches,
 )
 from kvfsm.executor.layouts import allocate_kv_caches
+from kvfsm.executor.mechanisms import word_dtype
 
 NUM_BLOCKS = 12
 
@@ -168,3 +169,24 @@ def test_poison_on_the_compute_stream_is_a_compute_write() -> None:
     device.run_until_idle()
     assert {(a.actor, a.mode, a.space, a.block) for a in device.accesses} == {
         ("compute", "write", "gpu", 3), ("store", "write", "cpu", 2)}
+
+
+def test_gather_words_are_as_wide_as_every_piece_and_offset_allow() -> None:
+    _, caches, _, _ = make("kv-first", 1)
+    assert word_dtype(caches) == torch.int64
+    odd = torch.zeros(2 * 6 * 1 * 1 * 3 + 1, dtype=torch.uint8)[1:].view(2, 6, 1, 1, 3)
+    assert word_dtype(register_kv_caches({"a": odd}, "kv-first")) == torch.uint8
+
+
+def test_odd_sized_unaligned_pieces_round_trip_through_byte_words() -> None:
+    device = SimDevice()
+    base = torch.randint(0, 256, (2 * 6 * 1 * 1 * 3 + 1,), dtype=torch.uint8)
+    caches = register_kv_caches({"a": base[1:].view(2, 6, 1, 1, 3)}, "kv-first")
+    pool = HostPool(device, 3, caches.gpu_block_bytes)
+    transfers = Transfers(device, caches, pool, 1, "staged-gather", staging_bytes=2 * caches.gpu_block_bytes)
+    expected = [block(caches, b).clone() for b in (4, 1, 2)]
+    transfers.store([4, 1, 2], [2, 0, 1])
+    transfers.poison_gpu(range(6), "store")
+    transfers.load([2, 0, 1], [0, 5, 3], label="load")
+    device.run_until_idle()
+    assert [torch.equal(block(caches, b), e) for b, e in zip((0, 5, 3), expected)] == [True] * 3

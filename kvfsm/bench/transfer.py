@@ -124,7 +124,7 @@ def mechanisms(device: CudaDevice, layout: str, num_blocks: int, peaks: dict[str
 
 
 def compute_interference(transfer: Callable[[], None], size: int = 8192, iters: int = 24,
-                         trials: int = 4) -> dict[str, float]:
+                         trials: int = 6) -> dict[str, float]:
     """A bf16 matmul loop on the compute stream, timed by compute-stream events, alone and with `transfer` (twice)
     enqueued right behind it so copies and matmuls run together; trials alternate so clock drift hits both."""
     a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
