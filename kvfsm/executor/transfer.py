@@ -43,7 +43,10 @@ def _distinct(ids: tuple[int, ...], what: str) -> None:
 
 
 class Transfers:
-    """Enqueues stores on the "store" stream and loads on the "load" stream of `device`."""
+    """Enqueues stores on the "store" stream and loads on the "load" stream of `device`.
+
+    With staged-gather (the default) it holds four device staging slots of `staging_bytes` each (two per
+    direction, capped at the cache's size), so a store and a load can run at once without sharing a slot."""
 
     def __init__(self, device: Device, caches: KVCaches, pool: HostPool, block_size_factor: int,
                  mechanism: str = "auto", staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
@@ -59,7 +62,7 @@ class Transfers:
         self._caches = caches
         self._pool = pool
         self.block_size_factor = block_size_factor
-        self.mechanism = resolve(mechanism, caches)
+        self.mechanism = resolve(mechanism)
         self._mechanism = build(self.mechanism, caches, staging_bytes)
 
     def _host_offset(self, slot: int, sub_block: int) -> int:
