@@ -88,7 +88,8 @@ def fence(world: World) -> list[str]:
 
 @REGISTRY.invariant("load-after-readers")
 def load_after_readers(world: World) -> list[str]:
-    return _ordering(world, {(("compute", "read"), ("load", "write")), (("store", "read"), ("load", "write"))}, "gpu")
+    earlier = {("compute", "read"), ("compute", "write"), ("store", "read")}
+    return _ordering(world, {(use, ("load", "write")) for use in earlier}, "gpu")
 
 
 @REGISTRY.invariant("load-before-use")

@@ -136,7 +136,7 @@ def manager_machine(make: MakeManager, pool: int = POOL) -> type[RuleBasedStateM
             i = data.draw(st.integers(0, len(self.stores) - 1))
             slots, submitted = self.stores[i]
             blocks = self.manager.blocks
-            if success and not submitted:
+            if not submitted:  # a store ends (done or failed) only once its copy was submitted
                 return
             del self.stores[i]
             orphaned = {s for s in slots if blocks[s].state == "orphaned"}
@@ -189,7 +189,9 @@ def manager_machine(make: MakeManager, pool: int = POOL) -> type[RuleBasedStateM
                 return  # the invariant already failed this run; finishing its transfers would only mask that
             for slots in self.loads:
                 manager.complete_load(slots)
-            for slots, _ in self.stores:
+            for slots, submitted in self.stores:
+                if not submitted:
+                    manager.mark_submitted(slots)
                 manager.complete_store(slots, False)
             fresh = list(range(100, 100 + manager.capacity))
             assert manager.prepare_store(fresh, job_id=0) is not None, f"slots leaked: {manager.usage()}"

@@ -213,10 +213,14 @@ def test_a_failed_store_frees_its_slots_and_is_not_reported_ready(policy: str) -
         check_failed_store(TrustsEnqueuedStores(2))
 
 
-def test_a_store_may_fail_before_it_is_submitted() -> None:
+def test_a_store_ends_only_after_it_was_submitted() -> None:
     manager = OffloadingManager(2)
     plan = manager.prepare_store([1], job_id=1)
     assert plan is not None
+    with pytest.raises(BadSlots):
+        manager.complete_store(plan.slots, False)
+    assert states(manager) == ["pending-store", "free"]
+    manager.mark_submitted(plan.slots)
     manager.complete_store(plan.slots, False)
     assert states(manager) == ["free", "free"] and manager.prepare_store([1], job_id=2) is not None
 

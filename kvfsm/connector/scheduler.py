@@ -261,8 +261,12 @@ class SchedulerConnector:
             del self.jobs[job.job_id]
 
     def request_finished(self, request_id: str, aborted: bool = False) -> bool:
-        """Whether the engine must keep the request's GPU blocks until `update_connector_output` releases it."""
-        tracked = self._get(request_id)
+        """Whether the engine must keep the request's GPU blocks until `update_connector_output` releases it.
+
+        Engines call this for every request that ends, including ones the connector never looked up."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return False
         if aborted:
             self._flush(tracked.record, "abort")
         else:

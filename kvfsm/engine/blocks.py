@@ -68,6 +68,12 @@ class BlockPool:
             self._cached[block_hash] = block
             self._hash_of[block] = block_hash
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (what an engine's prefix-cache reset does)."""
+        for block in [b for b in self._free if b in self._hash_of]:
+            del self._cached[self._hash_of.pop(block)]
+            self.to_poison.append(block)
+
     def take_poison(self) -> list[int]:
         blocks, self.to_poison = sorted(set(self.to_poison)), []
         return blocks

@@ -124,6 +124,7 @@ class Engine:
         self.live: dict[str, EngineRequest] = {}
         self.finished: list[EngineRequest] = []
         self._next_handle = 0
+        self._forced: set[str] = set()
         self.preemptions = 0
         self.computed_tokens = 0
         self.gpu_hit_tokens = 0
@@ -152,6 +153,16 @@ class Engine:
             self.running.remove(request)
         self.loading.pop(request_id, None)
         self._finish(request, aborted=True)
+
+    def preempt(self, request_id: str) -> None:
+        """Preempt a running request at the next step, as memory pressure would (tests and demos force it)."""
+        request = self.live.get(request_id)
+        if request is not None and request.phase is Phase.RUNNING:
+            self._forced.add(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the GPU prefix cache (blocks in use stay): a returning prefix must then come from CPU or compute."""
+        self.pool.reset_prefix_cache()
 
     @property
     def has_work(self) -> bool:
@@ -189,6 +200,10 @@ class Engine:
         budget = self.config.max_batched_tokens
         work: list[_Work] = []
         preempted: list[str] = []
+        for request in [r for r in self.running if r.request_id in self._forced]:
+            self._preempt(request)
+            preempted.append(request.request_id)
+        self._forced.clear()
         for request in list(self.running):  # running first: decode (or finish a prefill after a load)
             if request not in self.running:
                 continue  # preempted below to make room for an earlier one

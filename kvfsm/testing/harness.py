@@ -1,0 +1,153 @@
+"""One engine + connector + device under test, with every check the spec implies.
+
+Shared by the hypothesis state machine, the exhaustive explorer and the GPU tests, so all three check the same
+things: the spec's named invariants, trace conformance, the bytes of every CPU block that is ready, the absence of
+poisoned reads, and — once drained — outputs equal to the run without offloading and nothing leaked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvfsm.config import OffloadConfig
+from kvfsm.connector import Connector
+from kvfsm.engine.engine import Engine, EngineConfig
+from kvfsm.engine.model import ModelShape
+from kvfsm.executor.device import Device
+from kvfsm.executor.transfer import TransferError
+from kvfsm.invariants import check_all
+from kvfsm.machines import default_machines
+from kvfsm.testing.mutants import MUTANTS
+from kvfsm.testing.oracle import BlockOracle, expected_tokens, poisoned
+from kvfsm.testing.trace import TraceRecorder
+from kvfsm.testing.world import EngineWorld
+
+SHAPE = ModelShape(num_layers=2, num_heads=1, head_dim=4, block_size=2, vocab=997)
+
+
+class InjectedFault(TransferError):
+    """A transfer failure the test asked for."""
+
+
+class FaultInjector:
+    """Wraps a worker's transfers; when armed, the next store or load is refused as a real failure would be."""
+
+    def __init__(self, transfers: object) -> None:
+        self._transfers = transfers
+        self.armed = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._transfers, name)
+
+    def _maybe_fail(self) -> None:
+        if self.armed:
+            self.armed = False
+            raise InjectedFault("injected transfer failure")
+
+    def store(self, *args: object, **kwargs: object) -> None:
+        self._maybe_fail()
+        self._transfers.store(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def load(self, *args: object, **kwargs: object) -> None:
+        self._maybe_fail()
+        self._transfers.load(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+@dataclass
+class Submitted:
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    aborted: bool = False
+
+
+class Harness:
+    def __init__(self, device: Device, num_gpu_blocks: int, cpu_blocks: int, block_size_factor: int = 1,
+                 mutant: str | None = None, max_batched_tokens: int = 32, shape: ModelShape = SHAPE) -> None:
+        self.device = device
+        self.shape = shape
+        config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=block_size_factor,
+                               gpu_block_size=shape.block_size)
+        self.connector = Connector(config, device, keep_history=True)
+        self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
+                                          model=shape), device, self.connector)
+        self.faults = FaultInjector(self.connector.worker._transfers)
+        self.connector.worker._transfers = self.faults  # type: ignore[assignment]
+        if mutant is not None:
+            MUTANTS[mutant].apply(self.engine, self.connector)
+        self.world = EngineWorld(self.engine, self.connector)
+        self.oracle = BlockOracle(shape, block_size_factor)
+        self.trace = TraceRecorder(default_machines())
+        self.submitted: dict[int, Submitted] = {}
+        self._next_id = 0
+
+    # --- driving -------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int, request_id: str | None = None) -> str:
+        request_id = request_id or f"req-{self._next_id}"
+        self._next_id += 1
+        handle = self.engine.add_request(request_id, prompt, max_new_tokens)
+        self.submitted[handle] = Submitted(tuple(prompt), max_new_tokens)
+        self.oracle.learn(tuple(prompt), self.engine.live[request_id].block_hashes)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        request = self.engine.live.get(request_id)
+        if request is not None:
+            self.submitted[request.handle].aborted = True
+            self.engine.abort(request_id)
+
+    def drain(self, max_steps: int = 200) -> None:
+        """Run the engine to idle, letting the device run everything between steps."""
+        for _ in range(max_steps):
+            if not self.engine.has_work:
+                break
+            self.engine.step()
+            self._settle()
+        self._settle()
+
+    def _settle(self) -> None:
+        run = getattr(self.device, "run_until_idle", None)
+        if run is not None:
+            run()
+        else:
+            torch.cuda.synchronize()
+
+    # --- checking ------------------------------------------------------------------------------------------
+
+    def violations(self) -> list[str]:
+        """Everything wrong right now: named invariants, trace conformance, bytes of ready CPU blocks."""
+        found = [f"{name}: {line}" for name, lines in check_all(self.world).items() for line in lines]
+        found += [f"trace: {line}" for line in self.trace.check()]
+        found += self._cpu_bytes()
+        return found
+
+    def _cpu_bytes(self) -> list[str]:
+        found = []
+        pool = self.connector.worker.pool
+        for block in self.connector.scheduler.manager.blocks:
+            if block.state in ("ready", "loading") and block.block_hash is not None:
+                actual = pool.slot(block.slot).cpu()
+                if not torch.equal(actual, self.oracle.cpu_block_bytes(block.block_hash)):
+                    found.append(f"ready-means-written: CPU slot {block.slot} does not hold the bytes of its prefix")
+        return found
+
+    def final_violations(self) -> list[str]:
+        """After `drain`: everything above, plus outputs equal to the run without offloading."""
+        found = self.violations()
+        outputs = self.engine.outputs()
+        found += [f"output: request {h} read a poisoned KV block" for h in poisoned(outputs)]
+        for handle, sub in self.submitted.items():
+            if sub.aborted or handle not in outputs:
+                continue
+            expected = list(expected_tokens(sub.prompt, sub.max_new_tokens, self.shape))
+            if outputs[handle] != expected:
+                found.append(f"output: request {handle} gave {outputs[handle]}, without offloading {expected}")
+        if self.engine.has_work:
+            found.append("drained: the engine still has work after draining")
+        return found
+
+    def close(self) -> None:
+        self.trace.close()

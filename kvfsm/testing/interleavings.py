@@ -1,0 +1,159 @@
+"""Hypothesis-generated interleavings, with rules derived from the spec's triggers.
+
+Every trigger of every lifecycle is either provoked directly by a rule here (an external event: a preemption, an
+abort, a cache reset, a failed transfer) or fired by the connector in the course of engine steps. `EXTERNAL` maps
+the former to the harness action that provokes it, `STEP_DRIVEN` lists the latter, and the state machine gets one
+rule per external trigger. `tests/test_interleavings.py` fails when the spec gains a trigger that is in neither,
+so a new transition cannot go unexercised.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvfsm.executor.sim import SimDevice, first_runnable
+from kvfsm.testing.harness import Harness
+
+Trigger = tuple[str, str]
+
+STEP_DRIVEN: frozenset[Trigger] = frozenset({
+    ("request", "lookup"), ("request", "allocate"), ("request", "load-done"), ("request", "load-failed"),
+    ("request", "finish"), ("request", "job-done"),
+    ("transfer-job", "prepare"), ("transfer-job", "submit"), ("transfer-job", "flush"),
+    ("transfer-job", "complete"),
+    ("cpu-block", "allocate"), ("cpu-block", "submit"), ("cpu-block", "store-done"), ("cpu-block", "store-failed"),
+    ("cpu-block", "pin"), ("cpu-block", "unpin"), ("cpu-block", "evict"),
+    ("gpu-block", "fence"), ("gpu-block", "unfence"),
+})
+
+
+def _preempt(harness: Harness, choice: int) -> None:
+    running = harness.engine.running
+    if running:
+        harness.engine.preempt(running[choice % len(running)].request_id)
+
+
+def _abort(harness: Harness, choice: int) -> None:
+    live = sorted(harness.engine.live)
+    if live:
+        harness.abort(live[choice % len(live)])
+
+
+def _reset(harness: Harness, choice: int) -> None:
+    harness.connector.reset_cache()
+
+
+def _fail(harness: Harness, choice: int) -> None:
+    harness.faults.armed = True
+
+
+EXTERNAL: dict[Trigger, Callable[[Harness, int], None]] = {
+    ("request", "preempt"): _preempt,
+    ("request", "abort"): _abort,
+    ("cpu-block", "reset"): _reset,
+    ("transfer-job", "fail"): _fail,
+}
+
+PREFIXES = ((11, 12, 13, 14), (11, 12, 13, 14, 15, 16), (21, 22, 23, 24))
+PROMPTS = st.tuples(
+    st.builds(lambda prefix, suffix: prefix + tuple(suffix), st.sampled_from(PREFIXES),
+              st.lists(st.integers(0, 99), max_size=4)),
+    st.integers(1, 3),
+)
+"""(prompt, max new tokens): prompts drawn so that prefixes are often shared."""
+
+
+class OffloadInterleavings(RuleBasedStateMachine):
+    """The reference engine + kvfsm on a SimDevice whose every stream choice hypothesis makes."""
+
+    mutant: str | None = None
+    examples = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        type(self).examples += 1
+        self.harness: Harness | None = None
+
+    @initialize(gpu_blocks=st.integers(6, 12), cpu_blocks=st.integers(2, 6), factor=st.sampled_from([1, 2]),
+                prompts=st.lists(PROMPTS, min_size=1, max_size=3))
+    def setup(self, gpu_blocks: int, cpu_blocks: int, factor: int, prompts: list[tuple[tuple[int, ...], int]]) -> None:
+        self.harness = Harness(SimDevice(), num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
+                               block_size_factor=factor, mutant=self.mutant)
+        for prompt, max_new in prompts:
+            self.h.add_request(prompt, max_new)
+
+    @property
+    def h(self) -> Harness:
+        assert self.harness is not None
+        return self.harness
+
+    def _choose_with(self, data: st.DataObject) -> None:
+        self.h.device.scheduler = lambda options: data.draw(st.sampled_from(options), label="stream")
+
+    @rule(data=st.data(), arrivals=st.lists(PROMPTS, max_size=2), lag=st.integers(0, 6), forget=st.booleans())
+    def step(self, data: st.DataObject, arrivals: list[tuple[tuple[int, ...], int]], lag: int, forget: bool) -> None:
+        """New requests arrive (after the GPU prefix cache is dropped if `forget`, so they reload from CPU), one
+        engine step runs, then `lag` device operations: the host runs ahead of the GPU by a chosen amount."""
+        if forget:
+            self.h.engine.reset_prefix_cache()
+        for prompt, max_new in arrivals:
+            if len(self.h.engine.live) < 5:
+                self.h.add_request(prompt, max_new)
+        self._choose_with(data)
+        self.h.engine.step()
+        self.run_device(data, lag)
+
+    @rule(data=st.data(), count=st.integers(1, 12))
+    def run_device(self, data: st.DataObject, count: int) -> None:
+        """Advance the device by `count` operations, hypothesis picking the stream each time (delays compute too)."""
+        device = self.h.device
+        for _ in range(count):
+            options = device.runnable()
+            if not options:
+                return
+            device.run_one(data.draw(st.sampled_from(options), label="stream"))
+
+    @invariant()
+    def spec_holds(self) -> None:
+        if self.harness is not None:
+            assert not (found := self.h.violations()), "\n".join(found)
+
+    def teardown(self) -> None:
+        if self.harness is None:
+            return
+        self.h.device.scheduler = first_runnable
+        try:
+            self.h.drain()
+            found = self.h.final_violations()
+            assert not found, "\n".join(found)
+        finally:
+            EXERCISED.update(self.h.trace.edges)
+            self.h.close()
+
+
+EXERCISED: set[tuple[str, str, str, str]] = set()
+"""Every (lifecycle, source, trigger, dest) the interleavings took, across runs: the edge-coverage report."""
+
+
+def _external_rule(trigger: Trigger, action: Callable[[Harness, int], None]) -> Callable[..., None]:
+    @precondition(lambda self: self.harness is not None and bool(self.h.engine.live))
+    @rule(choice=st.integers(0, 7))
+    def provoke(self: OffloadInterleavings, choice: int) -> None:
+        action(self.h, choice)
+
+    provoke.__name__ = provoke.__qualname__ = f"provoke_{trigger[0]}_{trigger[1]}".replace("-", "_")
+    return provoke
+
+
+for _trigger, _action in EXTERNAL.items():
+    _rule = _external_rule(_trigger, _action)
+    setattr(OffloadInterleavings, _rule.__name__, _rule)
+
+
+def interleavings_for(mutant: str | None) -> type[OffloadInterleavings]:
+    """The state machine against kvfsm (None) or against one of `kvfsm.testing.mutants.MUTANTS`."""
+    return type(f"Interleavings_{mutant or 'kvfsm'}".replace("-", "_"), (OffloadInterleavings,),
+                {"mutant": mutant, "examples": 0})
