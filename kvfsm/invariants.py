@@ -104,7 +104,7 @@ def readers_pin(world: World) -> list[str]:
         for b in world.cpu_blocks
         if b.readers < 0
         or (b.readers > 0 and b.state not in ("loading", "orphaned"))
-        or (b.state == "loading" and b.readers == 0)
+        or (b.state == "loading" and b.readers != 1)
     ]
     return found + _ordering(world, {(("load", "read"), ("store", "write"))}, "cpu")
 

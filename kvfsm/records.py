@@ -74,16 +74,6 @@ class GpuBlock:
 # cpu-block -------------------------------------------------------------------------------------------------
 
 
-@REGISTRY.guard("cpu-block", "has-other-readers")
-def _has_other_readers(block: CpuBlock, **_: object) -> bool:
-    return block.readers > 1
-
-
-@REGISTRY.guard("cpu-block", "is-last-reader")
-def _is_last_reader(block: CpuBlock, **_: object) -> bool:
-    return block.readers == 1
-
-
 @REGISTRY.effect("cpu-block", "claim-hash")
 def _claim_hash(block: CpuBlock, block_hash: int, job_id: int | None = None, **_: object) -> None:
     block.block_hash = block_hash

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfsm.machines import CompiledLifecycle, GuardRefused, IllegalTrigger, MachineSet, TransitionsLifecycle
-from kvfsm.records import CpuBlock
+from kvfsm.records import CpuBlock, GpuBlock
 from kvfsm.registry import Registry
 from kvfsm.spec import Spec, load_spec
 
@@ -95,21 +95,32 @@ def test_illegal_trigger_names_lifecycle_state_and_trigger(backend: str) -> None
 @pytest.mark.parametrize("backend", ["table", "transitions"])
 def test_refused_guard_raises_and_leaves_the_model_unchanged(backend: str) -> None:
     machines = MachineSet(load_spec(), backend=backend)  # type: ignore[arg-type]
-    block = CpuBlock(slot=0, state="loading", readers=0)  # a count no legal path produces: no guard holds
+    block = GpuBlock(block_id=0, state="fenced", store_readers=0)  # a count no legal path produces
     with pytest.raises(GuardRefused):
-        machines["cpu-block"].fire(block, "unpin")
-    assert (block.state, block.readers) == ("loading", 0)
+        machines["gpu-block"].fire(block, "unfence")
+    assert (block.state, block.store_readers) == ("fenced", 0)
 
 
 @pytest.mark.parametrize("backend", ["table", "transitions"])
 def test_effects_keep_reader_count_and_state_together(backend: str) -> None:
     blocks = MachineSet(load_spec(), backend=backend)["cpu-block"]  # type: ignore[arg-type]
     block = CpuBlock(slot=3)
-    for trigger in ("allocate", "submit", "store-done", "pin", "pin", "unpin"):
+    for trigger in ("allocate", "submit", "store-done", "pin"):
         blocks.fire(block, trigger, block_hash=0xAB)
     assert (block.state, block.readers, block.block_hash) == ("loading", 1, 0xAB)
     blocks.fire(block, "unpin")
     assert (block.state, block.readers) == ("ready", 0)
+
+
+@pytest.mark.parametrize("backend", ["table", "transitions"])
+def test_a_loading_block_cannot_be_pinned_by_a_second_load(backend: str) -> None:
+    blocks = MachineSet(load_spec(), backend=backend)["cpu-block"]  # type: ignore[arg-type]
+    block = CpuBlock(slot=0)
+    for trigger in ("allocate", "submit", "store-done", "pin"):
+        blocks.fire(block, trigger, block_hash=1)
+    with pytest.raises(IllegalTrigger, match="'pin' is illegal in state 'loading'"):
+        blocks.fire(block, "pin")
+    assert block.readers == 1
 
 
 def test_observers_see_every_transition() -> None:

@@ -86,17 +86,17 @@ def test_transition_out_of_a_terminal_state_is_refused(tmp_path: Path) -> None:
 def test_two_destinations_without_a_guard_are_refused(tmp_path: Path) -> None:
     def unguard(doc: Doc) -> None:
         for t in doc["transitions"]:
-            if t["trigger"] == "unpin" and t["dest"] == "ready":
+            if t["trigger"] == "unfence" and t["dest"] == "writable":
                 del t["guards"]
 
-    refusal(broken_spec(tmp_path, "cpu-block", unguard), "cpu-block", "state 'loading' trigger 'unpin'",
+    refusal(broken_spec(tmp_path, "gpu-block", unguard), "gpu-block", "state 'fenced' trigger 'unfence'",
             "not every one has a guard")
 
 
 @pytest.mark.parametrize(
     ("kind", "mutate", "fragment"),
     [
-        ("guard", lambda d: d["transitions"][6].update(guards=["has-other-reader"]), "guard 'has-other-reader'"),
+        ("guard", lambda d: d["transitions"][0].update(guards=["has-free-slot"]), "guard 'has-free-slot'"),
         ("effect", lambda d: d["transitions"][0].update(effects=["claim-hashes"]), "effect 'claim-hashes'"),
         ("invariant", lambda d: d["invariants"].update({"readers-pinn": "typo."}), "invariant 'readers-pinn'"),
     ],
