@@ -1,0 +1,156 @@
+"""The connector's worker half on a `SimDevice`: orders in, copies on streams, each job reported once.
+
+The scheduler is played by the test (the metadata is written by hand), so each test names exactly the orders
+its rule is about; the engine is played by `step`, which calls the worker in the order an engine step does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfsm.config import OffloadConfig
+from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
+from kvfsm.connector.worker import NotRegistered, WorkerConnector
+from kvfsm.executor.layouts import LayoutError
+from kvfsm.executor.sim import SimDevice
+
+NUM_BLOCKS = 8
+SHAPE = (2, NUM_BLOCKS, 4, 1, 8)
+"""kv-first: (K/V, blocks, tokens per block, heads, head dim)."""
+
+
+def make_worker(k: int = 1, cpu_blocks: int = 4) -> tuple[WorkerConnector, SimDevice, list[torch.Tensor]]:
+    """A registered worker over two layers of distinct, random KV bytes."""
+    device = SimDevice()
+    worker = WorkerConnector(OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=k, gpu_block_size=4), device)
+    generator = torch.Generator().manual_seed(7)
+    layers = [torch.randn(SHAPE, generator=generator).half() for _ in range(2)]
+    worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(layers)}, "kv-first")
+    return worker, device, layers
+
+
+def step(worker: WorkerConnector, meta: ConnectorMetadata) -> WorkerOutput:
+    """The worker's calls of one engine step (the forward pass itself writes nothing here)."""
+    worker.bind_connector_metadata(meta)
+    worker.handle_preemptions()
+    worker.start_load_kv()
+    worker.wait_for_save()
+    return worker.get_finished()
+
+
+def blocks(layers: list[torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    return [layer[:, ids].clone() for layer in layers]
+
+
+def store(job_id: int, gpu_blocks: tuple[int, ...], cpu_slots: tuple[int, ...]) -> StoreOrder:
+    return StoreOrder(job_id=job_id, req_id="r", gpu_blocks=gpu_blocks, cpu_slots=cpu_slots)
+
+
+# registration ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tensors, layout", [
+    ({"layer.0": torch.zeros(3, NUM_BLOCKS, 4, 1, 8)}, "kv-first"),  # three planes, not K and V
+    ({"layer.0": torch.zeros(SHAPE)}, "paged"),  # no such layout
+    ({"layer.0": torch.zeros(SHAPE), "layer.1": torch.zeros(2, NUM_BLOCKS + 1, 4, 1, 8)}, "kv-first"),
+    ({"layer.0": torch.zeros(SHAPE).transpose(2, 4)}, "kv-first"),  # not contiguous
+])
+def test_registering_caches_of_a_bad_layout_or_shape_raises_layout_error(tensors: dict[str, torch.Tensor],
+                                                                         layout: str) -> None:
+    device = SimDevice()
+    worker = WorkerConnector(OffloadConfig(cpu_blocks=2, gpu_block_size=4), device)
+    with pytest.raises(LayoutError):
+        worker.register_kv_caches(tensors, layout)
+    assert device.host_bytes == 0, "a refused registration pinned host memory"
+
+
+def test_orders_before_registration_raise_not_registered() -> None:
+    worker = WorkerConnector(OffloadConfig(cpu_blocks=2, gpu_block_size=4), SimDevice())
+    worker.bind_connector_metadata(ConnectorMetadata(step=1, loads=(
+        LoadOrder(job_id=0, req_id="r", gpu_blocks=(0,), cpu_slots=(0,)),)))
+    with pytest.raises(NotRegistered):
+        worker.start_load_kv()
+    with pytest.raises(NotRegistered):
+        _ = worker.pool
+
+
+# transfers -------------------------------------------------------------------------------------------------
+
+
+def test_a_store_is_submitted_the_step_after_it_was_ordered_and_reported_once() -> None:
+    worker, device, _ = make_worker()
+    assert step(worker, ConnectorMetadata(step=1, stores=(store(0, (1, 2), (0, 1)),))) == WorkerOutput()
+    device.run_until_idle()
+    assert worker.jobs[0].state == "pending-store"
+    assert not [a for a in device.accesses if a.actor == "store"], "a store ran in the step that ordered it"
+    step(worker, ConnectorMetadata(step=2))
+    assert worker.jobs[0].state == "submitted"
+    device.run_until_idle()
+    assert worker.get_finished().done == (0,)
+    assert worker.get_finished() == WorkerOutput(), "a finished job was reported twice"
+    assert worker.jobs == {}
+
+
+def test_wait_drives_the_device_until_the_jobs_are_done() -> None:
+    worker, device, _ = make_worker()
+    step(worker, ConnectorMetadata(step=1, stores=(store(0, (1, 2), (0, 1)),)))
+    step(worker, ConnectorMetadata(step=2))
+    assert not device.idle
+    worker.wait([0])
+    assert device.idle and worker.get_finished().done == (0,)
+
+
+@pytest.mark.parametrize("k, gpu_offset, loaded", [(1, 0, 2), (2, 0, 4), (2, 1, 3), (2, 1, 2)])
+def test_stored_bytes_load_back_exactly(k: int, gpu_offset: int, loaded: int) -> None:
+    """Two CPU blocks of k GPU blocks each; the load starts `gpu_offset` sub-blocks into the first one."""
+    worker, device, layers = make_worker(k=k)
+    sources = list(range(2 * k))
+    expected = blocks(layers, sources[gpu_offset:gpu_offset + loaded])
+    step(worker, ConnectorMetadata(step=1, stores=(store(0, tuple(sources), (0, 1)),)))
+    step(worker, ConnectorMetadata(step=2))
+    device.run_until_idle()
+    worker.get_finished()
+    targets = tuple(range(NUM_BLOCKS - loaded, NUM_BLOCKS))
+    slots = (0, 1) if gpu_offset + loaded > k else (0,)
+    step(worker, ConnectorMetadata(step=3, loads=(
+        LoadOrder(job_id=1, req_id="r", gpu_blocks=targets, cpu_slots=slots, gpu_offset=gpu_offset),)))
+    device.run_until_idle()
+    assert worker.get_finished().done == (1,)
+    for want, got in zip(expected, blocks(layers, list(targets))):
+        assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+
+
+# preemption ------------------------------------------------------------------------------------------------
+
+
+def check_flush_waits_for_stores(worker: WorkerConnector, device: SimDevice) -> None:
+    """A preemption flushes one pending and one submitted store: both are done when handle_preemptions returns."""
+    step(worker, ConnectorMetadata(step=1, stores=(store(0, (1,), (0,)),)))
+    step(worker, ConnectorMetadata(step=2, stores=(store(1, (2,), (1,)),)))
+    assert [worker.jobs[j].state for j in (0, 1)] == ["submitted", "pending-store"]
+    worker.bind_connector_metadata(ConnectorMetadata(step=3, flush=(0, 1)))
+    worker.handle_preemptions()
+    assert device.idle, "a flushed store was still queued when the engine could reuse its blocks"
+    assert set(worker.get_finished().done) == {0, 1}
+
+
+def test_handle_preemptions_submits_and_waits_for_flushed_stores() -> None:
+    check_flush_waits_for_stores(*make_worker()[:2])
+    worker, device, _ = make_worker()
+    worker.handle_preemptions = lambda: None  # type: ignore[method-assign]  # control: no flush
+    with pytest.raises(AssertionError):
+        check_flush_waits_for_stores(worker, device)
+
+
+# shutdown --------------------------------------------------------------------------------------------------
+
+
+def test_shutdown_waits_for_transfers_and_releases_the_host_pool() -> None:
+    worker, device, _ = make_worker()
+    assert device.host_bytes == 4 * worker.pool.slot_bytes
+    step(worker, ConnectorMetadata(step=1, stores=(store(0, (1,), (0,)),)))
+    step(worker, ConnectorMetadata(step=2))
+    worker.shutdown()
+    assert device.idle and device.host_bytes == 0
+    worker.shutdown()  # twice is harmless
