@@ -1,0 +1,314 @@
+"""Connector behaviours that need a whole engine: the reference engine + kvfsm on a `SimDevice`, via the Harness.
+
+The Harness checks every named invariant, the bytes of every ready CPU block and, once drained, that each
+request's tokens equal the run without offloading; each test adds the numbers its rule is about. A control is
+the same scenario with one rule removed, and the test asserts the checks catch it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+
+from kvfsm.connector.metadata import ConnectorOutput, LoadOrder
+from kvfsm.connector.scheduler import StepResult
+from kvfsm.executor.sim import SimDevice
+from kvfsm.invariants import Deferral
+from kvfsm.machines import IllegalTrigger
+from kvfsm.testing.harness import Harness
+from kvfsm.testing.mutants import MUTANTS
+
+PREFIX = tuple(range(10, 28))
+"""18 tokens: nine 2-token GPU blocks."""
+
+Control = Callable[[Harness], None]
+
+
+def harness(k: int = 1, gpu_blocks: int = 24, cpu_blocks: int = 16, control: Control | None = None) -> Harness:
+    h = Harness(SimDevice(), num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, block_size_factor=k)
+    if control is not None:
+        control(h)
+    return h
+
+
+def offload(h: Harness, prompt: tuple[int, ...] = PREFIX) -> None:
+    """Run `prompt` to the end, then drop the GPU prefix cache: its prefix now lives only on CPU."""
+    h.add_request(prompt, 1)
+    h.drain()
+    h.engine.reset_prefix_cache()
+
+
+def finish(h: Harness) -> list[str]:
+    h.drain()
+    return h.final_violations()
+
+
+def mutant(name: str) -> Control:
+    return lambda h: MUTANTS[name].apply(h.engine, h.connector)
+
+
+def step_lagging(h: Harness) -> None:
+    """One engine step with the device left where it is: the host runs ahead of the GPU."""
+    h.engine.step()
+
+
+# loads from the middle of a CPU block ----------------------------------------------------------------------
+
+
+def run_partial_cpu_block_load(h: Harness) -> list[str]:
+    """GPU holds 3 blocks of a 2-block-CPU prefix: the load starts in the middle of the second CPU block."""
+    prompt = PREFIX[:10]
+    offload(h, prompt)
+    h.add_request(prompt[:6] + (90, 91, 92), 2)  # loads CPU block 0, computes GPU block 2 (cached on GPU)
+    h.drain()
+    loads: list[LoadOrder] = []
+    worker = h.connector.worker
+    submit = worker._submit_load
+    worker._submit_load = lambda order: (loads.append(order), submit(order))[-1]  # type: ignore[method-assign]
+    h.add_request(prompt + (50,), 2)
+    violations = finish(h)
+    assert [(o.gpu_offset, len(o.gpu_blocks)) for o in loads] == [(1, 1)], "the load did not start mid CPU block"
+    assert h.engine.gpu_hit_tokens == 6
+    return violations
+
+
+def test_a_load_from_the_middle_of_a_cpu_block_round_trips_exactly() -> None:
+    assert run_partial_cpu_block_load(harness(k=2)) == []
+
+
+def test_a_load_that_ignores_the_offset_is_caught() -> None:
+    def from_offset_zero(h: Harness) -> None:
+        worker = h.connector.worker
+        submit = worker._submit_load
+        worker._submit_load = lambda order: submit(order.model_copy(update={"gpu_offset": 0}))  # type: ignore
+    found = run_partial_cpu_block_load(harness(k=2, control=from_offset_zero))
+    assert any(line.startswith("output:") for line in found)
+
+
+# one load per prefix, no convoy ----------------------------------------------------------------------------
+
+
+def first_token_steps(h: Harness, names: tuple[str, ...], steps: int = 12) -> dict[str, int]:
+    """Step the engine (device settled after each step) and note the step of each request's first token."""
+    first: dict[str, int] = {}
+    for number in range(1, steps + 1):
+        h.engine.step()
+        h._settle()
+        assert not (found := h.violations()), "\n".join(found)
+        for request in [*h.engine.live.values(), *h.engine.finished]:
+            if request.request_id in names and request.num_sampled and request.request_id not in first:
+                first[request.request_id] = number
+    return first
+
+
+def run_shared_prefix(h: Harness) -> dict[str, int]:
+    offload(h)
+    h.add_request(PREFIX[:9], 1, "short")  # 4 GPU blocks: CPU blocks 0-1
+    h.add_request(PREFIX[:17], 1, "long")  # 8 GPU blocks: CPU blocks 0-3
+    return first_token_steps(h, ("short", "long"))
+
+
+def test_concurrent_lookups_make_one_load_and_the_deferred_request_loads_only_the_rest() -> None:
+    h = harness(k=2)
+    first = run_shared_prefix(h)
+    scheduler = h.connector.scheduler
+    loads = sorted((j for j in scheduler.jobs.values() if j.kind == "load"), key=lambda j: j.job_id)
+    assert [(j.req_id, len(j.cpu_slots)) for j in loads] == [("short", 2), ("long", 2)]
+    assert scheduler.stats.deferrals == 2  # at the lookup of step 1 and at step 2, before the load was reported
+    assert h.engine.gpu_hit_tokens == 8 and h.engine.cpu_hit_tokens == 8 + 8
+    # short: load (1), reported (2), compute (3); long: deferred (1, 2), load (3), reported (4), compute (5).
+    assert first == {"short": 3, "long": 5}
+    assert finish(h) == []
+
+
+def test_a_second_load_of_a_loading_block_is_caught() -> None:
+    with pytest.raises((AssertionError, IllegalTrigger)):
+        run_shared_prefix(harness(k=2, control=mutant("no-load-dedup")))
+
+
+def test_a_request_deferred_after_its_blocker_finished_is_caught() -> None:
+    def one_step_late(h: Harness) -> None:
+        """Control: a request deferred by its previous lookup is deferred once more on the same blockers, although
+        they finished (a convoy: it waits for a re-poll instead of proceeding)."""
+        scheduler = h.connector.scheduler
+        lookup, late = scheduler.get_num_new_matched_tokens, set()
+
+        def convoy(request, num_computed_tokens):  # type: ignore[no-untyped-def]
+            earlier = scheduler.deferrals.get(request.request_id)
+            match = lookup(request, num_computed_tokens)
+            if match is None or earlier is None or request.request_id in late:
+                return match
+            late.add(request.request_id)
+            scheduler._req.fire(scheduler.requests[request.request_id], "lookup", busy=True)
+            scheduler.deferrals[request.request_id] = Deferral(scheduler.step + 1, earlier.blockers)
+            return None
+        scheduler.get_num_new_matched_tokens = convoy  # type: ignore[method-assign]
+    with pytest.raises(AssertionError, match="no-convoy"):
+        run_shared_prefix(harness(k=2, control=one_step_late))
+
+
+# preemption ------------------------------------------------------------------------------------------------
+
+
+def run_preempt_and_resume(h: Harness) -> list[str]:
+    """Preempt a request the step after its prefill (its stores still in flight) and drop the GPU prefix cache,
+    with the host running ahead of the device; compute goes first whenever it can (SimDevice's default)."""
+    h.add_request(PREFIX[:12], 4, "a")
+    step_lagging(h)
+    h.engine.preempt("a")
+    step_lagging(h)
+    h.engine.reset_prefix_cache()
+    step_lagging(h)
+    return finish(h)
+
+
+def test_a_preempted_request_reloads_what_it_stored() -> None:
+    h = harness()
+    assert run_preempt_and_resume(h) == []
+    assert h.engine.preemptions == 1
+    assert h.engine.cpu_hit_tokens == 12, "the resumed request recomputed instead of reloading"
+    assert h.connector.scheduler.stats.blocks_loaded == 6
+
+
+def test_a_worker_that_does_not_flush_on_preemption_corrupts_data() -> None:
+    found = run_preempt_and_resume(harness(control=mutant("no-preemption-flush")))
+    assert any(line.startswith("fence:") for line in found)
+    assert any(line.startswith("ready-means-written:") for line in found)
+    assert any(line.startswith("output:") for line in found)
+
+
+# finished requests hold their blocks -----------------------------------------------------------------------
+
+
+def run_finish_then_reuse(h: Harness) -> tuple[list[str], set[str]]:
+    """A request finishes with its stores in flight; another needs its GPU blocks at once (a tight pool)."""
+    released: set[str] = set()
+    update = h.connector.update_connector_output
+
+    def note(output: ConnectorOutput) -> StepResult:
+        result = update(output)
+        released.update(result.released)
+        return result
+    h.connector.update_connector_output = note  # type: ignore[method-assign]
+    h.add_request(PREFIX[:12], 1, "a")
+    step_lagging(h)
+    held = h.connector.scheduler.requests["a"].state
+    h.add_request(tuple(range(60, 72)), 1, "b")
+    step_lagging(h)
+    assert held == "draining"
+    return finish(h), released
+
+
+def test_a_finished_request_is_held_until_its_stores_drain() -> None:
+    found, released = run_finish_then_reuse(harness(gpu_blocks=8))
+    assert found == [] and "a" in released
+
+
+def test_freeing_a_finished_request_mid_store_is_caught() -> None:
+    found, _ = run_finish_then_reuse(harness(gpu_blocks=8, control=mutant("no-fence")))
+    assert any(line.startswith("fence:") for line in found)
+
+
+# aborts, reused ids, reset ---------------------------------------------------------------------------------
+
+
+def test_abort_while_loading_leaks_nothing() -> None:
+    h = harness()
+    offload(h)
+    h.add_request(PREFIX, 2, "b")
+    step_lagging(h)
+    assert h.connector.scheduler.requests["b"].state == "loading"
+    h.abort("b")
+    assert finish(h) == []
+    assert "b" not in h.engine.live
+
+
+def test_abort_while_storing_leaks_nothing() -> None:
+    h = harness()
+    h.add_request(PREFIX, 3, "a")
+    step_lagging(h)
+    step_lagging(h)
+    assert any(j.kind == "store" and j.in_flight for j in h.connector.scheduler.jobs.values())
+    h.abort("a")
+    assert finish(h) == []
+
+
+def test_a_request_id_reused_after_it_finished_reloads_its_prefix() -> None:
+    h = harness()
+    offload(h)
+    h.add_request(PREFIX, 2, "req-0")
+    assert finish(h) == []
+    assert h.engine.cpu_hit_tokens == 16
+
+
+def test_reset_cache_with_stores_and_loads_in_flight_publishes_nothing() -> None:
+    h = harness()
+    offload(h)
+    h.add_request(PREFIX, 1, "loader")  # loads the stored prefix
+    h.add_request(tuple(range(60, 72)), 1, "storer")  # stores a new one
+    step_lagging(h)
+    step_lagging(h)
+    scheduler = h.connector.scheduler
+    caught = {j.job_id: j.kind for j in scheduler.jobs.values() if j.in_flight}
+    h.connector.reset_cache()
+    assert set(caught.values()) == {"load", "store"}
+    assert scheduler.manager.catalogue == {}
+    assert finish(h) == []
+    published = {b.writer_job for b in scheduler.manager.blocks if b.state == "ready"}
+    assert not published & set(caught), "a store in flight at the reset published its block"
+
+
+# failed transfers ------------------------------------------------------------------------------------------
+
+
+def run_failed_load(h: Harness) -> tuple[list[str], dict[str, tuple[int, ...]]]:
+    """The load of an offloaded prefix is refused as it is submitted; the engine must recompute those blocks."""
+    errors: dict[str, tuple[int, ...]] = {}
+    update = h.connector.update_connector_output
+
+    def note(output: ConnectorOutput) -> StepResult:
+        result = update(output)
+        errors.update(result.load_errors)
+        return result
+    h.connector.update_connector_output = note  # type: ignore[method-assign]
+    offload(h)
+    h.add_request(PREFIX, 2, "b")
+    h.faults.armed = True
+    return finish(h), errors
+
+
+def test_a_failed_load_is_recomputed_and_outputs_stay_correct() -> None:
+    h = harness()
+    found, errors = run_failed_load(h)
+    assert found == []
+    assert list(errors) == ["b"] and len(errors["b"]) == 8
+    assert h.connector.scheduler.stats.loads_failed == 1
+
+
+def test_an_engine_that_trusts_a_failed_load_is_caught() -> None:
+    def hide_errors(h: Harness) -> None:
+        """Control: the load errors never reach the engine, which computes on blocks that were never written."""
+        update = h.connector.update_connector_output
+
+        def hidden(output: ConnectorOutput) -> StepResult:
+            result = update(output)
+            result.load_errors.clear()
+            return result
+        h.connector.update_connector_output = hidden  # type: ignore[method-assign]
+    h = harness(control=hide_errors)
+    found, _ = run_failed_load(h)
+    assert any(line.startswith("output:") for line in found)
+
+
+def test_a_failed_store_publishes_nothing_and_the_prefix_is_recomputed() -> None:
+    h = harness()
+    h.add_request(PREFIX, 1, "a")
+    step_lagging(h)
+    h.faults.armed = True  # the store ordered in step 1 is submitted in step 2
+    assert finish(h) == []
+    scheduler = h.connector.scheduler
+    assert scheduler.stats.stores_failed == 1 and scheduler.manager.usage()["free"] == 16
+    h.engine.reset_prefix_cache()
+    h.add_request(PREFIX, 1, "b")
+    assert finish(h) == [] and h.engine.cpu_hit_tokens == 0
