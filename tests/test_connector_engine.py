@@ -48,6 +48,17 @@ def mutant(name: str) -> Control:
     return lambda h: MUTANTS[name].apply(h.engine, h.connector)
 
 
+def on_results(h: Harness, hook: Callable[[StepResult], None]) -> None:
+    """Let `hook` see (and, for a control, change) each StepResult before the engine acts on it."""
+    update = h.connector.update_connector_output
+
+    def hooked(output: ConnectorOutput) -> StepResult:
+        result = update(output)
+        hook(result)
+        return result
+    h.connector.update_connector_output = hooked  # type: ignore[method-assign]
+
+
 def step_lagging(h: Harness) -> None:
     """One engine step with the device left where it is: the host runs ahead of the GPU."""
     h.engine.step()
@@ -184,13 +195,7 @@ def test_a_worker_that_does_not_flush_on_preemption_corrupts_data() -> None:
 def run_finish_then_reuse(h: Harness) -> tuple[list[str], set[str]]:
     """A request finishes with its stores in flight; another needs its GPU blocks at once (a tight pool)."""
     released: set[str] = set()
-    update = h.connector.update_connector_output
-
-    def note(output: ConnectorOutput) -> StepResult:
-        result = update(output)
-        released.update(result.released)
-        return result
-    h.connector.update_connector_output = note  # type: ignore[method-assign]
+    on_results(h, lambda result: released.update(result.released))
     h.add_request(PREFIX[:12], 1, "a")
     step_lagging(h)
     held = h.connector.scheduler.requests["a"].state
@@ -265,13 +270,7 @@ def test_reset_cache_with_stores_and_loads_in_flight_publishes_nothing() -> None
 def run_failed_load(h: Harness) -> tuple[list[str], dict[str, tuple[int, ...]]]:
     """The load of an offloaded prefix is refused as it is submitted; the engine must recompute those blocks."""
     errors: dict[str, tuple[int, ...]] = {}
-    update = h.connector.update_connector_output
-
-    def note(output: ConnectorOutput) -> StepResult:
-        result = update(output)
-        errors.update(result.load_errors)
-        return result
-    h.connector.update_connector_output = note  # type: ignore[method-assign]
+    on_results(h, lambda result: errors.update(result.load_errors))
     offload(h)
     h.add_request(PREFIX, 2, "b")
     h.faults.armed = True
@@ -289,13 +288,7 @@ def test_a_failed_load_is_recomputed_and_outputs_stay_correct() -> None:
 def test_an_engine_that_trusts_a_failed_load_is_caught() -> None:
     def hide_errors(h: Harness) -> None:
         """Control: the load errors never reach the engine, which computes on blocks that were never written."""
-        update = h.connector.update_connector_output
-
-        def hidden(output: ConnectorOutput) -> StepResult:
-            result = update(output)
-            result.load_errors.clear()
-            return result
-        h.connector.update_connector_output = hidden  # type: ignore[method-assign]
+        on_results(h, lambda result: result.load_errors.clear())
     h = harness(control=hide_errors)
     found, _ = run_failed_load(h)
     assert any(line.startswith("output:") for line in found)
