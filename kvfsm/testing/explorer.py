@@ -1,0 +1,168 @@
+"""Exhaustive exploration of every schedule of a small workload, breadth first, deduplicating states.
+
+A schedule is the sequence of choices nothing in the code fixes: whether the host takes its next action (an engine
+step, a new request, a preemption) or one of the device's runnable streams executes its next operation. The
+explorer enumerates them all for a small workload (2–3 requests sharing a prefix, a handful of GPU blocks, a CPU
+pool of a few blocks, one preemption), checking the same invariants, bytes and outputs as the generated
+interleavings at every state. Engine, connector and device state cannot be copied (operations are closures), so
+each state is rebuilt by replaying its choices; states whose fingerprint (host progress, queued operations,
+memory bytes, job and request states) was already seen are not expanded again. Host blocking inside
+`handle_preemptions` runs the device in a fixed order: its interleavings are the one thing not enumerated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from kvfsm.executor.sim import SimDevice
+from kvfsm.testing.harness import Harness
+
+HostAction = Callable[[Harness], None]
+Choice = str  # "host" or a stream name
+
+
+@dataclass(frozen=True)
+class Workload:
+    actions: tuple[HostAction, ...]
+    num_gpu_blocks: int = 6
+    cpu_blocks: int = 3
+    block_size_factor: int = 1
+    max_extra_steps: int = 12
+    """Engine steps the host may still take after its scripted actions, to finish the requests."""
+
+
+@dataclass
+class Exploration:
+    states: int = 0
+    schedules_completed: int = 0
+    violation: list[str] = field(default_factory=list)
+    counterexample: tuple[Choice, ...] = ()
+    exhausted: bool = False
+    """Every reachable state was explored (not cut off by the state budget)."""
+
+    @property
+    def clean(self) -> bool:
+        return not self.violation
+
+
+def add(prompt: Sequence[int], max_new_tokens: int) -> HostAction:
+    def arrive(h: Harness) -> None:
+        h.add_request(tuple(prompt), max_new_tokens)
+
+    return arrive
+
+
+def step(h: Harness) -> None:
+    h.engine.step()
+
+
+def preempt_first(h: Harness) -> None:
+    if h.engine.running:
+        h.engine.preempt(h.engine.running[0].request_id)
+
+
+def forget_gpu_prefixes(h: Harness) -> None:
+    h.engine.reset_prefix_cache()
+
+
+class _Replay:
+    """A harness driven by a choice sequence."""
+
+    def __init__(self, workload: Workload, mutant: str | None) -> None:
+        self.workload = workload
+        self.harness = Harness(SimDevice(), num_gpu_blocks=workload.num_gpu_blocks, cpu_blocks=workload.cpu_blocks,
+                               block_size_factor=workload.block_size_factor, mutant=mutant)
+        self.host_index = 0
+
+    def host_can_act(self) -> bool:
+        w = self.workload
+        return self.host_index < len(w.actions) or (
+            self.harness.engine.has_work and self.host_index < len(w.actions) + w.max_extra_steps)
+
+    def apply(self, choice: Choice) -> None:
+        if choice != "host":
+            self.harness.device.run_one(choice)  # type: ignore[arg-type]
+            return
+        actions = self.workload.actions
+        (actions[self.host_index] if self.host_index < len(actions) else step)(self.harness)
+        self.host_index += 1
+
+    def choices(self) -> list[Choice]:
+        return (["host"] if self.host_can_act() else []) + list(self.harness.device.runnable())
+
+    def fingerprint(self) -> str:
+        h = self.harness
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(repr((self.host_index, [(s, [op.label for op in q]) for s, q in h.device._queues.items()],
+                            sorted((j.job_id, j.state) for j in h.connector.scheduler.jobs.values()),
+                            sorted((r.request_id, r.phase.name, r.num_computed, r.num_sampled)
+                                   for r in h.engine.live.values()))).encode())
+        for cache in h.engine.caches:
+            digest.update(cache.numpy().tobytes())
+        digest.update(h.connector.worker.pool.buffer.numpy().tobytes())
+        return digest.hexdigest()
+
+
+def _visit(workload: Workload, mutant: str | None, path: tuple[Choice, ...]) -> tuple[str, list[str], list[Choice]]:
+    """Rebuild the state `path` leads to: its fingerprint, what is wrong there, and the choices it offers."""
+    replay = _Replay(workload, mutant)
+    try:
+        for choice in path:
+            replay.apply(choice)
+        key = replay.fingerprint()
+        found, options = replay.harness.violations(), replay.choices()
+        if not options and not found:  # the scripted host is done: finish the requests, then judge the run
+            replay.harness.drain()
+            found = replay.harness.final_violations()
+    except Exception as error:  # a refused trigger or a broken engine is a finding, not a crash
+        key, found, options = repr(path), [f"{type(error).__name__}: {error}"], []
+    finally:
+        replay.harness.close()
+    return key, found, options
+
+
+def explore(workload: Workload, mutant: str | None = None, max_states: int = 5000) -> Exploration:
+    """Breadth-first search over schedules; stops at the first violation (a shortest counterexample)."""
+    result = Exploration()
+    seen: set[str] = set()
+    frontier: deque[tuple[Choice, ...]] = deque([()])
+    while frontier and result.states < max_states:
+        path = frontier.popleft()
+        key, found, options = _visit(workload, mutant, path)
+        if key in seen:
+            continue
+        seen.add(key)
+        result.states += 1
+        if found:
+            result.violation, result.counterexample = found, path
+            return result
+        if not options:
+            result.schedules_completed += 1
+        frontier.extend((*path, choice) for choice in options)
+    result.exhausted = not frontier
+    return result
+
+
+_P, _Q = (11, 12, 13, 14), (21, 22, 23, 24)
+SMALL_WORKLOADS: dict[str, Workload] = {
+    "reload": Workload(
+        actions=(add(_P + (1,), 1), step, step, step, forget_gpu_prefixes, add(_P + (2,), 1), add(_P + (3,), 1),
+                 step, step),
+        num_gpu_blocks=6, cpu_blocks=3,
+    ),
+    "mixed": Workload(
+        actions=(add(_P + (1,), 1), step, add(_P + (2, 3), 1), step, preempt_first, step, forget_gpu_prefixes,
+                 add(_P + (4,), 1), step),
+        num_gpu_blocks=6, cpu_blocks=3,
+    ),
+    "pressure": Workload(
+        actions=(add(_Q + (5,), 3), step, add(_P + (1, 2), 2), step, step, step),
+        num_gpu_blocks=6, cpu_blocks=5,
+    ),
+}
+"""Small workloads that between them reach every hazard: a stored prefix reloaded by two requests at once after
+the GPU forgot it; three requests sharing a prefix with a forced preemption; and a running request that preempts
+another mid-store to grow."""
