@@ -16,6 +16,8 @@ import time
 from typing import Callable
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from kvfsm.executor import MECHANISMS, CudaDevice, HostPool, KVCaches, Transfers, register_kv_caches
 from kvfsm.executor.layouts import allocate_kv_caches
@@ -117,39 +119,61 @@ def mechanisms(device: CudaDevice, layout: str, num_blocks: int, peaks: dict[str
         entry["load_share"] = entry["load_gbps"] / peaks["h2d"]
         entry["both_share"] = entry["both_gbps"] / peaks["both"]
         if not per_piece:
-            entry.update(compute_interference(both))
+            entry.update(compute_interference(device, both))
         results[name] = entry
     pool.close()
     return results
 
 
-def compute_interference(transfer: Callable[[], None], size: int = 8192, iters: int = 24,
-                         trials: int = 6) -> dict[str, float]:
-    """A bf16 matmul loop on the compute stream, timed by compute-stream events, alone and with `transfer` (twice)
-    enqueued right behind it so copies and matmuls run together; trials alternate so clock drift hits both."""
+def compute_interference(device: CudaDevice, transfer: Callable[[], None], size: int = 8192, iters: int = 8,
+                         trials: int = 21, cover: int = 3) -> dict[str, float]:
+    """How much slower a bf16 matmul loop on the compute stream runs while `transfer` moves blocks.
+
+    Each trial times the loop alone and busy back to back (their order alternating), and the figure is the median
+    of the per-trial ratios, so clock and thermal drift between trials cancels. For the busy half `transfer` is
+    enqueued `cover` times before the loop so copies run for its whole length; `covered` is the share of busy
+    trials in which they were still running when the loop ended (below 1, the ratio understates interference).
+    """
     a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
 
-    def loop_ms(busy: bool) -> float:
+    def loop_ms(busy: bool) -> tuple[float, bool]:
         torch.cuda.synchronize()
+        tails = []
+        if busy:
+            for _ in range(cover):
+                transfer()
+            for stream in ("store", "load"):
+                tails.append(torch.cuda.Event())
+                device.record(stream, tails[-1])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
             torch.mm(a, b)
         end.record()
-        if busy:
-            transfer()
-            transfer()
+        end.synchronize()
+        covered = any(not tail.query() for tail in tails)
         torch.cuda.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), covered
 
     loop_ms(False)
-    alone, busy = [], []
-    for _ in range(trials):
-        alone.append(loop_ms(False))
-        busy.append(loop_ms(True))
+    loop_ms(True)
+    alone, busy, ratios, covered = [], [], [], 0
+    for trial in range(trials):
+        first, second = (False, True) if trial % 2 == 0 else (True, False)
+        times = {first: loop_ms(first), second: loop_ms(second)}
+        alone.append(times[False][0])
+        busy.append(times[True][0])
+        covered += times[True][1]
+        ratios.append(busy[-1] / alone[-1])
     return {"matmul_alone_ms": statistics.median(alone), "matmul_busy_ms": statistics.median(busy),
-            "compute_slowdown": statistics.median(busy) / statistics.median(alone)}
+            "compute_slowdown": statistics.median(ratios), "compute_slowdown_p10": _quantile(ratios, 0.1),
+            "compute_slowdown_p90": _quantile(ratios, 0.9), "covered": covered / trials, "trials": trials}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run(num_blocks: int = 1024, ceiling_bytes: int = GIB, reps: int = 5) -> dict:
@@ -161,22 +185,19 @@ def run(num_blocks: int = 1024, ceiling_bytes: int = GIB, reps: int = 5) -> dict
             "blocks_moved_each_way": num_blocks // 2, "block_bytes": 2 << 20}
 
 
-def _table(result: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    peaks = result["peaks_gbps"]
-    table = Table(title=f"KV transfer on {result['device']}: ceilings D2H {peaks['d2h']:.1f}, H2D {peaks['h2d']:.1f}, "
+def table(device: str, peaks: dict[str, float], layouts: dict[str, dict[str, dict]]) -> Table:
+    """Every mechanism's GB/s and share of its ceiling, and the matmul slowdown it caused."""
+    out = Table(title=f"KV transfer on {device}: ceilings D2H {peaks['d2h']:.1f}, H2D {peaks['h2d']:.1f}, "
                         f"both {peaks['both']:.1f} GB/s")
     for column in ("layout", "mechanism", "store", "share", "load", "share", "both", "share", "matmul"):
-        table.add_column(column)
-    for layout, entries in result["layouts"].items():
+        out.add_column(column)
+    for layout, entries in layouts.items():
         for name, e in entries.items():
-            table.add_row(layout, f"{name}" if name != "auto" else f"auto={e['resolved']}",
+            out.add_row(layout, f"{name}" if name != "auto" else f"auto={e['resolved']}",
                           f"{e['store_gbps']:.1f}", f"{e['store_share']:.3f}", f"{e['load_gbps']:.1f}",
                           f"{e['load_share']:.3f}", f"{e['both_gbps']:.1f}", f"{e['both_share']:.3f}",
                           f"{e['compute_slowdown']:.3f}x" if "compute_slowdown" in e else "-")
-    Console(width=120).print(table)
+    return out
 
 
 def main() -> None:
@@ -185,7 +206,7 @@ def main() -> None:
         return
     result = run()
     print(json.dumps(result, indent=1))
-    _table(result)
+    Console(width=120).print(table(result["device"], result["peaks_gbps"], result["layouts"]))
 
 
 if __name__ == "__main__":

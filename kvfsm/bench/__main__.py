@@ -1,0 +1,241 @@
+"""`python -m kvfsm.bench`: every kvfsm benchmark in one process, each figure beside the ceiling of the same run.
+
+The bare command runs all parts; a subcommand runs one. Without CUDA only the CPU-side parts run and the rest are
+listed as skipped (exit status 0). Results go to `--out`: `bench.json` (everything, with the goals and whether
+each was met) and `bench.png`. Performance is reported here, never asserted.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvfsm.bench import plot, scheduler, steps
+
+PARTS = ("scheduler", "transfer", "connector", "ttft")
+GPU_PARTS = ("transfer", "connector", "ttft")
+GOALS = {
+    "per-layer store / load share of ceiling": (">=", 0.95),
+    "cross-layer store / load share of ceiling": (">=", 0.97),
+    "both-ways share of ceiling": (">=", 0.90),
+    "matmul slowdown while moving blocks": ("<=", 1.02),
+    "µs per block transition (manager)": ("<=", 1.0),
+    "µs per block transition (whole scheduler half)": ("<=", 1.0),
+}
+CONNECTOR_BLOCK_TOKENS = (16, 32, 64)
+FULL_LAYERS = 32
+
+app = typer.Typer(add_completion=False, help=__doc__)
+console = Console(width=130)
+
+
+def _free_gpu() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _scheduler(result: dict[str, Any], quick: bool) -> None:
+    size = {"steps": 6, "requests": 16, "num_slots": 512, "documents": 32} if quick else {}
+    result["scheduler"] = {
+        "manager": {policy: scheduler.run(policy, **size) for policy in ("lru", "arc")},  # type: ignore[arg-type]
+        "steps": steps.run(**({"steps": 6, "requests": 16, "documents": 8} if quick else {})),
+    }
+
+
+def _transfer(result: dict[str, Any], quick: bool) -> None:
+    from kvfsm.bench import transfer
+    from kvfsm.executor import CudaDevice
+
+    device = CudaDevice()
+    reps = 2 if quick else 5
+    result["ceilings"] = transfer.ceilings(device, (1 << 28) if quick else transfer.GIB, reps)
+    result["mechanisms"] = {layout: transfer.mechanisms(device, layout, 256 if quick else 1024, result["ceilings"],
+                                                        reps) for layout in ("kv-first", "cross-layer")}
+    _free_gpu()
+
+
+def _connector(result: dict[str, Any], quick: bool) -> None:
+    from kvfsm.bench import connector
+    from kvfsm.executor import CudaDevice
+
+    if "ceilings" not in result:
+        _transfer(result, quick)
+    device = CudaDevice()
+    rows = []
+    for layout in ("kv-first", "cross-layer"):
+        for tokens in CONNECTOR_BLOCK_TOKENS:
+            rows.append(connector.run(device, layout, tokens, result["ceilings"],
+                                      moved_bytes=(1 << 28) if quick else (1 << 30), reps=2 if quick else 5))
+            _free_gpu()
+    result["connector"] = rows
+
+
+def layers_that_fit(free_bytes: int, max_tokens: int) -> int:
+    """The most Llama-3-8B layers (up to 32) whose weights, paged and contiguous KV and prefill activations fit."""
+    per_layer = 2 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # bf16 q, o, k, v and the MLP
+    per_layer += 4 * max_tokens * 8 * 128 * 2 * 2  # KV: recompute's, its copy, the paged cache, the gathered one
+    fixed = 2 * 2 * 128256 * 4096 + 24 * max_tokens * 14336  # embeddings, lm_head; MLP activations of a prefill
+    return max(1, min(FULL_LAYERS, (free_bytes - fixed) // per_layer))
+
+
+def _ttft(result: dict[str, Any], quick: bool) -> None:
+    from kvfsm.bench import ttft
+    from kvfsm.executor import CudaDevice
+
+    _free_gpu()
+    prompts = (2048,) if quick else (2048, 8192, 32768)
+    layers = layers_that_fit(torch.cuda.mem_get_info()[0], max(prompts))
+    shape = ttft.Shape(num_layers=4 if quick else layers)
+    result["ttft"] = ttft.run(CudaDevice(), prompts, shape, reps=1 if quick else 3)
+    if shape.num_layers < FULL_LAYERS:
+        result["ttft"]["note"] = (f"{shape.num_layers} of 32 layers fit; times are as measured, not scaled "
+                                  "(both paths scale about linearly with layers, so the speedup carries over)")
+    _free_gpu()
+
+
+RUNNERS: dict[str, Callable[[dict[str, Any], bool], None]] = {
+    "scheduler": _scheduler, "transfer": _transfer, "connector": _connector, "ttft": _ttft,
+}
+
+
+def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal with the figure it is judged on (the worst case where a goal covers several) and whether it holds."""
+    measured: dict[str, tuple[float, str]] = {}
+    rows = {(r["layout"], r["block_tokens"]): r for r in result.get("connector", [])}
+    if rows:
+        per_layer, cross = rows[("kv-first", 16)], rows[("cross-layer", 16)]
+        measured["per-layer store / load share of ceiling"] = (
+            min(per_layer["store_share"], per_layer["load_share"]), "connector end to end, kv-first, 16-token blocks")
+        measured["cross-layer store / load share of ceiling"] = (
+            min(cross["store_share"], cross["load_share"]), "connector end to end, cross-layer, 16-token blocks")
+        measured["both-ways share of ceiling"] = (
+            min(per_layer["both_share"], cross["both_share"]), "connector end to end, both layouts, 16-token blocks")
+    if "mechanisms" in result:
+        measured["matmul slowdown while moving blocks"] = (
+            max(result["mechanisms"][layout]["auto"]["compute_slowdown"] for layout in result["mechanisms"]),
+            "auto mechanism, both ways, worse layout, median of per-trial ratios")
+    if "scheduler" in result:
+        measured["µs per block transition (manager)"] = (
+            max(r["us_per_transition"] for r in result["scheduler"]["manager"].values()), "worse of LRU and ARC")
+        measured["µs per block transition (whole scheduler half)"] = (
+            result["scheduler"]["steps"]["us_per_cpu_block_transition"], "all scheduler-half time / CPU-block transitions")
+    out = []
+    for goal, (op, target) in GOALS.items():
+        if goal not in measured:
+            continue
+        value, basis = measured[goal]
+        met = value >= target if op == ">=" else value <= target
+        out.append({"goal": goal, "target": f"{op} {target}", "measured": value, "basis": basis, "met": met})
+    return out
+
+
+def _print(result: dict[str, Any]) -> None:
+    if "mechanisms" in result:
+        from kvfsm.bench import transfer
+
+        console.print(transfer.table(result["device"], result["ceilings"], result["mechanisms"]))
+    if result.get("connector"):
+        table = Table(title="kvfsm.Connector end to end (scheduler orders, worker executes; one engine step timed)")
+        for column in ("layout", "block tokens", "mechanism", "store GB/s", "share", "load GB/s", "share",
+                       "both GB/s", "share"):
+            table.add_column(column, justify="right")
+        for r in result["connector"]:
+            table.add_row(r["layout"], str(r["block_tokens"]), r["mechanism"], f"{r['store_gbps']:.1f}",
+                          f"{r['store_share']:.3f}", f"{r['load_gbps']:.1f}", f"{r['load_share']:.3f}",
+                          f"{r['both_gbps']:.1f}", f"{r['both_share']:.3f}")
+        console.print(table)
+    if "scheduler" in result:
+        s = result["scheduler"]
+        table = Table(title="Scheduler side (CPU)")
+        for column in ("what", "µs / block transition", "detail"):
+            table.add_column(column)
+        for policy, r in s["manager"].items():
+            table.add_row(f"OffloadingManager ({policy})", f"{r['us_per_transition']:.3f}",
+                          f"{r['transitions']:,} transitions, hit rate {r['hit_rate']:.1%}")
+        st = s["steps"]
+        table.add_row("SchedulerConnector per step", f"{st['us_per_cpu_block_transition']:.3f}",
+                      f"{st['running_requests']} running x {st['prompt_tokens']}-token prompts: "
+                      f"{st['us_per_step']:.0f} µs/step, {st['us_per_transition']:.3f} µs per transition of any kind")
+        console.print(table)
+    if "ttft" in result:
+        t = result["ttft"]
+        table = Table(title=f"Time to first token on a CPU prefix hit ({t['num_layers']}-layer Llama-3-8B shape)")
+        for column in ("prompt", "recompute ms", "reload ms", "load+gather ms", "last-block prefill ms", "speedup",
+                       "logits rel. err"):
+            table.add_column(column, justify="right")
+        for r in t["rows"]:
+            table.add_row(f"{r['prompt_tokens']:,}", f"{r['recompute_ms']:.1f}", f"{r['reload_ms']:.1f}",
+                          f"{r['load_and_gather_ms']:.1f}", f"{r['tail_prefill_ms']:.1f}", f"{r['speedup']:.1f}x",
+                          f"{r['logits_relative_error']:.1e}")
+        console.print(table)
+    table = Table(title="Goals")
+    for column in ("goal", "target", "measured", "met", "judged on"):
+        table.add_column(column)
+    for v in result["verdicts"]:
+        table.add_row(v["goal"], v["target"], f"{v['measured']:.3f}", "met" if v["met"] else "NOT met", v["basis"])
+    console.print(table)
+    if result["skipped"]:
+        console.print(f"skipped (no CUDA device here): {', '.join(result['skipped'])}")
+    for part, error in result["errors"].items():
+        console.print(f"[red]{part} failed[/red]: {error}")
+
+
+def collect(parts: tuple[str, ...], out: Path, quick: bool) -> dict[str, Any]:
+    """Run `parts` in order, write `bench.json` and `bench.png` into `out`, print the tables; returns the result."""
+    cuda = torch.cuda.is_available()
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                              "quick": quick, "skipped": [p for p in parts if p in GPU_PARTS and not cuda]}
+    errors: dict[str, str] = {}
+    for part in parts:
+        if part in result["skipped"]:
+            continue
+        try:
+            RUNNERS[part](result, quick)
+        except Exception as error:  # one broken part must not lose the others' figures; the exit status says it
+            errors[part] = f"{type(error).__name__}: {error}"
+            console.print_exception()
+    result["errors"] = errors
+    result["verdicts"] = verdicts(result)
+    out.mkdir(parents=True, exist_ok=True)
+    result["plot"] = plot.save(result, out / "bench.png") or "bench.png"
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    _print(result)
+    return result
+
+
+OUT = typer.Option(Path("bench-out"), "--out", help="directory for bench.json and bench.png")
+QUICK = typer.Option(False, "--quick", help="small sizes: checks the plumbing, not the hardware")
+
+
+def _exit(result: dict[str, Any]) -> None:
+    if result["errors"]:
+        raise typer.Exit(1)
+
+
+@app.callback(invoke_without_command=True)
+def everything(ctx: typer.Context, out: Path = OUT, quick: bool = QUICK) -> None:
+    """Run every part (the bare command)."""
+    if ctx.invoked_subcommand is None:
+        _exit(collect(PARTS, out, quick))
+
+
+def _one(part: str) -> None:
+    def command(out: Path = OUT, quick: bool = QUICK) -> None:
+        _exit(collect((part,), out, quick))
+
+    command.__doc__ = f"Run only the {part} part."
+    app.command(part)(command)
+
+
+for _part in PARTS:
+    _one(_part)
+
+if __name__ == "__main__":
+    app()

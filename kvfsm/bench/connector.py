@@ -1,0 +1,202 @@
+"""The connector end to end: GB/s of stores and loads as an engine drives `kvfsm.Connector`.
+
+Unlike `kvfsm.bench.transfer`, which calls a mechanism directly, every byte here moves because the scheduler half
+ordered it and the worker half executed the order through `handle_preemptions / start_load_kv / wait_for_save /
+get_finished`, with every lifecycle change going through the spec's machines. A timed round is one engine step,
+from `build_connector_meta` until `update_connector_output` has seen every job finish, so host-side bookkeeping,
+submission and the copies themselves are all inside it.
+
+The workload: prompts of `prompt_blocks` scattered GPU blocks (a random permutation of the cache), stored into a
+pool that keeps evicting (LRU) and loaded back into the other half of the cache by new requests with the same
+prompt. The cache is Llama-3-8B-shaped (32 layers, 8 KV heads, 128 dims, bf16).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from kvfsm.config import OffloadConfig
+from kvfsm.connector import Connector
+from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
+from kvfsm.executor.device import Device
+from kvfsm.executor.layouts import allocate_kv_caches
+
+LLAMA_8B_KV = {"num_layers": 32, "num_heads": 8, "head_dim": 128}
+
+
+class RoundMismatch(RuntimeError):
+    """A timed round did not move what it ordered: the figure would describe some other work."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The request view the connector reads."""
+
+    request_id: str
+    block_hashes: tuple[int, ...]
+    num_tokens: int
+
+
+class ConnectorRounds:
+    """One registered connector and the engine steps that store, load, or do both, timed one step at a time."""
+
+    def __init__(self, device: Device, layout: str, block_tokens: int, num_blocks: int, prompt_blocks: int,
+                 num_layers: int = 32, num_heads: int = 8, head_dim: int = 128,
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> None:
+        if num_blocks % (2 * prompt_blocks):
+            raise ValueError(f"{num_blocks} GPU blocks do not split into two halves of {prompt_blocks}-block prompts")
+        self.device = device
+        self.block_tokens = block_tokens
+        self.prompt_blocks = prompt_blocks
+        tensors, groups = allocate_kv_caches(layout, num_layers, num_blocks, block_tokens, num_heads, head_dim,
+                                             dtype, device.tensor_device())
+        for tensor in tensors.values():
+            tensor.view(torch.uint8).view(-1).random_(0, 256)
+        # Three halves' worth of slots: a both-ways step stores one half while the previous half is loaded back.
+        config = OffloadConfig(cpu_blocks=3 * num_blocks // 2, gpu_block_size=block_tokens)
+        self.connector = Connector(config, device)
+        self.caches = self.connector.register_kv_caches(tensors, layout, groups)
+        self.tensors = tensors
+        order = random.Random(seed).sample(range(num_blocks), num_blocks)
+        half = num_blocks // 2
+        self._halves = (order[:half], order[half:])
+        self._round = 0
+        self._stored: list[Prompt] = []
+
+    @property
+    def bytes_per_half(self) -> int:
+        return len(self._halves[0]) * self.caches.gpu_block_bytes
+
+    def _prompts(self, tag: str, chains: Sequence[tuple[int, ...]]) -> list[Prompt]:
+        self._round += 1
+        return [Prompt(f"{tag}{self._round}.{i}", chain, len(chain) * self.block_tokens + 1)
+                for i, chain in enumerate(chains)]
+
+    def _split(self, blocks: Sequence[int]) -> list[tuple[int, ...]]:
+        n = self.prompt_blocks
+        return [tuple(blocks[i:i + n]) for i in range(0, len(blocks), n)]
+
+    def _admit_new(self, blocks: Sequence[int]) -> list[tuple[Prompt, tuple[int, ...]]]:
+        """Fresh prompts (never seen by the pool) on `blocks`, computed this step: their stores are ordered."""
+        per_prompt = self._split(blocks)
+        chains = [tuple((self._round + 1) << 40 | i << 20 | j for j in range(len(b))) for i, b in enumerate(per_prompt)]
+        prompts = self._prompts("store", chains)
+        for prompt, ids in zip(prompts, per_prompt):
+            if self.connector.get_num_new_matched_tokens(prompt, 0) != (0, False):
+                raise RoundMismatch(f"{prompt.request_id}: a fresh prompt hit the pool")
+            self.connector.update_state_after_alloc(prompt, ids, 0)
+        return list(zip(prompts, per_prompt))
+
+    def _admit_returning(self, stored: list[Prompt], blocks: Sequence[int]) -> list[Prompt]:
+        """New requests for prompts stored earlier, allocated on `blocks`: their loads go out with the next step."""
+        prompts = self._prompts("load", [p.block_hashes for p in stored])
+        for prompt, ids in zip(prompts, self._split(blocks)):
+            want = len(ids) * self.block_tokens
+            if self.connector.get_num_new_matched_tokens(prompt, 0) != (want, True):
+                raise RoundMismatch(f"{prompt.request_id}: the stored prompt is not all in the pool")
+            self.connector.update_state_after_alloc(prompt, ids, want)
+        return prompts
+
+    def _compute_step(self, computed: list[tuple[Prompt, tuple[int, ...]]]) -> None:
+        """The step whose forward pass computes `computed`: the scheduler orders their stores behind it."""
+        scheduled = tuple(ScheduledRequest(req_id=p.request_id, block_ids=ids,
+                                           num_computed_tokens=len(ids) * self.block_tokens) for p, ids in computed)
+        worker = self.connector.worker
+        worker.bind_connector_metadata(self.connector.build_connector_meta(SchedulerOutput(scheduled=scheduled)))
+        worker.handle_preemptions()
+        worker.start_load_kv()
+        worker.wait_for_save()
+        self.connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),)))
+        for prompt, _ in computed:  # one-token requests: done at the end of their prefill, held while stored
+            self.connector.request_finished(prompt.request_id)
+        self._stored = [p for p, _ in computed]
+
+    def _timed_step(self, expect_stored: int, loading: list[Prompt]) -> float:
+        """One engine step with no compute: submit what is pending, wait for every job, report it. Seconds."""
+        connector, worker = self.connector, self.connector.worker
+        if self.device.kind == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        meta = connector.build_connector_meta(SchedulerOutput())
+        worker.bind_connector_metadata(meta)
+        worker.handle_preemptions()
+        worker.start_load_kv()
+        worker.wait(list(worker.jobs))
+        result = connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),)))
+        elapsed = time.perf_counter() - start
+        if len(meta.loads) != len(loading) or result.loaded != {p.request_id for p in loading}:
+            raise RoundMismatch(f"ordered {len(meta.loads)} loads, {len(result.loaded)} finished, "
+                                f"expected {len(loading)}")
+        if len(result.released) != expect_stored or result.load_errors:
+            raise RoundMismatch(f"{len(result.released)} stored requests released of {expect_stored}; "
+                                f"load errors {result.load_errors}")
+        for prompt in loading:  # the engine would compute the last token; the request then ends
+            connector.request_finished(prompt.request_id)
+        return elapsed
+
+    def store(self) -> float:
+        """Seconds for one step that stores half the cache's blocks (ordered by the step before)."""
+        computed = self._admit_new(self._halves[0])
+        self._compute_step(computed)
+        return self._timed_step(len(computed), [])
+
+    def load(self) -> float:
+        """Seconds for one step that loads the last stored prompts into the other half of the cache."""
+        if not self._stored:
+            self.store()
+        stored, self._stored = self._stored, []
+        return self._timed_step(0, self._admit_returning(stored, self._halves[1]))
+
+    def check_landed(self) -> None:
+        """After `load`: every loaded GPU block holds the bytes of the block its prompt was stored from."""
+        src = torch.tensor(self._halves[0], device=self.caches.device)
+        dst = torch.tensor(self._halves[1], device=self.caches.device)
+        for plane in self.caches.planes:
+            if not torch.equal(plane.rows.index_select(1, src), plane.rows.index_select(1, dst)):
+                raise RoundMismatch(f"{plane.name}: a loaded block differs from the block it was stored from")
+
+    def both(self) -> float:
+        """Seconds for one step that stores one half while loading the last stored prompts into the other."""
+        if not self._stored:
+            self.store()
+        stored = self._stored
+        computed = self._admit_new(self._halves[0])
+        self._compute_step(computed)
+        return self._timed_step(len(computed), self._admit_returning(stored, self._halves[1]))
+
+    def close(self) -> None:
+        self.connector.worker.shutdown()
+
+
+def _median(fn: Callable[[], float], reps: int) -> float:
+    fn()  # warm-up: staging slots, index buffers, first use of every machine path
+    return statistics.median(fn() for _ in range(reps))
+
+
+def run(device: Device, layout: str, block_tokens: int, peaks: dict[str, float], moved_bytes: int = 1 << 30,
+        prompt_tokens: int = 2048, reps: int = 5) -> dict[str, float | int | str]:
+    """Store, load and both-ways GB/s through the connector, each as a share of the ceiling of the same run."""
+    block_bytes = 2 * LLAMA_8B_KV["num_layers"] * block_tokens * LLAMA_8B_KV["num_heads"] * LLAMA_8B_KV["head_dim"] * 2
+    prompt_blocks = max(1, prompt_tokens // block_tokens)
+    half = max(prompt_blocks, moved_bytes // block_bytes // prompt_blocks * prompt_blocks)
+    rounds = ConnectorRounds(device, layout, block_tokens, 2 * half, prompt_blocks)
+    try:
+        moved = rounds.bytes_per_half
+        store_s = _median(rounds.store, reps)
+        load_s = _median(rounds.load, reps)
+        rounds.check_landed()
+        both_s = _median(rounds.both, reps)
+        mechanism = rounds.connector.worker.transfers.mechanism
+    finally:
+        rounds.close()
+        del rounds
+    store, load, both = moved / store_s / 1e9, moved / load_s / 1e9, 2 * moved / both_s / 1e9
+    return {"layout": layout, "block_tokens": block_tokens, "mechanism": mechanism, "bytes_each_way": moved,
+            "store_gbps": store, "load_gbps": load, "both_gbps": both, "store_share": store / peaks["d2h"],
+            "load_share": load / peaks["h2d"], "both_share": both / peaks["both"]}

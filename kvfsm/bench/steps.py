@@ -1,0 +1,143 @@
+"""The whole scheduler half per engine step: µs per block transition with 256 running requests of 2k-token prompts.
+
+`kvfsm.bench.scheduler` prices the host pool's bookkeeping alone; this prices everything `SchedulerConnector`
+does for a step (lookups, allocation, the step's orders for every scheduled request, completions, releases),
+with the request, transfer-job and GPU-block machines as well as the CPU-block one. Each step a sixteenth of the
+running requests finish and as many new ones arrive; prompts are drawn by Zipf popularity from a fixed set of
+documents so some hit the pool in full, some in part, and a few are deferred behind another request's transfer.
+A worker is simulated: a load finishes in the step that submits it, a store in the step after it was ordered.
+
+The workload is run twice with the same seed: once with an observer counting every transition the machines
+fire, once timed without it (an observer costs more than the transitions it counts).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvfsm.config import OffloadConfig
+from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput, WorkerOutput
+from kvfsm.connector.scheduler import SchedulerConnector
+from kvfsm.machines import default_machines
+
+GPU_BLOCK_BYTES = 2 << 20  # Llama-3-8B, 16 tokens: only sizes the pool here
+
+
+@dataclass
+class _Request:
+    request_id: str
+    block_hashes: tuple[int, ...]
+    num_tokens: int
+    block_ids: tuple[int, ...] = ()
+    computed: int = 0
+    steps_left: int = 0
+
+
+@dataclass
+class _World:
+    """The engine side: who is waiting, loading, running; what the simulated worker finishes when."""
+
+    waiting: list[_Request] = field(default_factory=list)
+    loading: dict[str, _Request] = field(default_factory=dict)
+    running: list[_Request] = field(default_factory=list)
+    stores_in_flight: tuple[int, ...] = ()
+    next_block: int = 0
+
+
+def _workload(connector: SchedulerConnector, steps: int, requests: int, prompt_tokens: int, lifetime: int,
+              documents: int, seed: int) -> tuple[float, int]:
+    """Drive `connector` for `steps` steps; returns seconds spent inside it and the steps it ran."""
+    rng = random.Random(seed)
+    block = connector.config.gpu_block_size
+    blocks = prompt_tokens // block
+    popularity = [1.0 / (rank + 1) for rank in range(documents)]
+    world = _World()
+    serial = 0
+    elapsed = 0.0
+    for step in range(steps):
+        arrivals = requests - len(world.running) - len(world.loading) - len(world.waiting)
+        for _ in range(max(0, arrivals if step else requests)):
+            doc = rng.choices(range(documents), popularity)[0]
+            serial += 1
+            world.waiting.append(_Request(f"r{serial}", tuple(doc << 20 | j for j in range(blocks)),
+                                          prompt_tokens + 1, steps_left=lifetime))
+        admitted: list[_Request] = []
+        start = time.perf_counter()
+        still_waiting = []
+        for request in world.waiting:
+            match = connector.get_num_new_matched_tokens(request, 0)
+            if match is None:
+                still_waiting.append(request)
+                continue
+            request.block_ids = tuple(range(world.next_block, world.next_block + blocks + 1))
+            world.next_block += blocks + 1
+            connector.update_state_after_alloc(request, request.block_ids, match[0])
+            if match[0]:
+                world.loading[request.request_id] = request
+            else:
+                admitted.append(request)
+        elapsed += time.perf_counter() - start
+        world.waiting = still_waiting
+        world.running.extend(admitted)
+        for request in world.running:
+            request.computed = request.num_tokens if request.computed == 0 else request.computed + 1
+        scheduled = SchedulerOutput(scheduled=tuple(
+            ScheduledRequest(req_id=r.request_id, block_ids=r.block_ids, num_computed_tokens=r.computed)
+            for r in world.running))
+        start = time.perf_counter()
+        meta = connector.build_connector_meta(scheduled)
+        elapsed += time.perf_counter() - start
+        done = WorkerOutput(done=tuple(o.job_id for o in meta.loads) + world.stores_in_flight)
+        world.stores_in_flight = tuple(o.job_id for o in meta.stores)
+        report = ConnectorOutput(workers=(done,))
+        start = time.perf_counter()
+        result = connector.update_connector_output(report)
+        finishing = [r for r in world.running if r.steps_left <= 1]
+        for request in finishing:
+            connector.request_finished(request.request_id)
+        elapsed += time.perf_counter() - start
+        for request_id in result.loaded:
+            world.running.append(world.loading.pop(request_id))
+        ended = {r.request_id for r in finishing}
+        world.running = [r for r in world.running if r.request_id not in ended]
+        for request in world.running:
+            request.steps_left -= 1
+    return elapsed, steps
+
+
+def run(steps: int = 48, requests: int = 256, prompt_tokens: int = 2048, lifetime: int = 16,
+        documents: int = 512, num_slots: int = 32768, seed: int = 0) -> dict[str, float | int | dict[str, int]]:
+    """µs per step and per block transition (CPU-block, and every lifecycle) of the scheduler half."""
+    def connector() -> SchedulerConnector:
+        return SchedulerConnector(OffloadConfig(cpu_blocks=num_slots), GPU_BLOCK_BYTES)
+
+    fired: Counter[str] = Counter()
+    observer = lambda lifecycle, _model, _source, _trigger, _dest: fired.update([lifecycle])  # noqa: E731
+    machines = default_machines()
+    machines.observe(observer)
+    try:
+        counted = connector()
+        _workload(counted, steps, requests, prompt_tokens, lifetime, documents, seed)
+    finally:
+        machines.unobserve(observer)
+    timed = connector()
+    seconds, ran = _workload(timed, steps, requests, prompt_tokens, lifetime, documents, seed)
+    stats = timed.stats
+    if stats.cpu_hit_blocks != counted.stats.cpu_hit_blocks:
+        raise RuntimeError("the counted and the timed runs diverged: the transition count would not apply")
+    total = sum(fired.values())
+    return {
+        "steps": ran,
+        "running_requests": requests,
+        "prompt_tokens": prompt_tokens,
+        "us_per_step": seconds / ran * 1e6,
+        "us_per_cpu_block_transition": seconds / fired["cpu-block"] * 1e6,
+        "us_per_transition": seconds / total * 1e6,
+        "transitions": dict(fired),
+        "cpu_hit_blocks": stats.cpu_hit_blocks,
+        "deferrals": stats.deferrals,
+        "store_refusals": stats.store_refusals,
+    }

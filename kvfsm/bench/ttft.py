@@ -1,0 +1,222 @@
+"""Time to first token on a CPU prefix hit: recomputing the prompt vs kvfsm reloading its KV and prefilling the tail.
+
+The model is a real Llama-architecture `transformers.LlamaForCausalLM` with Llama-3-8B's shape and random weights
+(built from its config on the device, nothing downloaded). Recompute is one prefill of the whole prompt. Reload is
+what a user sees on a CPU hit: the connector loads the prompt's stored blocks (all but the last, which the
+engine always computes for its logits) from the pinned pool into scattered blocks of a paged kv-first cache,
+through the scheduler and worker halves, then the model prefills the last block against that prefix.
+
+The KV that is stored is the KV the recompute produced, and the reload's logits are compared with the recompute's,
+so the bytes really went GPU -> CPU -> GPU. `transformers` attends over a contiguous cache, not a paged one, so the
+reload also gathers the loaded blocks into one: a paged-attention engine skips that step, which makes this figure
+slightly pessimistic for reload.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kvfsm.bench.connector import Prompt
+from kvfsm.config import OffloadConfig
+from kvfsm.connector import Connector
+from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
+from kvfsm.executor.device import Device
+from kvfsm.executor.layouts import allocate_kv_caches
+
+LLAMA_3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0}
+
+
+MAX_LOGITS_ERROR = 0.25
+"""bf16 prefill in one pass vs prefix-then-tail differs by rounding (~1e-2); a prefix that did not land is ~1."""
+
+
+class ReloadMismatch(RuntimeError):
+    """The reload path's logits differ from the recompute's by more than bf16 rounding explains."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model's size; `num_layers` below the full 32 only where the full model does not fit."""
+
+    num_layers: int = 32
+    hidden_size: int = LLAMA_3_8B["hidden_size"]
+    intermediate_size: int = LLAMA_3_8B["intermediate_size"]
+    num_attention_heads: int = LLAMA_3_8B["num_attention_heads"]
+    num_key_value_heads: int = LLAMA_3_8B["num_key_value_heads"]
+    head_dim: int = LLAMA_3_8B["head_dim"]
+    vocab_size: int = LLAMA_3_8B["vocab_size"]
+
+
+def build_model(shape: Shape, max_tokens: int, device: torch.device) -> Any:
+    """A randomly initialised Llama in bf16, built directly on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+                         num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+                         vocab_size=shape.vocab_size, max_position_embeddings=max_tokens,
+                         attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def _sync(device: Device) -> None:
+    if device.kind == "cuda":
+        torch.cuda.synchronize()
+
+
+class PrefixReload:
+    """A connector over a paged kv-first cache of the model's shape, big enough for the longest prompt."""
+
+    def __init__(self, device: Device, shape: Shape, max_tokens: int, block_tokens: int = 16, seed: int = 0) -> None:
+        self.device = device
+        self.block_tokens = block_tokens
+        self.num_blocks = max_tokens // block_tokens + 1
+        tensors, _ = allocate_kv_caches("kv-first", shape.num_layers, self.num_blocks, block_tokens,
+                                        shape.num_key_value_heads, shape.head_dim, torch.bfloat16,
+                                        device.tensor_device())
+        self.layers = list(tensors.values())
+        self.connector = Connector(OffloadConfig(cpu_blocks=self.num_blocks, gpu_block_size=block_tokens), device)
+        self.connector.register_kv_caches(tensors, "kv-first")
+        self._rng = random.Random(seed)
+        self._serial = 0
+
+    def _request(self, hashes: tuple[int, ...], tokens: int) -> Prompt:
+        self._serial += 1
+        return Prompt(f"ttft{self._serial}", hashes, tokens)
+
+    def _scattered(self, n: int) -> list[int]:
+        return self._rng.sample(range(self.num_blocks), n)
+
+    def _step(self, scheduled: tuple[ScheduledRequest, ...] = ()) -> set[str]:
+        """One engine step with no compute of its own; waits for every job; returns the requests that loaded."""
+        connector, worker = self.connector, self.connector.worker
+        worker.bind_connector_metadata(connector.build_connector_meta(SchedulerOutput(scheduled=scheduled)))
+        worker.handle_preemptions()
+        worker.start_load_kv()
+        worker.wait_for_save()
+        worker.wait(list(worker.jobs))
+        return connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),))).loaded
+
+    def store(self, past: Any, hashes: tuple[int, ...], tokens: int) -> None:
+        """Page the prompt's KV (a transformers cache) into scattered blocks and store them through the connector."""
+        n = len(hashes)
+        blocks = self._scattered(n + 1)
+        index = torch.tensor(blocks[:n], device=self.device.tensor_device())
+        for layer, cache in zip(past.layers, self.layers):
+            for plane, values in enumerate((layer.keys, layer.values)):
+                paged = values[0, :, :n * self.block_tokens].transpose(0, 1)
+                cache[plane].index_copy_(0, index, paged.reshape(n, self.block_tokens, *paged.shape[1:]))
+        prompt = self._request(hashes, tokens)
+        if self.connector.get_num_new_matched_tokens(prompt, 0) != (0, False):
+            raise ReloadMismatch("a fresh prompt hit the pool")
+        self.connector.update_state_after_alloc(prompt, blocks, 0)
+        self._step((ScheduledRequest(req_id=prompt.request_id, block_ids=tuple(blocks), num_computed_tokens=tokens),))
+        self.connector.request_finished(prompt.request_id)
+        self._step()
+        for cache in self.layers:  # whatever a load fails to write shows in the logits
+            cache.zero_()
+
+    def load(self, hashes: tuple[int, ...], tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A returning request's CPU hit: load its prefix into fresh scattered blocks; per layer (K, V) as
+        transformers wants them (batch, heads, tokens, dim)."""
+        n = len(hashes)
+        prompt = self._request(hashes, tokens)
+        blocks = self._scattered(n + 1)
+        if self.connector.get_num_new_matched_tokens(prompt, 0) != (n * self.block_tokens, True):
+            raise ReloadMismatch("the stored prefix is not all in the pool")
+        self.connector.update_state_after_alloc(prompt, blocks, n * self.block_tokens)
+        if self._step() != {prompt.request_id}:
+            raise ReloadMismatch("the load did not finish in its step")
+        self.connector.request_finished(prompt.request_id)
+        index = torch.tensor(blocks[:n], device=self.device.tensor_device())
+        out = []
+        for cache in self.layers:
+            k, v = (cache[plane].index_select(0, index).flatten(0, 1).transpose(0, 1).unsqueeze(0) for plane in (0, 1))
+            out.append((k, v))
+        return out
+
+    def close(self) -> None:
+        self.connector.worker.shutdown()
+
+
+def _median_ms(fn: Callable[[], Any], device: Device, reps: int) -> tuple[float, Any]:
+    """Median wall milliseconds of `fn` (after a warm-up), and its last result."""
+    times, result = [], fn()
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        result = fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), result
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a - b).norm() / a.norm())
+
+
+@torch.inference_mode()
+def run(device: Device, prompt_tokens: tuple[int, ...] = (2048, 8192, 32768), shape: Shape = Shape(),
+        reps: int = 3, block_tokens: int = 16, seed: int = 0) -> dict[str, Any]:
+    """Recompute and reload milliseconds for each prompt length, and the speedup of reload."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(seed)
+    model = build_model(shape, max(prompt_tokens), device.tensor_device())
+    reload = PrefixReload(device, shape, max(prompt_tokens), block_tokens, seed)
+    rows = []
+    try:
+        for tokens in prompt_tokens:
+            ids = torch.randint(0, shape.vocab_size, (1, tokens), device=device.tensor_device())
+            recompute_ms, full = _median_ms(lambda: model(ids, use_cache=True, logits_to_keep=1), device, reps)
+            n = (tokens - 1) // block_tokens  # the last token is always computed, for its logits
+            hashes = tuple(tokens << 32 | i for i in range(n))
+            reload.store(full.past_key_values, hashes, tokens)
+            recompute_logits = full.logits
+            del full
+
+            def reloaded() -> tuple[torch.Tensor, dict[str, float]]:
+                phases: dict[str, float] = {}
+                _sync(device)
+                start = time.perf_counter()
+                layers = reload.load(hashes, tokens)
+                _sync(device)
+                phases["load_and_gather_ms"] = (time.perf_counter() - start) * 1e3
+                past = DynamicCache(config=model.config)
+                for i, (k, v) in enumerate(layers):
+                    past.update(k, v, i)
+                del layers
+                start = time.perf_counter()
+                logits = model(ids[:, n * block_tokens:], past_key_values=past, use_cache=True,
+                               logits_to_keep=1).logits
+                _sync(device)
+                phases["tail_prefill_ms"] = (time.perf_counter() - start) * 1e3
+                return logits, phases
+
+            samples = [reloaded() for _ in range(reps + 1)][1:]
+            error = _relative_error(recompute_logits, samples[-1][0])
+            if not error < MAX_LOGITS_ERROR:
+                raise ReloadMismatch(f"{tokens} tokens: reload logits differ from recompute's by {error:.3g}")
+            load_ms = statistics.median(s[1]["load_and_gather_ms"] for s in samples)
+            tail_ms = statistics.median(s[1]["tail_prefill_ms"] for s in samples)
+            reload_ms = statistics.median(sum(s[1].values()) for s in samples)
+            rows.append({"prompt_tokens": tokens, "recompute_ms": recompute_ms, "reload_ms": reload_ms,
+                         "load_and_gather_ms": load_ms, "tail_prefill_ms": tail_ms,
+                         "tail_tokens": tokens - n * block_tokens, "loaded_blocks": n,
+                         "loaded_gbps": n * reload.connector.scheduler.gpu_block_bytes / load_ms / 1e6,
+                         "speedup": recompute_ms / reload_ms, "logits_relative_error": error})
+            del samples
+    finally:
+        reload.close()
+    return {"num_layers": shape.num_layers, "model": "Llama-3-8B shape, random bf16 weights (transformers)",
+            "reps": reps, "rows": rows}
