@@ -1,0 +1,117 @@
+"""The demo: returning prefixes reload from CPU instead of being recomputed, and integrity is checked, not assumed."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kvfsm.demo import DemoConfig, DemoConfigError, DeviceKind, app, run_demo
+from kvfsm.workload import WorkloadError, WorkloadShape, generate, minimum_compute
+
+SMALL = WorkloadShape(conversations=4, turns=3, agents=3, think_steps=12, shared_prefix_tokens=64)
+SMALL_ARGS = ["--device", "cpu", "--conversations", "4", "--turns", "3", "--agents", "3", "--gpu-blocks", "32"]
+
+
+def small(**overrides: object) -> DemoConfig:
+    return DemoConfig(**{"workload": SMALL, "gpu_blocks": 24, "cpu_blocks": 128, "device": DeviceKind.cpu,
+                         **overrides})  # type: ignore[arg-type]
+
+
+def test_offloaded_run_reloads_from_cpu_and_keeps_integrity() -> None:
+    result = run_demo(small())
+    assert result.outputs_identical
+    assert result.offloaded.cpu_hit_tokens > 0
+    assert result.offloaded.violations == {}
+    assert result.poisoned == []
+    assert result.ok
+
+
+def test_cpu_hits_replace_recomputation() -> None:
+    result = run_demo(small())
+    assert result.offloaded.computed_tokens < result.baseline.computed_tokens
+    assert result.offloaded.computed_tokens >= result.minimum_compute
+
+
+def test_control_store_before_compute_fails_integrity() -> None:
+    result = run_demo(small(mutant="no-compute-barrier"))
+    assert "store-after-compute" in result.offloaded.violations
+    assert not result.outputs_identical
+    assert not result.ok
+
+
+def test_control_load_before_readers_fails_integrity() -> None:
+    result = run_demo(small(mutant="no-write-after-read-wait"))
+    assert "load-after-readers" in result.offloaded.violations
+    assert not result.ok
+
+
+def test_unbounded_gpu_cache_computes_the_minimum() -> None:
+    """The 'recomputed' figure is measured against `minimum_compute`; with room for everything none is recomputed."""
+    result = run_demo(small(gpu_blocks=1000))
+    assert result.baseline.computed_tokens == result.minimum_compute
+    assert result.baseline.preemptions == 0
+
+
+def test_exit_code_zero_when_integrity_holds() -> None:
+    outcome = CliRunner().invoke(app, SMALL_ARGS)
+    assert outcome.exit_code == 0, outcome.output
+    assert "PASS" in outcome.output
+
+
+def test_exit_code_one_when_integrity_fails() -> None:
+    outcome = CliRunner().invoke(app, [*SMALL_ARGS, "--mutant", "no-compute-barrier"])
+    assert outcome.exit_code == 1, outcome.output
+    assert "FAIL" in outcome.output
+
+
+def test_help_documents_the_knobs() -> None:
+    outcome = CliRunner().invoke(app, ["--help"])
+    assert outcome.exit_code == 0
+    for knob in ("--conversations", "--turns", "--agents", "--gpu-blocks", "--cpu-blocks", "--block-size-factor",
+                 "--eviction", "--device", "--seed"):
+        assert knob in outcome.output
+
+
+def test_request_larger_than_gpu_cache_is_refused() -> None:
+    with pytest.raises(DemoConfigError, match="GPU blocks"):
+        run_demo(small(gpu_blocks=4))
+    outcome = CliRunner().invoke(app, [*SMALL_ARGS[:-1], "4"])
+    assert outcome.exit_code == 2 and "GPU blocks" in outcome.output
+
+
+def test_unknown_mutant_is_refused() -> None:
+    with pytest.raises(DemoConfigError, match="unknown mutant"):
+        small(mutant="no-such-rule")
+
+
+def test_next_turn_resends_the_previous_prompt() -> None:
+    arrivals = generate(SMALL, vocab=1000, seed=0)
+    by_session: dict[str, list[tuple[int, ...]]] = {}
+    for arrival in sorted(arrivals, key=lambda a: int(a.request_id.rsplit("turn", 1)[1])):
+        by_session.setdefault(arrival.request_id.rsplit("-", 1)[0], []).append(arrival.prompt)
+    for prompts in by_session.values():
+        for earlier, later in zip(prompts, prompts[1:]):
+            assert later[:len(earlier)] == earlier and len(later) > len(earlier)
+
+
+def test_agents_share_one_long_prefix() -> None:
+    firsts = [a.prompt for a in generate(SMALL, vocab=1000, seed=0) if a.request_id.endswith("turn0")
+              and a.request_id.startswith("agent")]
+    assert len(firsts) == SMALL.agents
+    assert len({p[:SMALL.shared_prefix_tokens] for p in firsts}) == 1
+
+
+def test_arrivals_depend_only_on_the_seed() -> None:
+    assert generate(SMALL, 1000, seed=3) == generate(SMALL, 1000, seed=3)
+    assert generate(SMALL, 1000, seed=3) != generate(SMALL, 1000, seed=4)
+
+
+def test_minimum_compute_counts_a_shared_block_once() -> None:
+    arrivals = generate(WorkloadShape(conversations=0, turns=1, agents=2, shared_prefix_tokens=64), 1000, seed=0)
+    alone = [minimum_compute([a], block_size=8) for a in arrivals]
+    assert minimum_compute(arrivals, block_size=8) == sum(alone) - 64
+
+
+def test_empty_workload_is_refused() -> None:
+    with pytest.raises(WorkloadError):
+        WorkloadShape(conversations=0, agents=0)
