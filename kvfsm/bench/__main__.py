@@ -54,7 +54,7 @@ def _transfer(result: dict[str, Any], quick: bool) -> None:
     from kvfsm.executor import CudaDevice
 
     device = CudaDevice()
-    reps = 2 if quick else 5
+    reps = 2 if quick else 9
     result["ceilings"] = transfer.ceilings(device, (1 << 28) if quick else transfer.GIB, reps)
     result["mechanisms"] = {layout: transfer.mechanisms(device, layout, 256 if quick else 1024, result["ceilings"],
                                                         reps) for layout in ("kv-first", "cross-layer")}
@@ -72,7 +72,7 @@ def _connector(result: dict[str, Any], quick: bool) -> None:
     for layout in ("kv-first", "cross-layer"):
         for tokens in CONNECTOR_BLOCK_TOKENS:
             rows.append(connector.run(device, layout, tokens, result["ceilings"],
-                                      moved_bytes=(1 << 28) if quick else (1 << 30), reps=2 if quick else 5))
+                                      moved_bytes=(1 << 28) if quick else (1 << 30), reps=2 if quick else 9))
             _free_gpu()
     result["connector"] = rows
 
