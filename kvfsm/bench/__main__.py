@@ -45,7 +45,7 @@ def _scheduler(result: dict[str, Any], quick: bool) -> None:
     size = {"steps": 6, "requests": 16, "num_slots": 512, "documents": 32} if quick else {}
     result["scheduler"] = {
         "manager": {policy: scheduler.run(policy, **size) for policy in ("lru", "arc")},  # type: ignore[arg-type]
-        "steps": steps.run(**({"steps": 6, "requests": 16, "documents": 8} if quick else {})),
+        "steps": steps.run(**({"steps": 8, "requests": 16, "lifetime": 2, "documents": 8} if quick else {})),
     }
 
 

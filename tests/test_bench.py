@@ -1,0 +1,125 @@
+"""`python -m kvfsm.bench`: the CPU path runs and reports; every benchmark checks it measured the work it names.
+
+Performance is reported, never asserted: nothing here compares a time with a number.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvfsm.bench import steps
+from kvfsm.bench.__main__ import GPU_PARTS, app, layers_that_fit, verdicts
+from kvfsm.bench.connector import ConnectorRounds, RoundMismatch
+from kvfsm.executor import SimDevice
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_without_cuda_the_bare_command_runs_the_cpu_parts_writes_json_and_names_what_it_skipped(
+        tmp_path: Path, no_cuda: None) -> None:
+    run = CliRunner().invoke(app, ["--out", str(tmp_path), "--quick"])
+    assert run.exit_code == 0, run.output
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["skipped"] == list(GPU_PARTS) and not result["errors"]
+    assert {"manager", "steps"} <= result["scheduler"].keys()
+    assert {v["goal"] for v in result["verdicts"]} == {
+        "µs per block transition (manager)", "µs per block transition (whole scheduler half)"}
+    assert result["plot"] == "no GPU measurement to plot"
+    assert "skipped (no CUDA device here): transfer, connector, ttft" in run.output
+
+
+def test_a_subcommand_runs_only_its_part(tmp_path: Path, no_cuda: None) -> None:
+    run = CliRunner().invoke(app, ["scheduler", "--out", str(tmp_path), "--quick"])
+    assert run.exit_code == 0, run.output
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["skipped"] == [] and "scheduler" in result and "ttft" not in result
+
+
+def test_a_failing_part_is_reported_and_fails_the_exit_status(
+        tmp_path: Path, no_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(**_: object) -> dict[str, object]:
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(steps, "run", broken)
+    run = CliRunner().invoke(app, ["scheduler", "--out", str(tmp_path), "--quick"])
+    assert run.exit_code == 1
+    assert json.loads((tmp_path / "bench.json").read_text())["errors"] == {"scheduler": "RuntimeError: planted"}
+
+
+def test_the_scheduler_half_benchmark_exercises_every_lifecycle() -> None:
+    result = steps.run(steps=8, requests=16, lifetime=2, documents=8)
+    assert set(result["transitions"]) == {"request", "transfer-job", "gpu-block", "cpu-block"}
+    assert result["cpu_hit_blocks"] > 0, "no prompt ever came back: loads were not measured"
+
+
+def _rounds() -> ConnectorRounds:
+    return ConnectorRounds(SimDevice(), "kv-first", 16, 16, 4, num_layers=2, num_heads=2, head_dim=8)
+
+
+def test_connector_rounds_load_back_exactly_the_bytes_they_stored() -> None:
+    rounds = _rounds()
+    rounds.load()
+    rounds.check_landed()
+    rounds.both()
+    rounds.load()
+    rounds.check_landed()
+
+
+def test_control_a_loaded_block_that_differs_is_caught() -> None:
+    rounds = _rounds()
+    rounds.load()
+    rounds.caches.planes[0].rows[0, rounds._halves[1][0]] ^= 1
+    with pytest.raises(RoundMismatch):
+        rounds.check_landed()
+
+
+def test_control_a_round_whose_store_is_refused_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    rounds = _rounds()
+    monkeypatch.setattr(rounds.connector.scheduler.manager, "prepare_store", lambda *_: None)
+    with pytest.raises(RoundMismatch):
+        rounds.store()
+
+
+def _measured(share: float, slowdown: float, us: float) -> dict[str, object]:
+    row = {"store_share": share, "load_share": 1.0, "both_share": share}
+    return {
+        "connector": [{"layout": layout, "block_tokens": 16, **row} for layout in ("kv-first", "cross-layer")],
+        "mechanisms": {"kv-first": {"auto": {"compute_slowdown": slowdown}}},
+        "scheduler": {"manager": {"lru": {"us_per_transition": us}}, "steps": {"us_per_cpu_block_transition": us}},
+    }
+
+
+def test_goals_are_met_only_when_the_worst_figure_meets_them() -> None:
+    met = {v["goal"]: v["met"] for v in verdicts(_measured(0.98, 1.01, 0.5))}
+    assert all(met.values()) and len(met) == 6
+    missed = {v["goal"]: v["met"] for v in verdicts(_measured(0.85, 1.03, 1.5))}
+    assert not any(missed.values())
+
+
+def test_the_full_8b_model_is_used_when_it_fits_and_fewer_layers_when_not() -> None:
+    assert layers_that_fit(78 << 30, 32768) == 32
+    assert 1 <= layers_that_fit(24 << 30, 32768) < 32
+
+
+def test_reload_logits_match_recompute_and_a_prefix_that_never_landed_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    from kvfsm.bench import ttft
+
+    shape = ttft.Shape(num_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=1000)
+    rows = ttft.run(SimDevice(), (64,), shape, reps=1)["rows"]
+    assert rows[0]["loaded_blocks"] == 3 and rows[0]["logits_relative_error"] < ttft.MAX_LOGITS_ERROR
+    load = ttft.PrefixReload.load
+    monkeypatch.setattr(ttft.PrefixReload, "load", lambda self, *a: [
+        (torch.zeros_like(k), torch.zeros_like(v)) for k, v in load(self, *a)])
+    with pytest.raises(ttft.ReloadMismatch):
+        ttft.run(SimDevice(), (64,), shape, reps=1)
