@@ -105,7 +105,7 @@ def first_token_steps(h: Harness, names: tuple[str, ...], steps: int = 12) -> di
     first: dict[str, int] = {}
     for number in range(1, steps + 1):
         h.engine.step()
-        h._settle()
+        h.settle()
         assert not (found := h.violations()), "\n".join(found)
         for request in [*h.engine.live.values(), *h.engine.finished]:
             if request.request_id in names and request.num_sampled and request.request_id not in first:

@@ -124,6 +124,8 @@ class Engine:
         self.live: dict[str, EngineRequest] = {}
         self.finished: list[EngineRequest] = []
         self._next_handle = 0
+        self.compute_delay_cycles = config.compute_delay_cycles
+        """Settable between steps: tests delay the compute stream to widen race windows on the GPU."""
         self._forced: set[str] = set()
         self.preemptions = 0
         self.computed_tokens = 0
@@ -332,7 +334,7 @@ class Engine:
             return
         block_size = self.config.model.block_size
         device = self.device.tensor_device()
-        delay = self.config.compute_delay_cycles
+        delay = self.compute_delay_cycles
 
         def forward() -> None:
             if delay:

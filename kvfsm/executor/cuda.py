@@ -8,6 +8,7 @@ pinned caching allocator, which rounds each request up to a power of two (a 40 G
 
 from __future__ import annotations
 
+import mmap
 from typing import Callable, Iterable
 
 import torch
@@ -18,6 +19,9 @@ from kvfsm.invariants import Access, Actor
 
 class HostRegisterError(RuntimeError):
     """The CUDA runtime refused to register (or unregister) a host buffer."""
+
+
+_PAGE = mmap.PAGESIZE
 
 
 class CudaDevice:
@@ -59,9 +63,14 @@ class CudaDevice:
             fn()
 
     def pin_host(self, nbytes: int) -> torch.Tensor:
+        """Register exactly `nbytes`, starting on a page boundary of an allocation no other buffer shares a page
+        with: the driver pins whole pages, so a small buffer sharing a page with an already pinned one would
+        be refused ("already mapped")."""
         if nbytes <= 0:
             raise ValueError(f"a host allocation needs a positive size, got {nbytes}")
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        backing = torch.empty(nbytes + 2 * _PAGE, dtype=torch.uint8)
+        start = -backing.data_ptr() % _PAGE
+        buffer = backing[start:start + nbytes]
         code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
         if code != 0:
             raise HostRegisterError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {code}")

@@ -65,14 +65,16 @@ class Submitted:
 
 class Harness:
     def __init__(self, device: Device, num_gpu_blocks: int, cpu_blocks: int, block_size_factor: int = 1,
-                 mutant: str | None = None, max_batched_tokens: int = 32, shape: ModelShape = SHAPE) -> None:
+                 mutant: str | None = None, max_batched_tokens: int = 32, shape: ModelShape = SHAPE,
+                 compute_delay_cycles: int = 0) -> None:
         self.device = device
         self.shape = shape
         config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=block_size_factor,
                                gpu_block_size=shape.block_size)
         self.connector = Connector(config, device, keep_history=True)
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
-                                          model=shape), device, self.connector)
+                                          model=shape, compute_delay_cycles=compute_delay_cycles),
+                             device, self.connector)
         self.faults = FaultInjector(self.connector.worker._transfers)
         self.connector.worker._transfers = self.faults  # type: ignore[assignment]
         if mutant is not None:
@@ -105,10 +107,10 @@ class Harness:
             if not self.engine.has_work:
                 break
             self.engine.step()
-            self._settle()
-        self._settle()
+            self.settle()
+        self.settle()
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         run = getattr(self.device, "run_until_idle", None)
         if run is not None:
             run()
@@ -150,4 +152,6 @@ class Harness:
         return found
 
     def close(self) -> None:
+        """Stop tracing and release the pinned pool (on CUDA an unreleased registration outlives the memory)."""
         self.trace.close()
+        self.connector.worker.shutdown()
