@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import cache
 
 import pytest
@@ -11,29 +10,14 @@ from hypothesis import strategies as st
 
 from kvfsm.machines import CompiledLifecycle, GuardRefused, IllegalTrigger, MachineSet, TransitionsLifecycle
 from kvfsm.records import CpuBlock, GpuBlock
-from kvfsm.registry import Registry
 from kvfsm.spec import Spec, load_spec
-
-
-@dataclass
-class Probe:
-    """A model whose guard outcomes are chosen by the test and whose effects are logged."""
-
-    state: str
-    guard_values: dict[str, bool]
-    effects: list[str] = field(default_factory=list)
+from kvfsm.testing.coverage import Probe, probe_registry
 
 
 @cache
 def probe_machines() -> tuple[Spec, dict[str, CompiledLifecycle], dict[str, TransitionsLifecycle]]:
     spec = load_spec()
-    registry = Registry()
-    for lc in spec.lifecycles.values():
-        for t in lc.transitions:
-            for g in t.guards:
-                registry.guards[(lc.name, g)] = lambda model, _g=g, **_: model.guard_values[_g]
-            for e in t.effects:
-                registry.effects[(lc.name, e)] = lambda model, _e=e, **_: model.effects.append(_e)
+    registry = probe_registry(spec)
     table = {name: CompiledLifecycle(lc, registry) for name, lc in spec.lifecycles.items()}
     reference = {name: TransitionsLifecycle(lc, registry) for name, lc in spec.lifecycles.items()}
     return spec, table, reference
