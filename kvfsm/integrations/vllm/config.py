@@ -1,0 +1,72 @@
+"""kvfsm's configuration from vLLM's: the user's `kv_connector_extra_config`, checked against the engine.
+
+Settings vLLM already decides (tokens per block, how many workers report each job) are taken from vLLM; a user who
+also sets them must agree with it, or start-up fails naming both values.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+from pydantic import ValidationError
+
+from kvfsm.config import OffloadConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class InvalidExtraConfig(ValueError):
+    """`kv_connector_extra_config` names an unknown key, a bad value, or contradicts vLLM's own settings."""
+
+
+class UnsupportedKVCache(ValueError):
+    """vLLM's KV cache has a shape kvfsm cannot offload (several groups, or a layout it cannot tell)."""
+
+
+def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
+    transfer = vllm_config.kv_transfer_config
+    extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {}) if transfer is not None else {}
+    from_engine = {
+        "gpu_block_size": vllm_config.cache_config.block_size,
+        "num_workers": vllm_config.parallel_config.world_size,
+    }
+    for key, value in from_engine.items():
+        if key in extra and extra[key] != value:
+            raise InvalidExtraConfig(f"kv_connector_extra_config sets {key}={extra[key]!r}, but vLLM runs with {value}")
+        extra[key] = value
+    try:
+        return OffloadConfig(**extra)
+    except ValidationError as error:
+        raise InvalidExtraConfig(f"kv_connector_extra_config is not a valid kvfsm OffloadConfig:\n{error}") from None
+
+
+def gpu_block_bytes(kv_cache_config: "KVCacheConfig") -> int:
+    """Bytes of one GPU block across every layer of the single offloaded group, as the workers will register it."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise UnsupportedKVCache(f"kvfsm offloads one KV-cache group; this model has {len(groups)} "
+                                 "(run with --disable-hybrid-kv-cache-manager, or a model with one attention type)")
+    return groups[0].kv_cache_spec.page_size_bytes * len(groups[0].layer_names)
+
+
+def cache_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> str:
+    """kvfsm's layout name for vLLM's tensors, told apart by which axis has `num_blocks` entries."""
+    shapes = {tuple(t.shape) for t in kv_caches.values()}
+    layouts = set()
+    for shape in shapes:
+        fits = {
+            "kv-first": len(shape) == 5 and shape[0] == 2 and shape[1] == num_blocks,
+            "blocks-first": len(shape) == 5 and shape[0] == num_blocks and shape[1] == 2,
+            "mla": len(shape) == 3 and shape[0] == num_blocks,
+        }
+        matches = [name for name, ok in fits.items() if ok]
+        if len(matches) != 1:
+            raise UnsupportedKVCache(f"cannot tell the layout of a KV cache shaped {shape} with {num_blocks} blocks "
+                                     f"(candidates: {matches or 'none'})")
+        layouts.update(matches)
+    if len(layouts) != 1:
+        raise UnsupportedKVCache(f"KV caches in several layouts: {sorted(layouts)}")
+    return layouts.pop()

@@ -1,0 +1,137 @@
+"""`KvfsmConnector`: vLLM's KV-connector interface (v1, vLLM 0.32) in front of kvfsm's two connector halves.
+
+vLLM builds one instance per role: in the scheduler process it delegates to `SchedulerSide`, in each worker to
+`WorkerSide`. Calls that belong to the other role are refused with `WrongRole` rather than ignored, so a wiring
+mistake shows at once. Loads are whole-request and asynchronous, stores follow the forward pass, so the per-layer
+hooks have nothing to do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvfsm.integrations.vllm.config import offload_config
+from kvfsm.integrations.vllm.convert import KvfsmWorkerMetadata
+from kvfsm.integrations.vllm.scheduler_side import SchedulerSide
+from kvfsm.integrations.vllm.telemetry import KvfsmStats
+from kvfsm.integrations.vllm.worker_side import WorkerSide, default_device, worker_rank
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class WrongRole(RuntimeError):
+    """A scheduler-role method was called on a worker-role connector, or the other way round."""
+
+
+class KvfsmConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = offload_config(vllm_config)
+        self._scheduler = SchedulerSide(config, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = (WorkerSide(config, kv_cache_config, default_device(), worker_rank())
+                        if role == KVConnectorRole.WORKER else None)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a store lost to preemption is a later miss, never wrong output."""
+        return False
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise WrongRole("this connector runs in a worker; the scheduler half is not here")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise WrongRole("this connector runs in the scheduler; the worker half is not here")
+        return self._worker
+
+    # --- worker role -----------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.worker_side.bind(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self.worker_side.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self.worker_side.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        self.worker_side.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Polls kvfsm's jobs; requests are reported by the scheduler role, which aggregates the workers."""
+        self.worker_side.poll()
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KvfsmWorkerMetadata | None:
+        return self.worker_side.take_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # --- scheduler role --------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request)
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        return list(self.scheduler_side.take_events())
+
+    def reset_cache(self) -> bool:
+        return self.scheduler_side.reset_cache()
+
+    def get_kv_connector_stats(self) -> KvfsmStats | None:
+        return self._scheduler.stats.take() if self._scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvfsmStats:
+        return KvfsmStats(data=dict(data or {}))

@@ -1,0 +1,109 @@
+"""Conversions between vLLM's types and kvfsm's, and nothing else.
+
+vLLM names a block by a `BlockHash` (bytes, a chain over the prefix); kvfsm's catalogue keys on ints. The hash is
+read as one big-endian integer at full width, so the conversion is lossless and back-conversion for KV-cache events
+gives vLLM's own bytes. vLLM pages every KV-cache group separately; the adapter offloads group 0 (the only group
+when the hybrid allocator is off, which a connector without hybrid support requires).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput
+
+from kvfsm.connector.metadata import ConnectorMetadata, ScheduledRequest, SchedulerOutput, WorkerOutput
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+OFFLOADED_GROUP = 0
+"""The KV-cache group whose block ids kvfsm stores and loads."""
+
+
+class HashWidthMismatch(ValueError):
+    """Two block hashes of one engine have different widths: they cannot come from one hash function."""
+
+
+class HashCodec:
+    """BlockHash bytes <-> int, lossless; the width is learned from the first hash and then enforced."""
+
+    def __init__(self) -> None:
+        self.width: int | None = None
+
+    def to_int(self, block_hash: bytes) -> int:
+        if self.width is None:
+            self.width = len(block_hash)
+        elif len(block_hash) != self.width:
+            raise HashWidthMismatch(f"a {len(block_hash)}-byte block hash after {self.width}-byte ones")
+        return int.from_bytes(block_hash, "big")
+
+    def to_bytes(self, value: int) -> bytes:
+        if self.width is None:
+            raise HashWidthMismatch("no block hash was converted yet, so the width is unknown")
+        return value.to_bytes(self.width, "big")
+
+
+class RequestView:
+    """A vLLM `Request` as kvfsm's `RequestView`; hashes are converted once each, as vLLM appends them."""
+
+    def __init__(self, request: "Request", codec: HashCodec) -> None:
+        self._request = request
+        self._codec = codec
+        self._hashes: list[int] = []
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return self._request.num_tokens
+
+    @property
+    def block_hashes(self) -> Sequence[int]:
+        new = self._request.block_hashes[len(self._hashes):]
+        self._hashes.extend(self._codec.to_int(h) for h in new)
+        return self._hashes
+
+
+@dataclass
+class KvfsmMetadata(KVConnectorMetadata):
+    """kvfsm's orders for one step, in the envelope vLLM hands to every worker."""
+
+    orders: ConnectorMetadata
+
+
+@dataclass
+class KvfsmWorkerMetadata(KVConnectorWorkerMetadata):
+    """Each worker's job completions for one step; vLLM aggregates them across workers before the scheduler."""
+
+    reports: tuple[WorkerOutput, ...] = field(default_factory=tuple)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvfsmWorkerMetadata":
+        if not isinstance(other, KvfsmWorkerMetadata):
+            raise TypeError(f"cannot aggregate kvfsm worker metadata with {type(other).__name__}")
+        return KvfsmWorkerMetadata(self.reports + other.reports)
+
+
+def scheduler_output(output: VllmSchedulerOutput) -> SchedulerOutput:
+    """The requests computed this step (group-0 blocks, computed tokens after the step) and the preempted ones."""
+    before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
+    cached = output.scheduled_cached_reqs
+    before.update(zip(cached.req_ids, cached.num_computed_tokens))
+    state = output.kv_connector_block_state
+    scheduled = []
+    for req_id, count in output.num_scheduled_tokens.items():
+        groups = state.get_block_ids(req_id) if state is not None else None
+        if groups is None:
+            raise ValueError(f"vLLM scheduled {req_id!r} but offered the connector no block ids for it")
+        scheduled.append(ScheduledRequest(req_id=req_id, block_ids=tuple(groups[OFFLOADED_GROUP]),
+                                          num_computed_tokens=before[req_id] + count))
+    return SchedulerOutput(scheduled=tuple(scheduled), preempted=tuple(sorted(output.preempted_req_ids or ())))
+
+
+def group_block_ids(blocks: Any) -> list[int]:
+    """Group 0's block ids of a `KVCacheBlocks`."""
+    return list(blocks.get_block_ids()[OFFLOADED_GROUP])

@@ -1,0 +1,276 @@
+"""vLLM's real `Scheduler` on a CPU, driven step by step with a fake worker: what the vLLM adapter tests run on.
+
+The fake worker reads kvfsm's orders from `scheduler_output.kv_connector_metadata` and completes each job a chosen
+number of steps after it was ordered, as a GPU would report it; flushed stores complete in the step that flushes
+them (the real worker waits for them before the forward pass). It reports a failed load's GPU blocks as vLLM's
+`invalid_block_ids`, as `WorkerSide` does. After every scheduling and every output the harness checks the rule the
+adapter exists to keep: no GPU block read or written by an unfinished, unflushed job has left its request.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import vllm.platforms as platforms  # noqa: E402
+from vllm.platforms.cpu import CpuPlatform  # noqa: E402
+
+platforms._current_platform = CpuPlatform()
+
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvfsm.connector.metadata import ConnectorMetadata, WorkerOutput  # noqa: E402
+from kvfsm.integrations.vllm.connector import KvfsmConnector  # noqa: E402
+from kvfsm.integrations.vllm.convert import KvfsmWorkerMetadata  # noqa: E402
+
+BLOCK_SIZE = 16
+NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 2, 2, 64
+MAX_MODEL_LEN = 4096
+SAMPLED_TOKEN = 7
+
+
+class HeldBlockReleased(AssertionError):
+    """vLLM freed a GPU block that an unfinished, unflushed kvfsm job still reads or writes."""
+
+
+def tiny_model(folder: Path) -> Path:
+    """A model folder vLLM accepts without weights or tokenizer: only a Llama config."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,'
+        ' "intermediate_size": 512, "num_hidden_layers": %d, "num_attention_heads": 4,'
+        ' "num_key_value_heads": %d, "vocab_size": 1000, "max_position_embeddings": %d,'
+        ' "torch_dtype": "float16", "rms_norm_eps": 1e-5}' % (NUM_LAYERS, NUM_KV_HEADS, MAX_MODEL_LEN))
+    return folder
+
+
+def model_config(folder: Path) -> ModelConfig:
+    return ModelConfig(model=str(tiny_model(folder)), skip_tokenizer_init=True)
+
+
+def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
+                connector_module: str = "kvfsm.integrations.vllm", max_batched_tokens: int = 512) -> VllmConfig:
+    transfer = KVTransferConfig(kv_connector="KvfsmConnector", kv_connector_module_path=connector_module,
+                                kv_role="kv_both", kv_connector_extra_config=extra,
+                                kv_load_failure_policy="recompute")
+    config = VllmConfig(
+        model_config=model, cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_batched_tokens, max_num_seqs=32,
+                                         max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
+        kv_transfer_config=transfer)
+    config.cache_config.num_gpu_blocks = num_gpu_blocks
+    return config
+
+
+def kv_cache_config(num_gpu_blocks: int) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+                             dtype=torch.float16)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    return KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+@dataclass
+class _Job:
+    job_id: int
+    req_id: str
+    kind: str
+    gpu_blocks: tuple[int, ...]
+    due: int
+    ok: bool = True
+
+
+@dataclass
+class FakeWorker:
+    """Completes kvfsm jobs `load_steps` / `store_steps` steps after their order; fails loads of `fail_loads`."""
+
+    load_steps: int = 1
+    store_steps: int = 1
+    fail_loads: set[str] = field(default_factory=set)
+    report_invalid_blocks: bool = True
+    """False is a control: a failed load is reported as failed but its blocks are not named to vLLM."""
+    pending: dict[int, _Job] = field(default_factory=dict)
+    loads: list[_Job] = field(default_factory=list)
+
+    def step(self, step: int, output: SchedulerOutput, scheduler: Scheduler) -> KVConnectorOutput:
+        orders = output.kv_connector_metadata.orders
+        for job_id in orders.flush:
+            if job_id in self.pending:
+                self.pending[job_id].due = step
+        for load in orders.loads:
+            job = _Job(load.job_id, load.req_id, "load", load.gpu_blocks, step + self.load_steps - 1,
+                       ok=load.req_id not in self.fail_loads)
+            self.pending[job.job_id] = job
+            self.loads.append(job)
+        for store in orders.stores:
+            self.pending[store.job_id] = _Job(store.job_id, store.req_id, "store", store.gpu_blocks,
+                                              step + self.store_steps)
+        finished = [j for j in self.pending.values() if j.due <= step]
+        for job in finished:
+            del self.pending[job.job_id]
+        report = WorkerOutput(worker=0, done=tuple(j.job_id for j in finished if j.ok),
+                              failed=tuple(j.job_id for j in finished if not j.ok))
+        invalid = {b for j in finished if not j.ok and j.kind == "load" for b in j.gpu_blocks}
+        return KVConnectorOutput(
+            kv_connector_worker_meta=KvfsmWorkerMetadata((report,)) if finished else None,
+            invalid_block_ids=invalid if self.report_invalid_blocks else set())
+
+    def in_flight(self, flushed: tuple[int, ...] = ()) -> list[_Job]:
+        return [j for j in self.pending.values() if j.job_id not in flushed]
+
+    @property
+    def pending_jobs(self) -> bool:
+        return bool(self.pending)
+
+
+@dataclass
+class StepLog:
+    step: int
+    orders: ConnectorMetadata
+    first_computed: dict[str, int]
+    """Requests scheduled this step for the first time since admission, with their computed tokens before it."""
+
+
+class AdapterWorker:
+    """The adapter's real worker role on `SimDevice` tensors shaped as vLLM allocates them (K and V planes first).
+
+    Its forward pass writes, at every computed position, the token id there (mod 251) into every K and V entry, so
+    the bytes of a loaded block show whether they came from the right prefix."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        blocks = config.cache_config.num_gpu_blocks
+        self.connector = KvfsmConnector(config, KVConnectorRole.WORKER, kv_cache_config(blocks))
+        self.caches = {name: torch.zeros(2, blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
+                       for name in kv_cache_config(blocks).kv_cache_groups[0].layer_names}
+        self.connector.register_kv_caches(self.caches)
+        self.pending: dict[int, Any] = {}
+
+    def step(self, step: int, output: SchedulerOutput, scheduler: Scheduler) -> KVConnectorOutput:
+        meta = output.kv_connector_metadata
+        self.connector.handle_preemptions(meta)
+        self.connector.bind_connector_metadata(meta)
+        self.connector.start_load_kv(None)  # type: ignore[arg-type]
+        self._forward(output, scheduler)
+        self.connector.wait_for_save()
+        self.connector.get_finished(set(output.finished_req_ids))
+        result = KVConnectorOutput(invalid_block_ids=self.connector.get_block_ids_with_load_errors(),
+                                   kv_connector_worker_meta=self.connector.build_connector_worker_meta())
+        self.connector.clear_connector_metadata()
+        return result
+
+    def _forward(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
+        before = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
+        cached = output.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, count in output.num_scheduled_tokens.items():
+            blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            tokens = scheduler.requests[req_id].all_token_ids
+            for position in range(before[req_id], before[req_id] + count):
+                value = float(tokens[position] % 251)
+                for cache in self.caches.values():
+                    cache[:, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = value
+
+    def block_tokens(self, block_id: int) -> list[int]:
+        """The token ids a block's bytes say it holds (read from the first layer's K plane)."""
+        first = next(iter(self.caches.values()))
+        return [int(v) for v in first[0, block_id, :, 0, 0]]
+
+    def in_flight(self, flushed: tuple[int, ...] = ()) -> list[_Job]:
+        return []
+
+    @property
+    def pending_jobs(self) -> bool:
+        return bool(self.connector.worker_side.kvfsm.jobs)
+
+
+class Driver:
+    """One vLLM scheduler with the kvfsm adapter, stepped by hand against a `FakeWorker` or an `AdapterWorker`."""
+
+    def __init__(self, config: VllmConfig, worker: "FakeWorker | AdapterWorker") -> None:
+        init_none_hash(sha256)
+        self.blocks = config.cache_config.num_gpu_blocks
+        self.scheduler = Scheduler(config, kv_cache_config(self.blocks), StructuredOutputManager(config),
+                                   block_size=BLOCK_SIZE)
+        self.worker = worker
+        self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self.step_no = 0
+        self.first_token: dict[str, int] = {}
+        self.log: list[StepLog] = []
+
+    @property
+    def connector(self) -> KvfsmConnector:
+        assert isinstance(self.scheduler.connector, KvfsmConnector)
+        return self.scheduler.connector
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> None:
+        request = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                          block_hasher=self.hasher)
+        self.scheduler.add_request(request)
+
+    def step(self) -> StepLog:
+        self.step_no += 1
+        output = self.scheduler.schedule()
+        orders = output.kv_connector_metadata.orders
+        self.check_held(orders.flush)
+        first = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
+        cached = output.scheduled_cached_reqs
+        first.update((r, n) for r, n in zip(cached.req_ids, cached.num_computed_tokens) if r in cached.resumed_req_ids)
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = [[SAMPLED_TOKEN] if self._prefill_done(r) else [] for r in req_ids]
+        result = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                   sampled_token_ids=sampled,
+                                   kv_connector_output=self.worker.step(self.step_no, output, self.scheduler))
+        for outputs in self.scheduler.update_from_output(output, result).values():
+            for out in outputs.outputs:
+                if out.new_token_ids:
+                    self.first_token.setdefault(out.request_id, self.step_no)
+        self.check_held()
+        log = StepLog(self.step_no, orders, first)
+        self.log.append(log)
+        return log
+
+    def run(self, max_steps: int = 50) -> None:
+        """Step until the scheduler has nothing left (finished requests' held blocks included)."""
+        while self.scheduler.has_requests() or self.worker.pending_jobs:
+            if self.step_no >= max_steps:
+                raise AssertionError(f"not idle after {max_steps} steps")
+            self.step()
+
+    def _prefill_done(self, req_id: str) -> bool:
+        request = self.scheduler.requests[req_id]
+        return request.num_computed_tokens >= request.num_tokens
+
+    def check_held(self, flushed: tuple[int, ...] = ()) -> None:
+        manager = self.scheduler.kv_cache_manager
+        for job in self.worker.in_flight(flushed):
+            owned = set(manager.get_block_ids(job.req_id)[0]) if job.req_id in self.scheduler.requests else set()
+            lost = [b for b in job.gpu_blocks if b not in owned]
+            if lost:
+                raise HeldBlockReleased(f"step {self.step_no}: {job.kind} job {job.job_id} of {job.req_id} "
+                                        f"still uses GPU blocks {lost}, which vLLM took back")
+
+    def reset_gpu_prefix_cache(self) -> None:
+        if not self.scheduler.reset_prefix_cache():
+            raise AssertionError("vLLM refused to reset its prefix cache (blocks still in use)")
+
+    def cpu_pool_drained(self) -> bool:
+        """kvfsm's drained rule, seen from the adapter: no job or request left, every CPU block free or ready."""
+        kvfsm = self.connector.scheduler_side.kvfsm
+        usage = kvfsm.manager.usage()
+        return not kvfsm.jobs and not kvfsm.requests and usage["free"] + usage["ready"] == kvfsm.manager.capacity

@@ -1,0 +1,94 @@
+"""The connector's worker role: vLLM's model runner calls in, kvfsm's `WorkerConnector` executes the orders.
+
+On a GPU the device is `CudaDevice`; on a CPU-only host it is `SimDevice`, whose streams run only when driven: vLLM's
+forward pass has already run by the time completions are polled, so the simulated streams are run to idle then.
+A failed load's GPU blocks are reported to vLLM (`get_block_ids_with_load_errors`) in the same step as the job, so
+vLLM recomputes them instead of caching what the load never wrote.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvfsm.config import OffloadConfig
+from kvfsm.connector.metadata import WorkerOutput
+from kvfsm.connector.worker import WorkerConnector
+from kvfsm.executor.cuda import CudaDevice
+from kvfsm.executor.device import Device
+from kvfsm.executor.sim import SimDevice
+from kvfsm.integrations.vllm.config import UnsupportedKVCache, cache_layout, gpu_block_bytes
+from kvfsm.integrations.vllm.convert import KvfsmMetadata, KvfsmWorkerMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def default_device() -> Device:
+    return CudaDevice() if torch.cuda.is_available() else SimDevice()
+
+
+def worker_rank() -> int:
+    """This worker's id in job reports: its rank among the workers, 0 when it is the only one."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+class WorkerSide:
+    def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig", device: Device,
+                 rank: int) -> None:
+        self.config = config
+        self.device = device
+        self.kvfsm = WorkerConnector(config, device, worker=rank)
+        self._num_blocks = kv_cache_config.num_blocks
+        self._scheduler_block_bytes = gpu_block_bytes(kv_cache_config)
+        self._loads: dict[int, tuple[int, ...]] = {}
+        self._reports: list[WorkerOutput] = []
+        self._invalid: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        caches = self.kvfsm.register_kv_caches(kv_caches, cache_layout(kv_caches, self._num_blocks))
+        ours, theirs = (self.config.num_cpu_blocks(b) for b in (caches.gpu_block_bytes, self._scheduler_block_bytes))
+        if ours != theirs:
+            raise UnsupportedKVCache(
+                f"this worker's caches hold {caches.gpu_block_bytes} bytes per block, the scheduler sized the pool for "
+                f"{self._scheduler_block_bytes}: the pools would differ ({ours} vs {theirs} CPU blocks)")
+
+    def bind(self, meta: object) -> None:
+        if not isinstance(meta, KvfsmMetadata):
+            raise TypeError(f"expected kvfsm connector metadata, got {type(meta).__name__}")
+        self.kvfsm.bind_connector_metadata(meta.orders)
+        self._loads.update((order.job_id, order.gpu_blocks) for order in meta.orders.loads)
+
+    def handle_preemptions(self, meta: object) -> None:
+        self.bind(meta)
+        self.kvfsm.handle_preemptions()
+
+    def start_load_kv(self) -> None:
+        self.kvfsm.start_load_kv()
+
+    def wait_for_save(self) -> None:
+        self.kvfsm.wait_for_save()
+
+    def poll(self) -> None:
+        """Collect the jobs that finished since the last poll (once per step, before the two reports below)."""
+        if isinstance(self.device, SimDevice):
+            self.device.run_until_idle()
+        report = self.kvfsm.get_finished()
+        for job_id in report.failed:
+            self._invalid.update(self._loads.pop(job_id, ()))
+        for job_id in report.done:
+            self._loads.pop(job_id, None)
+        if report.done or report.failed:
+            self._reports.append(report)
+
+    def take_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def take_worker_meta(self) -> KvfsmWorkerMetadata | None:
+        reports, self._reports = tuple(self._reports), []
+        return KvfsmWorkerMetadata(reports) if reports else None
+
+    def shutdown(self) -> None:
+        self.kvfsm.shutdown()

@@ -1,0 +1,98 @@
+"""The adapter's worker role on `SimDevice` tensors registered as vLLM registers them, under vLLM's real Scheduler.
+
+Bytes, not bookkeeping: the forward pass writes each position's token id into the KV cache, so a reloaded block
+shows whether its bytes came from the right prefix. Skipped when vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder  # noqa: E402
+from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, WrongRole  # noqa: E402
+from kvfsm.integrations.vllm.convert import KvfsmMetadata  # noqa: E402
+from kvfsm.integrations.vllm.harness import (  # noqa: E402
+    BLOCK_SIZE,
+    AdapterWorker,
+    Driver,
+    kv_cache_config,
+    model_config,
+    vllm_config,
+)
+
+pytestmark = pytest.mark.vllm
+
+PREFIX = list(range(300, 300 + 3 * BLOCK_SIZE))
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory):
+    return vllm_config(model_config(Path(tmp_path_factory.mktemp("tiny-llama"))), {"cpu_blocks": 16}, 32)
+
+
+def test_reloaded_blocks_hold_the_bytes_the_writer_computed(config) -> None:
+    worker = AdapterWorker(config)
+    d = Driver(config, worker)
+    d.add("writer", PREFIX + [1])
+    d.run()
+    d.reset_gpu_prefix_cache()
+    for cache in worker.caches.values():
+        cache.zero_()  # whatever the reader finds now came from the CPU pool
+    d.add("reader", PREFIX + [2])
+    d.run()
+    (load,) = [o for log in d.log for o in log.orders.loads if o.req_id == "reader"]
+    for i, block in enumerate(load.gpu_blocks):
+        assert worker.block_tokens(block) == [t % 251 for t in PREFIX[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
+    assert d.cpu_pool_drained()
+
+
+def test_control_a_zeroed_cache_without_the_load_holds_no_prefix(config) -> None:
+    worker = AdapterWorker(config)
+    for cache in worker.caches.values():
+        cache.zero_()
+    assert worker.block_tokens(0) != [t % 251 for t in PREFIX[:BLOCK_SIZE]]
+
+
+def test_failed_load_names_its_gpu_blocks_to_vllm(config) -> None:
+    worker = AdapterWorker(config)
+    bad = KvfsmMetadata(ConnectorMetadata(step=1, loads=(LoadOrder(job_id=0, req_id="r", gpu_blocks=(3, 4),
+                                                                   cpu_slots=(0, 99)),)))
+    worker.connector.handle_preemptions(bad)
+    worker.connector.bind_connector_metadata(bad)
+    worker.connector.start_load_kv(None)  # type: ignore[arg-type]
+    worker.connector.wait_for_save()
+    worker.connector.get_finished(set())
+    assert worker.connector.get_block_ids_with_load_errors() == {3, 4}
+    (report,) = worker.connector.build_connector_worker_meta().reports
+    assert report.failed == (0,)
+
+
+def test_caches_of_an_unknown_layout_are_refused(config) -> None:
+    connector = KvfsmConnector(config, KVConnectorRole.WORKER, kv_cache_config(32))
+    with pytest.raises(UnsupportedKVCache, match="layout"):
+        connector.register_kv_caches({"layer": torch.zeros(3, 32, BLOCK_SIZE, 2, 64, dtype=torch.float16)})
+
+
+def test_a_scheduler_call_on_a_worker_is_refused(config) -> None:
+    connector = KvfsmConnector(config, KVConnectorRole.WORKER, kv_cache_config(32))
+    with pytest.raises(WrongRole):
+        connector.build_connector_meta(None)  # type: ignore[arg-type]
+
+
+def test_importing_kvfsm_does_not_import_vllm() -> None:
+    code = "import sys, kvfsm, kvfsm.integrations; sys.exit('vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_control_importing_the_adapter_does_import_vllm() -> None:
+    code = "import sys, kvfsm.integrations.vllm; sys.exit('vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 1
