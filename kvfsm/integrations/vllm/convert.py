@@ -88,11 +88,17 @@ class KvfsmWorkerMetadata(KVConnectorWorkerMetadata):
         return KvfsmWorkerMetadata(self.reports + other.reports)
 
 
-def scheduler_output(output: VllmSchedulerOutput) -> SchedulerOutput:
-    """The requests computed this step (group-0 blocks, computed tokens after the step) and the preempted ones."""
+def computed_before(output: VllmSchedulerOutput) -> dict[str, int]:
+    """Each scheduled request's computed tokens before this step (vLLM splits them by new and cached requests)."""
     before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
     cached = output.scheduled_cached_reqs
     before.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return before
+
+
+def scheduler_output(output: VllmSchedulerOutput) -> SchedulerOutput:
+    """The requests computed this step (group-0 blocks, computed tokens after the step) and the preempted ones."""
+    before = computed_before(output)
     state = output.kv_connector_block_state
     scheduled = []
     for req_id, count in output.num_scheduled_tokens.items():

@@ -35,7 +35,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvfsm.connector.metadata import ConnectorMetadata, WorkerOutput  # noqa: E402
 from kvfsm.integrations.vllm.connector import KvfsmConnector  # noqa: E402
-from kvfsm.integrations.vllm.convert import KvfsmWorkerMetadata  # noqa: E402
+from kvfsm.integrations.vllm.convert import KvfsmWorkerMetadata, computed_before  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 2, 2, 64
@@ -175,9 +175,7 @@ class AdapterWorker:
         return result
 
     def _forward(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
-        before = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
-        cached = output.scheduled_cached_reqs
-        before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        before = computed_before(output)
         for req_id, count in output.num_scheduled_tokens.items():
             blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[0]
             tokens = scheduler.requests[req_id].all_token_ids
