@@ -17,8 +17,8 @@ from kvfsm.testing.mutants import MUTANTS
 
 pytestmark = pytest.mark.gpu
 
-TRIALS = 12
-DELAY = 2_000_000  # cycles the compute stream sleeps before each forward (about a millisecond)
+TRIALS = 10
+DELAY = 50_000_000  # cycles the compute stream sleeps before each forward (~30 ms: longer than a host step)
 P, Q = (11, 12, 13, 14), (21, 22, 23, 24)
 
 

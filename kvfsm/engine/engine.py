@@ -22,6 +22,7 @@ from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, Schedule
 from kvfsm.engine.blocks import BlockPool
 from kvfsm.engine.model import POISON_BYTE, ModelShape, ToyModel
 from kvfsm.executor.device import Device, Touch
+from kvfsm.executor.mechanisms import device_index
 
 _HASH_MASK = (1 << 63) - 1
 
@@ -320,7 +321,7 @@ class Engine:
     def _poison(self, blocks: list[int]) -> None:
         if not blocks:
             return
-        index = torch.tensor(blocks, device=self.device.tensor_device())
+        index = device_index(blocks, self.device.tensor_device())
 
         def fill() -> None:
             for cache in self.caches:
@@ -340,7 +341,7 @@ class Engine:
             if delay:
                 torch.cuda._sleep(delay)
             for w in work:
-                blocks = torch.tensor(w.blocks, device=device)
+                blocks = device_index(w.blocks, device)
                 tokens = self._tokens(w.request, w.start, w.end, device)
                 self.model.write(blocks, tokens, w.start)
                 if w.sample:
@@ -354,7 +355,7 @@ class Engine:
     @staticmethod
     def _tokens(request: EngineRequest, start: int, end: int, device: torch.device) -> torch.Tensor:
         """Tokens at positions [start, end): prompt from the host, sampled ones from the device."""
-        prompt = torch.tensor(request.prompt[start:end], dtype=torch.int64, device=device)
+        prompt = device_index(request.prompt[start:end], device)
         sampled = request.sampled[max(0, start - len(request.prompt)): end - len(request.prompt)]
         return torch.cat([prompt, *(t.view(1) for t in sampled)]) if sampled else prompt
 

@@ -61,5 +61,5 @@ class ToyModel:
         total = torch.zeros((), dtype=torch.float64, device=block_ids.device)
         for layer, cache in enumerate(self.caches):
             total = total + (cache[:, blocks, offsets].to(torch.float64) * weights).sum() * (layer + 1)
-        return torch.where(torch.isnan(total), torch.tensor(float(POISONED_TOKEN), dtype=torch.float64, device=total.device),
-                           torch.remainder(total, self.shape.vocab)).to(torch.int64)
+        poisoned = torch.full((), float(POISONED_TOKEN), dtype=torch.float64, device=total.device)
+        return torch.where(torch.isnan(total), poisoned, torch.remainder(total, self.shape.vocab)).to(torch.int64)

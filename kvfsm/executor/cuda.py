@@ -21,9 +21,6 @@ class HostRegisterError(RuntimeError):
     """The CUDA runtime refused to register (or unregister) a host buffer."""
 
 
-_PAGE = mmap.PAGESIZE
-
-
 class CudaDevice:
     """Three CUDA streams and torch events; `enqueue` issues work at once, on the named stream."""
 
@@ -38,6 +35,7 @@ class CudaDevice:
             "load": torch.cuda.Stream(self._device),
         }
         self._registered: dict[int, int] = {}
+        self._mappings: dict[int, mmap.mmap] = {}
 
     def tensor_device(self) -> torch.device:
         return self._device
@@ -63,23 +61,23 @@ class CudaDevice:
             fn()
 
     def pin_host(self, nbytes: int) -> torch.Tensor:
-        """Register exactly `nbytes`, starting on a page boundary of an allocation no other buffer shares a page
-        with: the driver pins whole pages, so a small buffer sharing a page with an already pinned one would
-        be refused ("already mapped")."""
+        """Register exactly `nbytes` of an anonymous mapping: page-aligned and sharing no page with any other
+        buffer (the driver pins whole pages, so a buffer sharing a page with a pinned one would be refused)."""
         if nbytes <= 0:
             raise ValueError(f"a host allocation needs a positive size, got {nbytes}")
-        backing = torch.empty(nbytes + 2 * _PAGE, dtype=torch.uint8)
-        start = -backing.data_ptr() % _PAGE
-        buffer = backing[start:start + nbytes]
+        mapping = mmap.mmap(-1, nbytes)
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8)
         code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
         if code != 0:
             raise HostRegisterError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {code}")
         self._registered[buffer.data_ptr()] = nbytes
+        self._mappings[buffer.data_ptr()] = mapping
         return buffer
 
     def unpin_host(self, buffer: torch.Tensor) -> None:
         if self._registered.pop(buffer.data_ptr(), None) is None:
             raise HostRegisterError("this buffer was not registered by pin_host, or was already released")
+        self._mappings.pop(buffer.data_ptr())  # the mapping is unmapped once the last tensor on it is gone
         code = int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
         if code != 0:
             raise HostRegisterError(f"cudaHostUnregister failed with cudaError {code}")
