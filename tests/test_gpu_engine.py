@@ -8,39 +8,57 @@ invariants intact in every trial; each mutant must corrupt data (or violate the 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, run_state_machine_as_test
 
+from kvfsm.testing.explorer import SMALL_WORKLOADS
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.interleavings import PROMPTS, OffloadInterleavings
 from kvfsm.testing.mutants import MUTANTS
 
 pytestmark = pytest.mark.gpu
 
-TRIALS = 10
-DELAY = 50_000_000  # cycles the compute stream sleeps before each forward (~30 ms: longer than a host step)
-P, Q = (11, 12, 13, 14), (21, 22, 23, 24)
+REPEATS = 3
+DELAY = 50_000_000  # cycles the compute stream sleeps before each forward (~25 ms: longer than a host step)
 
 
-def _trial(mutant: str | None, seed: int) -> list[str]:
-    """A workload with a reload of a stored prefix, a preemption mid-store and reallocation under pressure."""
+class SlowCopies:
+    """Wraps a worker's transfers so each copy first sleeps on its own stream: a busy copy engine."""
+
+    def __init__(self, harness: Harness) -> None:
+        self._device = harness.device
+        self._transfers = harness.connector.worker._transfers
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._transfers, name)
+
+    def _sleep(self, stream: str) -> None:
+        self._device.enqueue(stream, stream, f"{stream} engine busy", lambda: torch.cuda._sleep(DELAY))
+
+    def store(self, *args: object, **kwargs: object) -> None:
+        self._sleep("store")
+        self._transfers.store(*args, **kwargs)
+
+    def load(self, *args: object, **kwargs: object) -> None:
+        self._sleep("load")
+        self._transfers.load(*args, **kwargs)
+
+
+def _trial(mutant: str | None, workload: str, slow: str) -> list[str]:
+    """One of the explorer's small workloads on the GPU, the host running ahead of a slow compute stream
+    (`slow="compute"`) or of slow copy engines (`slow="copies"`)."""
     from kvfsm.executor.cuda import CudaDevice
 
-    harness = Harness(CudaDevice(), num_gpu_blocks=7, cpu_blocks=6, mutant=mutant, compute_delay_cycles=DELAY)
-    engine = harness.engine
+    w = SMALL_WORKLOADS[workload]
+    harness = Harness(CudaDevice(), num_gpu_blocks=w.num_gpu_blocks, cpu_blocks=w.cpu_blocks,
+                      block_size_factor=w.block_size_factor, mutant=mutant,
+                      compute_delay_cycles=DELAY if slow == "compute" else 0)
+    if slow == "copies":
+        harness.connector.worker._transfers = SlowCopies(harness)  # type: ignore[assignment]
     try:
-        harness.add_request(Q + (seed % 7,), 3)
-        engine.step()
-        harness.add_request(P + (1, 2), 2)
-        for _ in range(3):
-            engine.step()
-        harness.settle()  # the first prefix is on CPU now; the GPU forgets it, so the next two reload it
-        engine.step()
-        engine.reset_prefix_cache()
-        harness.add_request(P + (1, 2, 3), 2)
-        harness.add_request(P + (1, 2, 4), 2)
-        for _ in range(4):
-            engine.step()
+        for action in w.actions:
+            action(harness)
         harness.drain()
         return harness.final_violations()
     except Exception as error:  # a mutant may also trip the spec's machines: that is a catch, too
@@ -49,17 +67,22 @@ def _trial(mutant: str | None, seed: int) -> list[str]:
         harness.close()
 
 
+TRIALS = [(workload, slow, repeat) for workload in sorted(SMALL_WORKLOADS) for slow in ("compute", "copies")
+          for repeat in range(REPEATS)]
+
+
 def test_kvfsm_keeps_every_trial_intact_on_a_delayed_compute_stream() -> None:
-    bad = {seed: found for seed in range(TRIALS) if (found := _trial(None, seed))}
-    print(f"\nkvfsm: {len(bad)}/{TRIALS} trials with a violation")
+    bad = {trial: found for trial in TRIALS if (found := _trial(None, trial[0], trial[1]))}
+    print(f"\nkvfsm: {len(bad)}/{len(TRIALS)} trials with a violation")
     assert not bad, bad
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_mutant_corrupts_on_a_delayed_compute_stream(mutant: str) -> None:
-    caught = {seed: found[0] for seed in range(TRIALS) if (found := _trial(mutant, seed))}
-    print(f"\n{mutant}: {len(caught)}/{TRIALS} trials caught; e.g. {next(iter(caught.values()), None)}")
-    assert caught, f"{mutant} survived {TRIALS} delayed trials"
+    caught = {trial: found[0] for trial in TRIALS if (found := _trial(mutant, trial[0], trial[1]))}
+    print(f"\n{mutant}: {len(caught)}/{len(TRIALS)} trials caught {sorted({(w, s) for w, s, _ in caught})}; "
+          f"e.g. {next(iter(caught.values()), None)}")
+    assert caught, f"{mutant} survived {len(TRIALS)} delayed trials"
 
 
 class CudaInterleavings(OffloadInterleavings):
