@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 _common = dict(print_blob=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -19,18 +20,13 @@ settings.register_profile("thorough", max_examples=1000, **_common)
 settings.register_profile("gpu", max_examples=30, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        return False
+# The simulator's tensors are tiny: intra-op threads only contend, and on a busy 2-core CI machine they made
+# SimDevice runs up to 30x slower.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _cuda_available():
+    if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run through the device tool)")
     for item in items:
