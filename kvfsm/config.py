@@ -26,10 +26,6 @@ class OffloadConfig(BaseModel):
     mechanism: Mechanism = "auto"
     num_workers: PositiveInt = 1
     """A job completes when this many workers (tensor-parallel ranks) reported it."""
-    poison: bool = False
-    """Fill freed CPU slots with a poison pattern so a stale read shows (tests turn it on)."""
-    checksum: bool = False
-    """Checksum every CPU block on store and verify it on load, failing the load loudly on a mismatch."""
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> "OffloadConfig":

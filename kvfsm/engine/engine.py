@@ -300,7 +300,7 @@ class Engine:
 
     def _after_transfers(self, loaded: set[str], released: set[str], errors: dict[str, tuple[int, ...]]) -> None:
         block_size = self.config.model.block_size
-        for req_id in loaded:
+        for req_id in sorted(loaded):  # sets of strings iterate in a per-process order: keep runs repeatable
             request = self.loading.pop(req_id, None)
             if request is None:
                 continue  # aborted while loading: it is held until released
@@ -311,7 +311,7 @@ class Engine:
                 self.pool.cache(request.blocks[index], request.block_hashes[index])
             request.phase = Phase.RUNNING
             self.running.append(request)
-        for req_id in released:
+        for req_id in sorted(released):
             request = self.held.pop(req_id, None)
             if request is not None:
                 self._release(request)
