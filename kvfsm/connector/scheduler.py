@@ -176,12 +176,16 @@ class SchedulerConnector:
         loads = []
         for job in self._new_loads:
             self._job.fire(job, "submit", step=self.step)
-            loads.append(LoadOrder(job_id=job.job_id, req_id=job.req_id, gpu_blocks=job.gpu_blocks,
-                                   cpu_slots=job.cpu_slots, gpu_offset=job.gpu_offset))
+            loads.append(LoadOrder.model_construct(job_id=job.job_id, req_id=job.req_id, gpu_blocks=job.gpu_blocks,
+                                                   cpu_slots=job.cpu_slots, gpu_offset=job.gpu_offset))
         self._new_loads = []
         stores = [order for s in output.scheduled if (order := self._order_store(s.req_id, s.block_ids,
                                                                                    s.num_computed_tokens))]
-        return ConnectorMetadata(step=self.step, loads=tuple(loads), stores=tuple(stores), flush=flush)
+        # Built from records this connector validated itself: construct without re-validating (a StoreOrder per
+        # running request per step made validation the scheduler half's largest cost); a worker in another
+        # process validates on `model_validate_json`.
+        return ConnectorMetadata.model_construct(step=self.step, loads=tuple(loads), stores=tuple(stores),
+                                                 flush=flush)
 
     def _order_store(self, req_id: str, block_ids: Sequence[int], num_computed_tokens: int) -> StoreOrder | None:
         """Store the request's newly completed whole CPU blocks that the pool does not hold yet."""
@@ -202,14 +206,16 @@ class SchedulerConnector:
             return None
         if not plan.hashes:
             return None
-        index = {h: i for i, h in enumerate(cpu_hashes)}
-        gpu_blocks = tuple(b for h in plan.hashes for b in block_ids[index[h] * k:(index[h] + 1) * k])
+        wanted = set(plan.hashes)
+        gpu_blocks = tuple(b for i in range(start, full_cpu) if cpu_hashes[i] in wanted
+                           for b in block_ids[i * k:(i + 1) * k])
         job = self._new_job("store", req_id, gpu_blocks, plan.slots, plan.hashes)
         self._job.fire(job, "prepare")
-        for block_id in gpu_blocks:
-            self._gpu.fire(self.gpu_blocks.setdefault(block_id, GpuBlock(block_id)), "fence")
+        fences = self.gpu_blocks
+        self._gpu.fire_many([fences.get(b) or fences.setdefault(b, GpuBlock(b)) for b in gpu_blocks], "fence")
         self._prepared.append(job)
-        return StoreOrder(job_id=job.job_id, req_id=req_id, gpu_blocks=gpu_blocks, cpu_slots=job.cpu_slots)
+        return StoreOrder.model_construct(job_id=job.job_id, req_id=req_id, gpu_blocks=gpu_blocks,
+                                          cpu_slots=job.cpu_slots)
 
     # --- completions -----------------------------------------------------------------------------------
 
@@ -236,11 +242,11 @@ class SchedulerConnector:
             self.reported_failed.add(job.job_id)
         if job.kind == "store":
             self.manager.complete_store(job.cpu_slots, ok)
-            for block_id in job.gpu_blocks:
-                block = self.gpu_blocks[block_id]
-                self._gpu.fire(block, "unfence")
+            fenced = [self.gpu_blocks[b] for b in job.gpu_blocks]
+            self._gpu.fire_many(fenced, "unfence")
+            for block in fenced:
                 if block.state == "writable":
-                    del self.gpu_blocks[block_id]
+                    del self.gpu_blocks[block.block_id]
             self.stats.record_store(len(job.cpu_slots), ok, self.config.block_size_factor * self.gpu_block_bytes)
         else:
             self.manager.complete_load(job.cpu_slots)
