@@ -26,6 +26,9 @@ class OffloadConfig(BaseModel):
     mechanism: Mechanism = "auto"
     num_workers: PositiveInt = 1
     """A job completes when this many workers (tensor-parallel ranks) reported it."""
+    checksum: bool = False
+    """Checksum each CPU block when its store completes and verify it before loading it; a mismatch fails the
+    load loudly (the engine recomputes) instead of loading corrupted KV. Costs a host CRC pass per block."""
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> "OffloadConfig":

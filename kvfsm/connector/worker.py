@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from kvfsm.config import OffloadConfig
+from kvfsm.connector.checksums import SlotChecksums
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
 from kvfsm.executor.device import Device, Event
 from kvfsm.executor.layouts import KVCaches, register_kv_caches
@@ -46,6 +47,7 @@ class WorkerConnector:
         self._caches: KVCaches | None = None
         self._pool: HostPool | None = None
         self._transfers: Transfers | None = None
+        self._checksums: SlotChecksums | None = None
 
     # --- set-up ----------------------------------------------------------------------------------------
 
@@ -58,6 +60,7 @@ class WorkerConnector:
                               k * caches.gpu_block_bytes)
         self._transfers = Transfers(self.device, caches, self._pool, block_size_factor=k,
                                     mechanism=self.config.mechanism)
+        self._checksums = SlotChecksums(self._pool) if self.config.checksum else None
         self._caches = caches
         return caches
 
@@ -123,6 +126,8 @@ class WorkerConnector:
             if job.state in ("submitted", "flushed-on-preempt") and self.device.query(self._events[job.job_id]):
                 self._job.fire(job, "complete", step=self._meta.step)
                 done.append(job.job_id)
+                if self._checksums is not None and job.kind == "store":
+                    self._checksums.record(job.cpu_slots)
         failed, self._failed = self._failed, []
         for job_id in (*done, *failed):
             self._drop(job_id)
@@ -150,8 +155,12 @@ class WorkerConnector:
         job = self._new_job(order, "load")
         self._job.fire(job, "submit", step=self._meta.step)
         self._wait_for_readers(job)
-        self._enqueue(job, "load", lambda: self.transfers.load(job.cpu_slots, job.gpu_blocks, job.gpu_offset,
-                                                               label=f"load job {job.job_id}"))
+        self._enqueue(job, "load", lambda: self._load(job))
+
+    def _load(self, job: TransferJob) -> None:
+        if self._checksums is not None:
+            self._checksums.verify(job.cpu_slots)
+        self.transfers.load(job.cpu_slots, job.gpu_blocks, job.gpu_offset, label=f"load job {job.job_id}")
 
     def _wait_for_readers(self, job: TransferJob) -> None:
         """load-after-readers: wait for all compute enqueued so far and for stores still reading the blocks."""

@@ -66,11 +66,11 @@ class Submitted:
 class Harness:
     def __init__(self, device: Device, num_gpu_blocks: int, cpu_blocks: int, block_size_factor: int = 1,
                  mutant: str | None = None, max_batched_tokens: int = 32, shape: ModelShape = SHAPE,
-                 compute_delay_cycles: int = 0) -> None:
+                 compute_delay_cycles: int = 0, checksum: bool = False) -> None:
         self.device = device
         self.shape = shape
         config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=block_size_factor,
-                               gpu_block_size=shape.block_size)
+                               gpu_block_size=shape.block_size, checksum=checksum)
         self.connector = Connector(config, device, keep_history=True)
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
                                           model=shape, compute_delay_cycles=compute_delay_cycles),
