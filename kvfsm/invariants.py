@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Literal, Mapping, Protocol, Sequence
 
-from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TransferJob
+from kvfsm.records import FLUSHABLE_JOB_STATES, CpuBlock, GpuBlock, RequestRecord, TransferJob
 from kvfsm.registry import REGISTRY
 
 Actor = Literal["compute", "store", "load"]
@@ -188,7 +188,7 @@ def preempt_flushes(world: World) -> list[str]:
         for r in world.requests.values()
         if r.state == "preempted"
         for j in r.jobs.values()
-        if j.kind == "store" and j.state in ("pending-store", "submitted")
+        if j.kind == "store" and j.state in FLUSHABLE_JOB_STATES
     ]
 
 

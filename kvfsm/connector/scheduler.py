@@ -27,7 +27,7 @@ from kvfsm.connector.stats import ConnectorStats
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet, default_machines
 from kvfsm.manager import OffloadingManager
-from kvfsm.records import GpuBlock, RequestRecord, TransferJob
+from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TransferJob
 
 
 class RequestView(Protocol):
@@ -286,7 +286,7 @@ class SchedulerConnector:
         """Forget every CPU block; stores in flight are flushed and their late completions free, never publish."""
         self.manager.reset()
         for job in list(self.jobs.values()):
-            if job.kind == "store" and job.state in ("pending-store", "submitted"):
+            if job.kind == "store" and job.state in FLUSHABLE_JOB_STATES:
                 self._flush_job(job)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
