@@ -273,7 +273,7 @@ def run_failed_load(h: Harness) -> tuple[list[str], dict[str, tuple[int, ...]]]:
     on_results(h, lambda result: errors.update(result.load_errors))
     offload(h)
     h.add_request(PREFIX, 2, "b")
-    h.faults.armed = True
+    h.faults.armed = "load"
     return finish(h), errors
 
 
@@ -298,7 +298,7 @@ def test_a_failed_store_publishes_nothing_and_the_prefix_is_recomputed() -> None
     h = harness()
     h.add_request(PREFIX, 1, "a")
     step_lagging(h)
-    h.faults.armed = True  # the store ordered in step 1 is submitted in step 2
+    h.faults.armed = "store"  # the store ordered in step 1 is submitted in step 2
     assert finish(h) == []
     scheduler = h.connector.scheduler
     assert scheduler.stats.stores_failed == 1 and scheduler.manager.usage()["free"] == 16

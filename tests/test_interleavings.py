@@ -20,7 +20,8 @@ def test_every_spec_trigger_has_a_driver() -> None:
 
 
 def test_kvfsm_passes_generated_interleavings() -> None:
-    run_state_machine_as_test(interleavings_for(None))
+    """kvfsm's own run gets five times the profile's examples: it is the one that must find nothing."""
+    run_state_machine_as_test(interleavings_for(None), settings=settings(settings(), max_examples=5 * settings().max_examples))
     declared = declared_edges(default_machines().spec)
     print(f"\ninterleavings exercised {len(EXERCISED & declared)} of {len(declared)} declared transitions; "
           f"not reached: {sorted(declared - EXERCISED)}")

@@ -33,26 +33,27 @@ class InjectedFault(TransferError):
 
 
 class FaultInjector:
-    """Wraps a worker's transfers; when armed, the next store or load is refused as a real failure would be."""
+    """Wraps a worker's transfers; when armed for a direction, the next store or load is refused as a real
+    failure would be."""
 
     def __init__(self, transfers: object) -> None:
         self._transfers = transfers
-        self.armed = False
+        self.armed: str | None = None  # "store", "load", or None
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._transfers, name)
 
-    def _maybe_fail(self) -> None:
-        if self.armed:
-            self.armed = False
-            raise InjectedFault("injected transfer failure")
+    def _maybe_fail(self, direction: str) -> None:
+        if self.armed == direction:
+            self.armed = None
+            raise InjectedFault(f"injected {direction} failure")
 
     def store(self, *args: object, **kwargs: object) -> None:
-        self._maybe_fail()
+        self._maybe_fail("store")
         self._transfers.store(*args, **kwargs)  # type: ignore[attr-defined]
 
     def load(self, *args: object, **kwargs: object) -> None:
-        self._maybe_fail()
+        self._maybe_fail("load")
         self._transfers.load(*args, **kwargs)  # type: ignore[attr-defined]
 
 

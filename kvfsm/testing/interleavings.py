@@ -37,9 +37,13 @@ def _preempt(harness: Harness, choice: int) -> None:
 
 
 def _abort(harness: Harness, choice: int) -> None:
+    """Abort a live request; every other time one with transfers in flight, the case that must not leak."""
     live = sorted(harness.engine.live)
-    if live:
-        harness.abort(live[choice % len(live)])
+    records = harness.connector.scheduler.requests
+    busy = [r for r in live if r in records and records[r].jobs_in_flight]
+    candidates = busy if busy and choice % 2 == 0 else live
+    if candidates:
+        harness.abort(candidates[choice // 2 % len(candidates)])
 
 
 def _reset(harness: Harness, choice: int) -> None:
@@ -47,7 +51,7 @@ def _reset(harness: Harness, choice: int) -> None:
 
 
 def _fail(harness: Harness, choice: int) -> None:
-    harness.faults.armed = True
+    harness.faults.armed = ("store", "load")[choice % 2]
 
 
 EXTERNAL: dict[Trigger, Callable[[Harness, int], None]] = {
