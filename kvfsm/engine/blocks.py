@@ -21,10 +21,6 @@ class BlockPool:
         self.to_poison: list[int] = []
         """Blocks that left the pool holding nothing readable since the engine last poisoned."""
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def cached_prefix(self, hashes: Sequence[int]) -> list[int]:
         """The blocks holding the longest cached prefix of `hashes`."""
         blocks = []
