@@ -11,6 +11,7 @@ stores are flushed in the next metadata, which the worker executes before the en
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -104,6 +105,7 @@ class SchedulerConnector:
         self._to_flush: list[TransferJob] = []
         self._reports: dict[int, dict[int, bool]] = defaultdict(dict)
         self._load_errors: set[int] = set()
+        self._submitted_at: dict[int, float] = {}
         self._req, self._job, self._gpu = (self.machines[n] for n in ("request", "transfer-job", "gpu-block"))
 
     # --- lookup and allocation ---------------------------------------------------------------------------
@@ -172,10 +174,12 @@ class SchedulerConnector:
             if job.state == "pending-store":
                 self._job.fire(job, "submit", step=self.step)
                 self.manager.mark_submitted(job.cpu_slots)
+                self._submitted_at[job.job_id] = time.perf_counter()
         self._prepared, self._to_flush = [], []
         loads = []
         for job in self._new_loads:
             self._job.fire(job, "submit", step=self.step)
+            self._submitted_at[job.job_id] = time.perf_counter()
             loads.append(LoadOrder.model_construct(job_id=job.job_id, req_id=job.req_id, gpu_blocks=job.gpu_blocks,
                                                    cpu_slots=job.cpu_slots, gpu_offset=job.gpu_offset))
         self._new_loads = []
@@ -236,6 +240,7 @@ class SchedulerConnector:
 
     def _finish(self, job: TransferJob, ok: bool, result: StepResult) -> None:
         self._job.fire(job, "complete" if ok else "fail", step=self.step)
+        seconds = time.perf_counter() - self._submitted_at.pop(job.job_id)
         for slot in job.cpu_slots:
             self._slot_jobs[slot].discard(job.job_id)
         if not ok:
@@ -247,10 +252,11 @@ class SchedulerConnector:
             for block in fenced:
                 if block.state == "writable":
                     del self.gpu_blocks[block.block_id]
-            self.stats.record_store(len(job.cpu_slots), ok, self.config.block_size_factor * self.gpu_block_bytes)
+            self.stats.record_store(len(job.cpu_slots), ok, self.config.block_size_factor * self.gpu_block_bytes,
+                                    seconds)
         else:
             self.manager.complete_load(job.cpu_slots)
-            self.stats.record_load(len(job.gpu_blocks), ok, self.gpu_block_bytes)
+            self.stats.record_load(len(job.gpu_blocks), ok, self.gpu_block_bytes, seconds)
         record = self.requests[job.req_id]
         if record.state == "loading":
             self._req.fire(record, "load-done" if ok else "load-failed")
@@ -311,6 +317,7 @@ class SchedulerConnector:
     def _after_flush(self, were_pending: list[TransferJob], flushed: list[TransferJob]) -> None:
         for job in were_pending:  # a flush submits a pending store at once
             self.manager.mark_submitted(job.cpu_slots)
+            self._submitted_at[job.job_id] = time.perf_counter()
         self._to_flush.extend(flushed)
 
     def _new_job(self, kind: str, req_id: str, gpu_blocks: Sequence[int], cpu_slots: Sequence[int],

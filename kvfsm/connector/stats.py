@@ -21,20 +21,26 @@ class ConnectorStats:
     bytes_loaded: int = 0
     stores_failed: int = 0
     loads_failed: int = 0
+    store_seconds: float = 0.0
+    """Summed time stores spent in flight, from the step that submitted them to the report of their end."""
+    load_seconds: float = 0.0
+    """The same for loads: what a request waiting on a CPU hit waited for."""
 
-    def record_store(self, cpu_blocks: int, ok: bool, cpu_block_bytes: int) -> None:
+    def record_store(self, cpu_blocks: int, ok: bool, cpu_block_bytes: int, seconds: float) -> None:
+        self.store_seconds += seconds
         if ok:
             self.blocks_stored += cpu_blocks
             self.bytes_stored += cpu_blocks * cpu_block_bytes
         else:
             self.stores_failed += 1
 
-    def record_load(self, gpu_blocks: int, ok: bool, gpu_block_bytes: int) -> None:
+    def record_load(self, gpu_blocks: int, ok: bool, gpu_block_bytes: int, seconds: float) -> None:
+        self.load_seconds += seconds
         if ok:
             self.blocks_loaded += gpu_blocks
             self.bytes_loaded += gpu_blocks * gpu_block_bytes
         else:
             self.loads_failed += 1
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | float]:
         return asdict(self)
