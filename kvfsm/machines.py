@@ -1,4 +1,4 @@
-"""Machines built from `spec/`: the transitions-library machine, and a compiled table for the hot path.
+"""Machines built from the spec: the transitions-library machine, and a compiled table for the hot path.
 
 Both are derived from the same `Lifecycle`; nothing here names a state or a trigger. The transitions machine is
 the reference (it is what the library's semantics say the spec means); the compiled table is what the runtime
@@ -218,5 +218,5 @@ class MachineSet:
 
 @cache
 def default_machines() -> MachineSet:
-    """The compiled machines of the shipped `spec/`, built once per process."""
+    """The compiled machines of the shipped `kvfsm/lifecycles/`, built once per process."""
     return MachineSet(load_spec())

@@ -26,7 +26,7 @@ from kvfsm.machines import TransitionsLifecycle
 from kvfsm.registry import default_registry
 from kvfsm.spec import DEFAULT_SPEC_DIR, Lifecycle, Spec, SpecError, load_spec
 
-DOCS_DIR = DEFAULT_SPEC_DIR.parent / "docs"
+DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
 DOCS_COMMAND = "python -m kvfsm.render --docs"
 INSTALL_GRAPHVIZ = (
     "Graphviz's `dot` program is not installed, so no pictures were drawn (the mermaid text was still written). "
@@ -253,12 +253,17 @@ def _names(names: Sequence[str]) -> str:
     return ", ".join(f"`{n}`" for n in names) if names else "—"
 
 
+def _shown(spec_dir: Path) -> str:
+    """A spec folder as the docs name it: its last two parts (`kvfsm/lifecycles`), the same on every machine."""
+    return f"{spec_dir.parent.name}/{spec_dir.name}"
+
+
 def spec_markdown(spec: Spec, spec_dir: Path) -> str:
     """The reference of every lifecycle; a pure function of the spec, so the committed copy can be checked."""
     out = [
         "# Lifecycle reference",
         "",
-        f"<!-- Generated from `{spec_dir.name}/*.yaml` by `{DOCS_COMMAND}`; do not edit by hand. -->",
+        f"<!-- Generated from `{_shown(spec_dir)}/*.yaml` by `{DOCS_COMMAND}`; do not edit by hand. -->",
         "",
         "Each lifecycle below is declared in one YAML file; the machines, these tables and the pictures are all "
         "derived from it. A transition reads `trigger [guards] / effects`: it fires only when every guard holds, "
@@ -274,7 +279,7 @@ def spec_markdown(spec: Spec, spec_dir: Path) -> str:
             "",
             lc.description,
             "",
-            f"Declared in `{spec_dir.name}/{Path(spec.files[name]).name}`. "
+            f"Declared in `{_shown(spec_dir)}/{Path(spec.files[name]).name}`. "
             f"Picture: [`diagrams/{name}.svg`](diagrams/{name}.svg).",
             "",
             "```mermaid",

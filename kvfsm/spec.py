@@ -1,4 +1,4 @@
-"""The lifecycle spec: pydantic models for `spec/*.yaml` and a loader that refuses anything a typo could break.
+"""The lifecycle spec: pydantic models for `kvfsm/lifecycles/*.yaml` and a loader that refuses what a typo could break.
 
 The spec is the single source of truth: machines, transition tables, diagrams, generated tests and invariant
 checks are all derived from what this module loads. A spec that loads is therefore a spec whose every name
@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-DEFAULT_SPEC_DIR = Path(__file__).resolve().parent.parent / "spec"
+DEFAULT_SPEC_DIR = Path(__file__).resolve().parent / "lifecycles"
+"""The shipped lifecycles: package data, so an installed wheel carries the spec its machines are built from."""
 
 
 class SpecError(ValueError):

@@ -1,7 +1,7 @@
 """The connector's scheduler half: which prompt blocks reload from CPU, which blocks to store, what finished.
 
 Shaped like vLLM's KV-connector scheduler API so an adapter only converts types. Every lifecycle change goes
-through the machines built from `spec/`: requests (lookup, allocate, preempt, finish, abort), transfer jobs
+through the machines built from the spec: requests (lookup, allocate, preempt, finish, abort), transfer jobs
 (prepare, submit, flush, complete, fail), GPU-block fences, and — through the manager — CPU blocks.
 
 Timing the spec relies on: a store ordered in step N is submitted by the workers at the start of step N+1, so
