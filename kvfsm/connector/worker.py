@@ -12,6 +12,7 @@ rules live here and nowhere else:
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -25,6 +26,8 @@ from kvfsm.executor.pool import HostPool
 from kvfsm.executor.transfer import TransferError, Transfers
 from kvfsm.machines import MachineSet, default_machines
 from kvfsm.records import TransferJob
+
+log = logging.getLogger(__name__)
 
 
 class NotRegistered(RuntimeError):
@@ -78,7 +81,7 @@ class WorkerConnector:
 
     def shutdown(self) -> None:
         """Wait for every transfer in flight, then unpin and free the host pool."""
-        self.wait([job_id for job_id, job in self.jobs.items() if job.state in ("submitted", "flushed-on-preempt")])
+        self.wait(list(self._events))
         if self._pool is not None:
             self._pool.close()
 
@@ -111,6 +114,7 @@ class WorkerConnector:
         """After the forward pass: mark where compute ends and queue this step's stores behind that mark."""
         if not self._meta.stores:
             return
+        _ = self.transfers  # NotRegistered before any job exists, not a job stuck in pending-store
         compute_done = self.device.new_event()
         self.device.record("compute", compute_done)
         for order in self._meta.stores:
@@ -128,7 +132,8 @@ class WorkerConnector:
                 done.append(job.job_id)
                 if self._checksums is not None and job.kind == "store":
                     self._checksums.record(job.cpu_slots)
-        failed, self._failed = self._failed, []
+        failed = [j for j in self._failed if j not in self._events or self.device.query(self._events[j])]
+        self._failed = [j for j in self._failed if j not in failed]
         for job_id in (*done, *failed):
             self._drop(job_id)
         return WorkerOutput(worker=self.worker, done=tuple(done), failed=tuple(failed))
@@ -152,6 +157,7 @@ class WorkerConnector:
         self.device.wait("store", self._compute_done.pop(job.job_id))
 
     def _submit_load(self, order: LoadOrder) -> None:
+        _ = self.transfers  # NotRegistered before the job exists, not a job stuck in submitted
         job = self._new_job(order, "load")
         self._job.fire(job, "submit", step=self._meta.step)
         self._wait_for_readers(job)
@@ -173,15 +179,32 @@ class WorkerConnector:
                 self.device.wait("load", self._events[other.job_id])
 
     def _enqueue(self, job: TransferJob, stream: Any, copy: Any) -> None:
-        """Enqueue the copies and record the job's event; a refused transfer fails the job visibly."""
+        """Enqueue the copies and record the job's event; any failure ends the job as failed, never wedged.
+
+        Whatever raised (a refused job, a CUDA error, a host allocation that failed, a bug), the job is failed
+        and the engine recomputes. Copies enqueued before the failure may still run, so an event is recorded
+        after them: the failure is reported, and later loads into the same GPU blocks wait, only once they ran.
+        """
         try:
             copy()
-        except TransferError:
+        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+            log.warning("%s job %d failed at submission: %s: %s", job.kind, job.job_id, type(err).__name__, err)
             self._job.fire(job, "fail", step=self._meta.step)
             self._failed.append(job.job_id)
+            self._record_end(job, stream)
             return
-        event = self.device.new_event()
-        self.device.record(stream, event)
+        self._record_end(job, stream)
+
+    def _record_end(self, job: TransferJob, stream: Any) -> None:
+        try:
+            event = self.device.new_event()
+            self.device.record(stream, event)
+        except Exception as err:  # noqa: BLE001 (a device that cannot record leaves nothing to wait for)
+            log.warning("%s job %d: no end event could be recorded: %s", job.kind, job.job_id, err)
+            if job.job_id not in self._failed:
+                self._job.fire(job, "fail", step=self._meta.step)
+                self._failed.append(job.job_id)
+            return
         self._events[job.job_id] = event
 
     def _new_job(self, order: StoreOrder | LoadOrder, kind: str) -> TransferJob:
