@@ -13,27 +13,11 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Literal, Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
+from kvfsm.executor.access import Access, Actor, Mode, Space
 from kvfsm.records import FLUSHABLE_JOB_STATES, CpuBlock, GpuBlock, RequestRecord, TransferJob
 from kvfsm.registry import REGISTRY
-
-Actor = Literal["compute", "store", "load"]
-Mode = Literal["read", "write"]
-Space = Literal["gpu", "cpu"]
-
-
-@dataclass(frozen=True, slots=True)
-class Access:
-    """One block touched by one executed device operation."""
-
-    issued: int  # host issue order of the operation
-    executed: int  # device execution order of the operation
-    actor: Actor
-    mode: Mode
-    space: Space
-    block: int
-    label: str  # e.g. "compute step 3", "store job 7"
 
 
 @dataclass(frozen=True, slots=True)

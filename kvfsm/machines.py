@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Protocol
 
 from transitions import Machine, MachineError
 
-from kvfsm.registry import Registry, default_registry
-from kvfsm.spec import Lifecycle, Spec, load_spec
+from kvfsm.bindings import default_registry, default_spec
+from kvfsm.registry import Registry
+from kvfsm.spec import Lifecycle, Spec
 
 Observer = Callable[[str, Any, str, str, str], None]
 """Called after every transition with (lifecycle, model, source, trigger, dest): the trace of a run."""
@@ -219,4 +220,4 @@ class MachineSet:
 @cache
 def default_machines() -> MachineSet:
     """The compiled machines of the shipped `kvfsm/lifecycles/`, built once per process."""
-    return MachineSet(load_spec())
+    return MachineSet(default_spec())

@@ -7,7 +7,7 @@ it (readers, store readers) change only through the effects bound here, so a cou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 from kvfsm.registry import REGISTRY
 
@@ -156,14 +156,18 @@ def _mark_load_error(request: RequestRecord, **_: object) -> None:
     request.load_error = True
 
 
-@REGISTRY.effect("request", "flush-stores")
-def _flush_stores(request: RequestRecord, **_: object) -> None:
-    from kvfsm.machines import default_machines
+class Fires(Protocol):
+    """A lifecycle machine as an effect sees it (`kvfsm.machines` builds them; records sit below machines)."""
 
-    jobs = default_machines()["transfer-job"]
+    def fire(self, model: Any, trigger: str, **context: Any) -> str: ...
+
+
+@REGISTRY.effect("request", "flush-stores")
+def _flush_stores(request: RequestRecord, job_machine: Fires, **_: object) -> None:
+    """The caller hands in its transfer-job machine: the one its jobs move through, not a process-wide default."""
     for job in request.jobs.values():
         if job.kind == "store" and job.state in FLUSHABLE_JOB_STATES:
-            jobs.fire(job, "flush")
+            job_machine.fire(job, "flush")
 
 
 # gpu-block -------------------------------------------------------------------------------------------------

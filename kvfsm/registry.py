@@ -9,7 +9,6 @@ system-wide predicates over a `kvfsm.invariants.World`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any, Callable
 
 Guard = Callable[..., bool]
@@ -56,11 +55,4 @@ class Registry:
 
 REGISTRY = Registry()
 
-
-@cache
-def default_registry() -> Registry:
-    """The registry with every binding kvfsm ships, imported on first use so the spec loader stays cheap."""
-    import kvfsm.invariants  # noqa: F401  (registers invariants)
-    import kvfsm.records  # noqa: F401  (registers guards and effects)
-
-    return REGISTRY
+"""The instance `kvfsm.records` and `kvfsm.invariants` register into; `kvfsm.bindings` imports them all."""

@@ -23,7 +23,7 @@ from transitions.extensions.diagrams import GraphMachine
 from transitions.extensions.diagrams_graphviz import Graph
 
 from kvfsm.machines import TransitionsLifecycle
-from kvfsm.registry import default_registry
+from kvfsm.bindings import default_registry
 from kvfsm.spec import DEFAULT_SPEC_DIR, Lifecycle, Spec, SpecError, load_spec
 
 DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
@@ -349,7 +349,7 @@ def main(
     if out is None and not docs:
         raise typer.BadParameter("name a folder with --out DIR, or pass --docs to regenerate docs/", param_hint="--out")
     try:
-        spec = load_spec(spec_dir)
+        spec = load_spec(spec_dir, registry=default_registry())
     except SpecError as err:
         typer.echo(f"spec error: {err}", err=True)
         raise typer.Exit(code=1) from None

@@ -87,7 +87,7 @@ class Spec(_Strict):
 
 
 class Registry(Protocol):
-    """Where the names a spec uses must be defined (see `kvfsm.registry`)."""
+    """Where the names a spec uses must be defined (`kvfsm.registry.Registry` is the one kvfsm ships)."""
 
     def has_guard(self, lifecycle: str, name: str) -> bool: ...
     def has_effect(self, lifecycle: str, name: str) -> bool: ...
@@ -136,12 +136,12 @@ def load_lifecycle(path: Path, registry: Registry | None = None) -> Lifecycle:
     return lifecycle
 
 
-def load_spec(directory: Path | str = DEFAULT_SPEC_DIR, registry: Registry | None = None) -> Spec:
-    """Load every `*.yaml` lifecycle in `directory`; names are checked against `registry` (the default one if None)."""
-    if registry is None:
-        from kvfsm.registry import default_registry
+def load_spec(directory: Path | str = DEFAULT_SPEC_DIR, *, registry: Registry) -> Spec:
+    """Load every `*.yaml` lifecycle in `directory`, each guard, effect and invariant name checked against `registry`.
 
-        registry = default_registry()
+    The registry is handed in rather than imported, so the spec knows no runtime: `kvfsm.bindings.default_spec()`
+    is the shipped spec checked against the bindings kvfsm ships.
+    """
     directory = Path(directory)
     paths = sorted(directory.glob("*.yaml"))
     if not paths:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvfsm.bindings import default_spec
 from kvfsm.machines import MachineSet
-from kvfsm.spec import load_spec
 from kvfsm.testing.coverage import Probe, declared_edges, guards_choosing, probe_registry, shortest_paths
 
-SPEC = load_spec()
+SPEC = default_spec()
 
 
 @pytest.mark.parametrize("backend", ["table", "transitions"])

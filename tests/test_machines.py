@@ -10,13 +10,14 @@ from hypothesis import strategies as st
 
 from kvfsm.machines import CompiledLifecycle, GuardRefused, IllegalTrigger, MachineSet, TransitionsLifecycle
 from kvfsm.records import CpuBlock, GpuBlock
-from kvfsm.spec import Spec, load_spec
+from kvfsm.bindings import default_spec
+from kvfsm.spec import Spec
 from kvfsm.testing.coverage import Probe, probe_registry
 
 
 @cache
 def probe_machines() -> tuple[Spec, dict[str, CompiledLifecycle], dict[str, TransitionsLifecycle]]:
-    spec = load_spec()
+    spec = default_spec()
     registry = probe_registry(spec)
     table = {name: CompiledLifecycle(lc, registry) for name, lc in spec.lifecycles.items()}
     reference = {name: TransitionsLifecycle(lc, registry) for name, lc in spec.lifecycles.items()}
@@ -69,7 +70,7 @@ def test_every_state_trigger_pair_agrees_exhaustively() -> None:
 
 @pytest.mark.parametrize("backend", ["table", "transitions"])
 def test_illegal_trigger_names_lifecycle_state_and_trigger(backend: str) -> None:
-    machines = MachineSet(load_spec(), backend=backend)  # type: ignore[arg-type]
+    machines = MachineSet(default_spec(), backend=backend)  # type: ignore[arg-type]
     block = CpuBlock(slot=0)
     with pytest.raises(IllegalTrigger, match="lifecycle 'cpu-block': trigger 'evict' is illegal in state 'free'"):
         machines["cpu-block"].fire(block, "evict")
@@ -78,7 +79,7 @@ def test_illegal_trigger_names_lifecycle_state_and_trigger(backend: str) -> None
 
 @pytest.mark.parametrize("backend", ["table", "transitions"])
 def test_refused_guard_raises_and_leaves_the_model_unchanged(backend: str) -> None:
-    machines = MachineSet(load_spec(), backend=backend)  # type: ignore[arg-type]
+    machines = MachineSet(default_spec(), backend=backend)  # type: ignore[arg-type]
     block = GpuBlock(block_id=0, state="fenced", store_readers=0)  # a count no legal path produces
     with pytest.raises(GuardRefused):
         machines["gpu-block"].fire(block, "unfence")
@@ -87,7 +88,7 @@ def test_refused_guard_raises_and_leaves_the_model_unchanged(backend: str) -> No
 
 @pytest.mark.parametrize("backend", ["table", "transitions"])
 def test_effects_keep_reader_count_and_state_together(backend: str) -> None:
-    blocks = MachineSet(load_spec(), backend=backend)["cpu-block"]  # type: ignore[arg-type]
+    blocks = MachineSet(default_spec(), backend=backend)["cpu-block"]  # type: ignore[arg-type]
     block = CpuBlock(slot=3)
     for trigger in ("allocate", "submit", "store-done", "pin"):
         blocks.fire(block, trigger, block_hash=0xAB)
@@ -98,7 +99,7 @@ def test_effects_keep_reader_count_and_state_together(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", ["table", "transitions"])
 def test_a_loading_block_cannot_be_pinned_by_a_second_load(backend: str) -> None:
-    blocks = MachineSet(load_spec(), backend=backend)["cpu-block"]  # type: ignore[arg-type]
+    blocks = MachineSet(default_spec(), backend=backend)["cpu-block"]  # type: ignore[arg-type]
     block = CpuBlock(slot=0)
     for trigger in ("allocate", "submit", "store-done", "pin"):
         blocks.fire(block, trigger, block_hash=1)
@@ -108,7 +109,7 @@ def test_a_loading_block_cannot_be_pinned_by_a_second_load(backend: str) -> None
 
 
 def test_observers_see_every_transition() -> None:
-    machines = MachineSet(load_spec())
+    machines = MachineSet(default_spec())
     trace: list[tuple[str, str, str, str]] = []
     machines.observe(lambda lc, model, src, trig, dest: trace.append((lc, src, trig, dest)))
     machines["cpu-block"].fire(CpuBlock(slot=0), "allocate", block_hash=1)

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvfsm.bindings import default_registry
 from kvfsm.machines import CompiledLifecycle, IllegalTrigger, default_machines
 from kvfsm.records import CpuBlock
-from kvfsm.registry import default_registry
 
 CPU = default_machines()["cpu-block"]
 TRIGGERS = sorted(CPU.lifecycle.triggers)

@@ -13,10 +13,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from kvfsm.bindings import default_registry, default_spec
 from kvfsm.render import DOCS_COMMAND, DOCS_DIR, app, mermaid, spec_markdown, transition_label
 from kvfsm.spec import DEFAULT_SPEC_DIR, Lifecycle, SpecError, load_spec
 
-SPEC = load_spec()
+SPEC = default_spec()
 LIFECYCLES = list(SPEC.lifecycles.values())
 runner = CliRunner()
 
@@ -71,7 +72,7 @@ def test_render_of_a_broken_spec_exits_nonzero_with_the_loader_message(tmp_path:
     doc["transitions"][0]["dest"] = "nowhere"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     with pytest.raises(SpecError) as caught:
-        load_spec(spec_dir)
+        load_spec(spec_dir, registry=default_registry())
     run = subprocess.run(
         [sys.executable, "-m", "kvfsm.render", "--spec", str(spec_dir), "--out", str(tmp_path / "out")],
         capture_output=True, text=True,
@@ -79,6 +80,20 @@ def test_render_of_a_broken_spec_exits_nonzero_with_the_loader_message(tmp_path:
     assert run.returncode != 0
     assert str(caught.value) in run.stderr
     assert "Traceback" not in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_render_of_a_spec_naming_an_unbound_guard_exits_nonzero(tmp_path: Path) -> None:
+    """The loader is handed a registry rather than importing one; render hands it kvfsm's, so typos still fail."""
+    spec_dir = tmp_path / "spec"
+    shutil.copytree(DEFAULT_SPEC_DIR, spec_dir)
+    path = spec_dir / "transfer-job.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["transitions"][0]["guards"] = ["is-stor"]
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = runner.invoke(app, ["--spec", str(spec_dir), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "guard 'is-stor' is not defined in the guard registry" in result.output
     assert not (tmp_path / "out").exists()
 
 

@@ -9,6 +9,7 @@ from typing import Callable
 import pytest
 import yaml
 
+from kvfsm.bindings import default_registry, default_spec
 from kvfsm.spec import DEFAULT_SPEC_DIR, SpecError, load_spec
 
 Doc = dict
@@ -27,7 +28,7 @@ def broken_spec(tmp_path: Path, lifecycle: str, mutate: Callable[[Doc], None]) -
 
 def refusal(spec_dir: Path, lifecycle: str, *fragments: str) -> SpecError:
     with pytest.raises(SpecError) as caught:
-        load_spec(spec_dir)
+        load_spec(spec_dir, registry=default_registry())
     message = str(caught.value)
     assert f"{lifecycle}.yaml" in message and repr(lifecycle) in message
     for fragment in fragments:
@@ -36,7 +37,7 @@ def refusal(spec_dir: Path, lifecycle: str, *fragments: str) -> SpecError:
 
 
 def test_shipped_spec_loads_with_the_states_the_design_card_names() -> None:
-    spec = load_spec()
+    spec = default_spec()
     assert {"pending-store", "submitted", "loading", "ready"} <= set(spec["cpu-block"].states)
     assert {"pending-store", "submitted", "flushed-on-preempt", "done", "failed"} <= set(spec["transfer-job"].states)
     assert {"new", "deferred", "loading", "running", "preempted", "draining", "released"} <= set(spec["request"].states)
@@ -58,7 +59,7 @@ def test_duplicate_state_is_refused(tmp_path: Path) -> None:
     path = spec_dir / "gpu-block.yaml"
     path.write_text(path.read_text().replace("  fenced:", "  writable: again.\n  fenced:", 1))
     with pytest.raises(SpecError, match=r"gpu-block\.yaml.*YAML.*duplicate key 'writable'"):
-        load_spec(spec_dir)
+        load_spec(spec_dir, registry=default_registry())
 
 
 def test_unreachable_state_is_refused(tmp_path: Path) -> None:
@@ -113,7 +114,7 @@ def test_misspelt_field_is_refused(tmp_path: Path) -> None:
 def test_file_named_after_another_lifecycle_is_refused(tmp_path: Path) -> None:
     spec_dir = broken_spec(tmp_path, "gpu-block", lambda d: d.update(lifecycle="gpu-blocks"))
     with pytest.raises(SpecError, match=r"gpu-block\.yaml.*'gpu-blocks'.*must be named gpu-blocks\.yaml"):
-        load_spec(spec_dir)
+        load_spec(spec_dir, registry=default_registry())
 
 
 def test_invariant_declared_by_two_lifecycles_is_refused(tmp_path: Path) -> None:
@@ -124,4 +125,4 @@ def test_invariant_declared_by_two_lifecycles_is_refused(tmp_path: Path) -> None
 
 def test_empty_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="no \\*.yaml lifecycle file"):
-        load_spec(tmp_path)
+        load_spec(tmp_path, registry=default_registry())

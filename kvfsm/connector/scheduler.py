@@ -305,7 +305,7 @@ class SchedulerConnector:
         """Fire preempt/abort; the spec's `flush-stores` effect moves its stores to flushed-on-preempt."""
         pending = [j for j in record.jobs.values() if j.state == "pending-store"]
         before = {j.job_id for j in record.jobs.values() if j.state == "flushed-on-preempt"}
-        self._req.fire(record, trigger)
+        self._req.fire(record, trigger, job_machine=self._job)
         self._after_flush(pending, [j for j in record.jobs.values()
                                     if j.state == "flushed-on-preempt" and j.job_id not in before])
 

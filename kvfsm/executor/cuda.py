@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import torch
 
 from kvfsm.executor.device import StreamName, Touch
-from kvfsm.invariants import Access, Actor
+from kvfsm.executor.access import Access, Actor
 
 
 class HostRegisterError(RuntimeError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Protocol
 
-from kvfsm.invariants import Actor, Mode, Space
+from kvfsm.executor.access import Actor, Mode, Space
 
 StreamName = Literal["compute", "store", "load"]
 STREAMS: tuple[StreamName, ...] = ("compute", "store", "load")

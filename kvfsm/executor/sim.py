@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import torch
 
 from kvfsm.executor.device import STREAMS, StreamName, Touch
-from kvfsm.invariants import Access, Actor
+from kvfsm.executor.access import Access, Actor
 
 Scheduler = Callable[[list[StreamName]], StreamName]
 

@@ -6,7 +6,8 @@ from typing import Mapping, Sequence
 
 from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine
-from kvfsm.invariants import Access, Deferral
+from kvfsm.executor.access import Access
+from kvfsm.invariants import Deferral
 from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TransferJob
 
 

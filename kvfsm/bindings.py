@@ -1,0 +1,27 @@
+"""The bindings kvfsm ships: every guard, effect and invariant the spec names, and the spec checked against them.
+
+`kvfsm.registry` defines the registry and the instance bindings register into, and imports nothing of kvfsm;
+`kvfsm.records` (guards and effects) and `kvfsm.invariants` (predicates) register when imported. This module is
+the one place that imports them all, so the layers stay one-way: the spec loader is handed a registry and never
+imports one, and the machines and the spec tooling ask here for the complete set.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import kvfsm.invariants  # noqa: F401  (registers the invariant predicates)
+import kvfsm.records  # noqa: F401  (registers the guards and effects)
+from kvfsm.registry import REGISTRY, Registry
+from kvfsm.spec import DEFAULT_SPEC_DIR, Spec, load_spec
+
+
+def default_registry() -> Registry:
+    """The registry holding every binding kvfsm ships."""
+    return REGISTRY
+
+
+@cache
+def default_spec() -> Spec:
+    """The shipped lifecycles (`kvfsm/lifecycles/`), loaded once and checked against the default registry."""
+    return load_spec(DEFAULT_SPEC_DIR, registry=REGISTRY)
