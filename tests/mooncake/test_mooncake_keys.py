@@ -1,0 +1,54 @@
+"""Key scheme: a key names model, dtype, layout, block size, TP rank and world size, and the tenant's salt."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+from pydantic import ValidationError
+
+from kvfsm.mooncake.keys import KvNamespace, object_key
+
+BASE = KvNamespace(model_id="org/model@abc", dtype="bfloat16", layout="kv-first", block_tokens=16,
+                   tp_rank=0, tp_world_size=2)
+
+VARIANTS = {
+    "model": BASE.model_copy(update={"model_id": "org/other@abc"}),
+    "revision": BASE.model_copy(update={"model_id": "org/model@def"}),
+    "dtype": BASE.model_copy(update={"dtype": "float16"}),
+    "layout": BASE.model_copy(update={"layout": "cross-layer"}),
+    "block size": BASE.model_copy(update={"block_tokens": 32}),
+    "tp rank": BASE.model_copy(update={"tp_rank": 1}),
+    "tp world": BASE.model_copy(update={"tp_world_size": 4}),
+}
+
+
+@pytest.mark.parametrize("part", sorted(VARIANTS))
+def test_each_part_of_the_namespace_changes_the_key(part: str) -> None:
+    assert object_key(VARIANTS[part], 7) != object_key(BASE, 7)
+
+
+def test_a_salt_changes_the_key_and_an_empty_salt_is_no_salt() -> None:
+    assert object_key(BASE, 7, "tenant-a") != object_key(BASE, 7)
+    assert object_key(BASE, 7, "tenant-a") != object_key(BASE, 7, "tenant-b")
+    assert object_key(BASE, 7, "") == object_key(BASE, 7, None)
+
+
+@given(st.tuples(st.text(min_size=1), st.text(min_size=1)), st.tuples(st.text(min_size=1), st.text(min_size=1)))
+def test_parts_cannot_be_shifted_across_field_boundaries(a: tuple[str, str], b: tuple[str, str]) -> None:
+    """Length framing: ("ab", "c") and ("a", "bc") are different producers, so different keys."""
+    if a == b:
+        return
+    one = BASE.model_copy(update={"model_id": a[0], "dtype": a[1]})
+    two = BASE.model_copy(update={"model_id": b[0], "dtype": b[1]})
+    assert object_key(one, 1) != object_key(two, 1)
+
+
+def test_keys_are_stable_and_short() -> None:
+    key = object_key(BASE, 123456789)
+    assert key == object_key(KvNamespace(**BASE.model_dump()), 123456789)
+    assert key.startswith("kvfsm1-") and len(key) == len("kvfsm1-") + 40
+
+
+def test_a_rank_outside_its_world_is_refused() -> None:
+    with pytest.raises(ValidationError):
+        KvNamespace(model_id="m", dtype="bfloat16", layout="kv-first", block_tokens=16, tp_rank=2, tp_world_size=2)
