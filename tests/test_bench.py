@@ -16,6 +16,7 @@ from kvfsm.bench import steps
 from kvfsm.bench.__main__ import GPU_PARTS, app, layers_that_fit, verdicts
 from kvfsm.bench.connector import ConnectorRounds, RoundMismatch
 from kvfsm.executor import SimDevice
+from kvfsm.mooncake import available as mooncake_available
 
 
 @pytest.fixture
@@ -28,12 +29,13 @@ def test_without_cuda_the_bare_command_runs_the_cpu_parts_writes_json_and_names_
     run = CliRunner().invoke(app, ["--out", str(tmp_path), "--quick"])
     assert run.exit_code == 0, run.output
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert result["skipped"] == list(GPU_PARTS) and not result["errors"]
+    skipped = list(GPU_PARTS) + ([] if mooncake_available() else ["mooncake"])
+    assert result["skipped"] == skipped and not result["errors"]
     assert {"manager", "steps"} <= result["scheduler"].keys()
     assert {v["goal"] for v in result["verdicts"]} == {
         "µs per block transition (manager)", "µs per block transition (whole scheduler half)"}
     assert result["plot"] == "no GPU measurement to plot"
-    assert "skipped (no CUDA device here): transfer, connector, ttft" in run.output
+    assert f"skipped (no CUDA device, or Mooncake not installed): {', '.join(skipped)}" in run.output
 
 
 def test_a_subcommand_runs_only_its_part(tmp_path: Path, no_cuda: None) -> None:

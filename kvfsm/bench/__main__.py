@@ -18,8 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfsm.bench import plot, scheduler, steps
+from kvfsm.mooncake import available as mooncake_available
 
-PARTS = ("scheduler", "transfer", "connector", "ttft")
+PARTS = ("scheduler", "transfer", "connector", "ttft", "mooncake")
 GPU_PARTS = ("transfer", "connector", "ttft")
 GOALS = {
     "per-layer store / load share of ceiling": (">=", 0.95),
@@ -100,8 +101,14 @@ def _ttft(result: dict[str, Any], quick: bool) -> None:
     _free_gpu()
 
 
+def _mooncake(result: dict[str, Any], quick: bool) -> None:
+    from kvfsm.bench import mooncake
+
+    result["mooncake"] = [mooncake.run(quick, segment) for segment in ("segment host", "own")]
+
+
 RUNNERS: dict[str, Callable[[dict[str, Any], bool], None]] = {
-    "scheduler": _scheduler, "transfer": _transfer, "connector": _connector, "ttft": _ttft,
+    "scheduler": _scheduler, "transfer": _transfer, "connector": _connector, "ttft": _ttft, "mooncake": _mooncake,
 }
 
 
@@ -175,6 +182,19 @@ def _print(result: dict[str, Any]) -> None:
                           f"{r['load_and_gather_ms']:.1f}", f"{r['tail_prefill_ms']:.1f}", f"{r['speedup']:.1f}x",
                           f"{r['logits_relative_error']:.1e}")
         console.print(table)
+    if "mooncake" in result:
+        table = Table(title="Mooncake tier, GB/s (median; baseline = the store's put_batch / get_batch of the same "
+                            "bytes, same run)")
+        for column in ("objects live in", "block", "baseline put", "zero-copy put", "tier write-back", "share",
+                       "baseline get", "zero-copy get", "tier fetch", "share"):
+            table.add_column(column, justify="right")
+        for r in result["mooncake"]:
+            g = r["gbps"]
+            table.add_row(r["segment"], f"{r['block_bytes'] >> 10} KiB", f"{g['baseline put']:.2f}",
+                          f"{g['zero-copy put']:.2f}", f"{g['tier write-back']:.2f}",
+                          f"{r['write_back_share_of_baseline']:.2f}", f"{g['baseline get']:.2f}",
+                          f"{g['zero-copy get']:.2f}", f"{g['tier fetch']:.2f}", f"{r['fetch_share_of_baseline']:.2f}")
+        console.print(table)
     table = Table(title="Goals")
     for column in ("goal", "target", "measured", "met", "judged on"):
         table.add_column(column)
@@ -182,7 +202,7 @@ def _print(result: dict[str, Any]) -> None:
         table.add_row(v["goal"], v["target"], f"{v['measured']:.3f}", "met" if v["met"] else "NOT met", v["basis"])
     console.print(table)
     if result["skipped"]:
-        console.print(f"skipped (no CUDA device here): {', '.join(result['skipped'])}")
+        console.print(f"skipped (no CUDA device, or Mooncake not installed): {', '.join(result['skipped'])}")
     for part, error in result["errors"].items():
         console.print(f"[red]{part} failed[/red]: {error}")
 
@@ -191,7 +211,8 @@ def collect(parts: tuple[str, ...], out: Path, quick: bool) -> dict[str, Any]:
     """Run `parts` in order, write `bench.json` and `bench.png` into `out`, print the tables; returns the result."""
     cuda = torch.cuda.is_available()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                              "quick": quick, "skipped": [p for p in parts if p in GPU_PARTS and not cuda]}
+                              "quick": quick, "skipped": [p for p in parts if p in GPU_PARTS and not cuda]
+                              + [p for p in parts if p == "mooncake" and not mooncake_available()]}
     errors: dict[str, str] = {}
     for part in parts:
         if part in result["skipped"]:

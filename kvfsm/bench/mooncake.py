@@ -1,0 +1,99 @@
+"""Mooncake tier throughput: kvfsm's zero-copy write-back and fetch beside the store's own batch calls, same run.
+
+One local deployment (master + segment host on loopback), one client that lends no memory (so every byte crosses
+the transfer engine to the segment host, as it would to another host). For each repetition the same bytes move
+four ways, each timed from call to verified answer:
+
+- `baseline put/get`: Mooncake's `put_batch` / `get_batch` of Python `bytes` (the store's plain batch API);
+- `zero-copy put/get`: Mooncake's `batch_put_from` / `batch_get_into` on the registered pool, nothing else;
+- `tier write-back/fetch`: `MooncakeClient.write_back` / `fetch`: the zero-copy calls plus the trailer seal / check
+  (CRC-32 of every block) and the hop to the I/O thread, i.e. what the engine gets.
+
+Figures are medians over repetitions, in GB/s (1e9 bytes/s); shares are tier / baseline of the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from kvfsm.mooncake.client import ClientSettings, MooncakeClient, SlotRegion
+from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
+
+WAIT_S = 120.0
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    answer = fn()
+    return time.perf_counter() - start, answer
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise RuntimeError(f"mooncake bench: {what}")
+
+
+def run(quick: bool, segment: str = "segment host") -> dict[str, Any]:
+    """`segment`: where the objects live, `"segment host"` (another process: bytes cross the transfer engine's
+    TCP path) or `"own"` (memory this client lends: the path a single-host deployment takes)."""
+    block_bytes = (256 << 10) if quick else (2 << 20)
+    blocks = 8 if quick else 32
+    reps = 2 if quick else 5
+    total = blocks * block_bytes
+    generator = torch.Generator().manual_seed(0)
+    source = SlotRegion(torch.randint(0, 256, (total,), dtype=torch.uint8, generator=generator), block_bytes)
+    target = SlotRegion(torch.zeros(total, dtype=torch.uint8), block_bytes)
+    payloads = [source.payload(i).tobytes() for i in range(blocks)]
+    slots = list(range(blocks))
+    times: dict[str, list[float]] = {name: [] for name in (
+        "baseline put", "baseline get", "zero-copy put", "zero-copy get", "tier write-back", "tier fetch")}
+    capacity = max(4 * total, 64 << 20)
+    with LocalMooncake(DeploymentSettings(segment_bytes=capacity if segment == "segment host" else 16 << 20)
+                       ) as deployment:
+        client = MooncakeClient(ClientSettings(master=deployment.address, op_timeout_s=WAIT_S,
+                                               transfer_buffer_bytes=2 * total,
+                                               segment_bytes=capacity if segment == "own" else 0))
+        client.connect()
+        try:
+            client.register(source)
+            client.register(target)
+            store: Any = client.raw()
+            ptrs = [p[0] for p in map(source.pointers, slots)]
+            into = [p[0] for p in map(target.pointers, slots)]
+            for rep in range(reps):
+                keys = {way: [f"bench-{way}-{rep}-{i}" for i in slots] for way in ("baseline", "zero", "tier")}
+                dt, code = _timed(lambda: store.put_batch(keys["baseline"], payloads))
+                _expect(code == 0, f"put_batch answered {code}")
+                times["baseline put"].append(dt)
+                dt, got = _timed(lambda: store.get_batch(keys["baseline"]))
+                _expect(got == payloads, "get_batch returned other bytes")
+                times["baseline get"].append(dt)
+                dt, codes = _timed(lambda: store.batch_put_from(keys["zero"], ptrs, [block_bytes] * blocks))
+                _expect(all(c == 0 for c in codes), f"batch_put_from answered {codes}")
+                times["zero-copy put"].append(dt)
+                target.buffer.zero_()
+                dt, codes = _timed(lambda: store.batch_get_into(keys["zero"], into, [block_bytes] * blocks))
+                _expect(all(c == block_bytes for c in codes) and torch.equal(target.buffer, source.buffer),
+                        f"batch_get_into answered {codes} or other bytes")
+                times["zero-copy get"].append(dt)
+                dt, results = _timed(lambda: client.write_back(source, keys["tier"], slots).wait(WAIT_S))
+                _expect(results == [None] * blocks, f"write_back answered {results}")
+                times["tier write-back"].append(dt)
+                target.buffer.zero_()
+                dt, results = _timed(lambda: client.fetch(target, keys["tier"], slots).wait(WAIT_S))
+                _expect(results == [None] * blocks and torch.equal(target.buffer, source.buffer),
+                        f"fetch answered {results} or other bytes")
+                times["tier fetch"].append(dt)
+                _expect(store.remove_all(True) >= 0, "remove_all failed")
+        finally:
+            client.close()
+    gbps = {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    return {"segment": segment, "block_bytes": block_bytes, "blocks": blocks, "bytes_per_rep": total, "reps": reps, "gbps": gbps,
+            "write_back_share_of_baseline": gbps["tier write-back"] / gbps["baseline put"],
+            "fetch_share_of_baseline": gbps["tier fetch"] / gbps["baseline get"],
+            "write_back_share_of_zero_copy": gbps["tier write-back"] / gbps["zero-copy put"],
+            "fetch_share_of_zero_copy": gbps["tier fetch"] / gbps["zero-copy get"]}
