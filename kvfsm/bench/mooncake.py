@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvfsm.mooncake.client import ClientSettings, MooncakeClient, SlotRegion
+from kvfsm.mooncake.client import ClientSettings, MooncakeClient, SlotRegion, address
 from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
 
 WAIT_S = 120.0
@@ -35,6 +35,10 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def _expect(ok: bool, what: str) -> None:
     if not ok:
         raise RuntimeError(f"mooncake bench: {what}")
+
+
+def _moved(results: list[Any] | None, blocks: int) -> bool:
+    return results is not None and len(results) == blocks and all(isinstance(r, int) for r in results)
 
 
 def run(quick: bool, segment: str = "segment host") -> dict[str, Any]:
@@ -59,11 +63,11 @@ def run(quick: bool, segment: str = "segment host") -> dict[str, Any]:
                                                segment_bytes=capacity if segment == "own" else 0))
         client.connect()
         try:
-            client.register(source)
-            client.register(target)
+            client.register(source.buffer)
+            client.register(target.buffer)
             store: Any = client.raw()
-            ptrs = [p[0] for p in map(source.pointers, slots)]
-            into = [p[0] for p in map(target.pointers, slots)]
+            ptrs = [address(p) for p in source.payloads(slots)]
+            into = [address(p) for p in target.payloads(slots)]
             for rep in range(reps):
                 keys = {way: [f"bench-{way}-{rep}-{i}" for i in slots] for way in ("baseline", "zero", "tier")}
                 dt, code = _timed(lambda: store.put_batch(keys["baseline"], payloads))
@@ -80,12 +84,14 @@ def run(quick: bool, segment: str = "segment host") -> dict[str, Any]:
                 _expect(all(c == block_bytes for c in codes) and torch.equal(target.buffer, source.buffer),
                         f"batch_get_into answered {codes} or other bytes")
                 times["zero-copy get"].append(dt)
-                dt, results = _timed(lambda: client.write_back(source, keys["tier"], slots).wait(WAIT_S))
-                _expect(results == [None] * blocks, f"write_back answered {results}")
+                dt, results = _timed(lambda: client.write_back(
+                    keys["tier"], source.payloads(slots), source.trailers_of(slots)).wait(WAIT_S))
+                _expect(_moved(results, blocks), f"write_back answered {results}")
                 times["tier write-back"].append(dt)
                 target.buffer.zero_()
-                dt, results = _timed(lambda: client.fetch(target, keys["tier"], slots).wait(WAIT_S))
-                _expect(results == [None] * blocks and torch.equal(target.buffer, source.buffer),
+                dt, results = _timed(lambda: client.fetch(
+                    keys["tier"], target.payloads(slots), target.trailers_of(slots)).wait(WAIT_S))
+                _expect(_moved(results, blocks) and torch.equal(target.buffer, source.buffer),
                         f"fetch answered {results} or other bytes")
                 times["tier fetch"].append(dt)
                 _expect(store.remove_all(True) >= 0, "remove_all failed")

@@ -1,21 +1,28 @@
-"""kvfsm's Mooncake client: zero-copy reads and writes of CPU slots, off the engine's thread, each with a deadline.
+"""kvfsm's Mooncake client: zero-copy reads and writes of CPU blocks, off the engine's thread, with deadlines.
 
-Every call into Mooncake runs on one daemon I/O thread (its calls release the GIL, so the engine keeps stepping).
-The engine only submits and polls: a `Pending` answers `None` until the call returned or its deadline passed, so no
-engine step ever waits on the network. A call that outlives its deadline is reported as `StoreTimeout` at once but
-may still be reading or writing its slots: `Pending.settled` says when the memory is free again, and the caller must
-not reuse a slot before that. When the store is found unreachable, new calls are refused for `retry_after_s`
-instead of queueing behind a dead master; too many queued calls are refused with `StoreBusy`.
+Every call into Mooncake runs on an I/O executor (by default one daemon thread; Mooncake's calls release the GIL,
+so the engine keeps stepping; tests hand in a queue they run by hand). The engine only submits and polls: a
+`Pending` answers `None` until its call returned, so no engine step waits on the network.
+
+Deadlines: a call still queued when its deadline passes is cancelled and never runs (`StoreTimeout`), so a slow
+or dead store cannot pile up work. A call already running is never abandoned: it may be reading or writing the
+memory it was handed, so its answer is reported only once it returned (a dead master answers `RPC_FAIL` within
+seconds). Either way the client then refuses new calls for `retry_after_s` instead of queueing behind the store,
+and refuses calls beyond `max_pending` with `StoreBusy`.
+
+Zero-copy: payloads and trailers are handed over as numpy views of host memory; each is registered with Mooncake
+the first time it is seen (`register` registers a whole buffer up front, which covers every view into it).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -30,8 +37,8 @@ from kvfsm.mooncake.local import LOOPBACK, MasterAddress, port_accepts
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-KeyResult = TierFault | None
-"""Per key: `None` when the key's bytes were written (or read and verified), else the fault."""
+KeyResult = int | TierFault
+"""Per key: the CRC-32 sealed in the value when the key was written (or read and verified), else the fault."""
 
 
 class ClientSettings(BaseModel):
@@ -45,59 +52,119 @@ class ClientSettings(BaseModel):
     transfer_buffer_bytes: PositiveInt = 16 << 20
     """Mooncake's `local_buffer_size`, used only by its copying calls (the zero-copy path registers the pool)."""
     op_timeout_s: PositiveFloat = 2.0
+    """A call still queued this long after its submission is cancelled."""
     connect_timeout_s: PositiveFloat = 10.0
     max_pending: PositiveInt = 32
     retry_after_s: PositiveFloat = 1.0
+    """After the store was found unreachable or slow, new calls are refused at once for this long."""
+
+
+class IoExecutor(Protocol):
+    def submit(self, fn: Callable[[], T], /) -> Future[T]: ...
+
+    def shutdown(self, wait: bool = True) -> None: ...
+
+
+class IoThread:
+    """One daemon thread running calls in submission order (daemon: a hung call never holds up process exit)."""
+
+    def __init__(self, name: str = "kvfsm-mooncake-io") -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            call, future = item
+            try:
+                future.set_result(call())
+            except BaseException as error:  # noqa: BLE001 - handed to the poller, never lost
+                future.set_exception(error)
+
+    def submit(self, fn: Callable[[], T], /) -> Future[T]:
+        future: Future[T] = Future()
+        self._calls.put((fn, future))  # type: ignore[arg-type]
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._calls.put(None)
+        if wait:
+            self._thread.join()
+
+
+class _Call(Generic[T]):
+    """A submitted call that can be cancelled until it starts, and only then."""
+
+    def __init__(self, fn: Callable[[], T], on_cancelled: Callable[[], T]) -> None:
+        self._fn = fn
+        self._on_cancelled = on_cancelled
+        self._lock = threading.Lock()
+        self.started = False
+        self.cancelled = False
+
+    def __call__(self) -> T:
+        with self._lock:
+            self.started = not self.cancelled
+        if not self.started:
+            return self._on_cancelled()
+        return self._fn()
+
+    def cancel(self) -> bool:
+        with self._lock:
+            if not self.started:
+                self.cancelled = True
+            return self.cancelled
 
 
 class Pending(Generic[T]):
-    """One call on the I/O thread and its deadline."""
+    """One call on the I/O executor and its deadline."""
 
-    def __init__(self, future: Future[T], deadline: float, on_expiry: Callable[[], None]) -> None:
+    def __init__(self, future: Future[T], call: _Call[T] | None, deadline: float,
+                 on_late: Callable[[], None], timed_out: T) -> None:
         self._future = future
+        self._call = call
         self._deadline = deadline
-        self._on_expiry = on_expiry
-        self.expired = False
+        self._on_late = on_late
+        self._timed_out = timed_out
+        self._late = False
 
     @classmethod
-    def failed(cls, result: T) -> Pending[T]:
+    def answered(cls, result: T) -> Pending[T]:
         future: Future[T] = Future()
         future.set_result(result)
-        return cls(future, 0.0, lambda: None)
+        return cls(future, None, 0.0, lambda: None, result)
 
     @property
     def settled(self) -> bool:
-        """The call returned: the memory it was handed is no longer touched."""
-        return self._future.done()
+        """The call returned or will never run: the memory it was handed is no longer touched."""
+        return self._future.done() or (self._call is not None and self._call.cancelled)
 
-    def poll(self, now: float | None = None) -> T | StoreTimeout | None:
-        """The call's answer if it returned in time; `StoreTimeout` once its deadline passed; else `None`."""
-        if self.expired:
-            return StoreTimeout("the call outlived its deadline")
+    def poll(self, now: float | None = None) -> T | None:
+        """The call's answer once it returned, its timeout answer once it was cancelled, else `None`."""
+        if self._call is not None and self._call.cancelled:
+            return self._timed_out
         if self._future.done():
             return self._future.result()
-        if (time.monotonic() if now is None else now) >= self._deadline:
-            self.expired = True
-            self._on_expiry()
-            return StoreTimeout("the call outlived its deadline")
-        return None
+        if (time.monotonic() if now is None else now) < self._deadline:
+            return None
+        if not self._late:
+            self._late = True
+            self._on_late()
+        return self._timed_out if self._call is not None and self._call.cancel() else None
 
-    def wait(self, timeout_s: float) -> T | StoreTimeout:
-        """Block up to `timeout_s` for the answer: for tests, the benchmark and start-up, never an engine step."""
-        _wait(self._future, timeout_s)
-        answer = self.poll()
-        return StoreTimeout("the call outlived its deadline") if answer is None else answer
-
-
-def _wait(future: Future[object], timeout_s: float) -> None:
-    try:
-        future.exception(timeout=timeout_s)
-    except TimeoutError:
-        pass
+    def wait(self, timeout_s: float) -> T | None:
+        """Poll until answered or `timeout_s` passed: for tests, the benchmark and start-up, never an engine step."""
+        end = time.monotonic() + timeout_s
+        while (answer := self.poll()) is None and time.monotonic() < end:
+            try:
+                self._future.exception(timeout=min(0.01, max(end - time.monotonic(), 0.0)))
+            except TimeoutError:
+                pass
+        return answer
 
 
 class SlotRegion:
-    """A host buffer cut into slots, plus one value trailer per slot; both registered for zero-copy calls."""
+    """A host buffer cut into slots, with one value trailer per slot (tests and the benchmark use it)."""
 
     def __init__(self, buffer: torch.Tensor, slot_bytes: int) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.device.type != "cpu":
@@ -109,192 +176,219 @@ class SlotRegion:
         self.num_slots = buffer.numel() // slot_bytes
         self.trailers = torch.zeros(self.num_slots * value.TRAILER_BYTES, dtype=torch.uint8)
 
-    def _check(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots:
-            raise IndexError(f"slot {slot} is outside the region's {self.num_slots} slots")
-
     def payload(self, slot: int) -> np.ndarray:
-        self._check(slot)
-        return self.buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes].numpy()
+        return self.buffer.numpy()[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
 
     def trailer(self, slot: int) -> np.ndarray:
-        self._check(slot)
-        return self.trailers[slot * value.TRAILER_BYTES:(slot + 1) * value.TRAILER_BYTES].numpy()
+        return self.trailers.numpy()[slot * value.TRAILER_BYTES:(slot + 1) * value.TRAILER_BYTES]
 
-    def pointers(self, slot: int) -> list[int]:
-        self._check(slot)
-        return [self.buffer.data_ptr() + slot * self.slot_bytes,
-                self.trailers.data_ptr() + slot * value.TRAILER_BYTES]
+    def payloads(self, slots: Sequence[int]) -> list[np.ndarray]:
+        return [self.payload(slot) for slot in slots]
 
-    @property
-    def sizes(self) -> list[int]:
-        return [self.slot_bytes, value.TRAILER_BYTES]
+    def trailers_of(self, slots: Sequence[int]) -> list[np.ndarray]:
+        return [self.trailer(slot) for slot in slots]
 
 
-class _IoThread:
-    """One daemon thread running submitted calls in order (daemon: a hung call never holds up process exit)."""
+def address(array: np.ndarray) -> int:
+    return int(array.ctypes.data)
+
+
+class _Registrations:
+    """Host ranges registered with Mooncake; a view inside one needs no registration of its own."""
 
     def __init__(self) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | None] = queue.SimpleQueue()
-        self._backlog = 0
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="kvfsm-mooncake-io", daemon=True)
-        self._thread.start()
+        self._starts: list[int] = []
+        self._ends: dict[int, int] = {}
 
-    def _run(self) -> None:
-        while (item := self._calls.get()) is not None:
-            call, future = item
-            try:
-                future.set_result(call())
-            except BaseException as error:  # noqa: BLE001 - handed to the poller, never lost
-                future.set_exception(error)
-            finally:
-                with self._lock:
-                    self._backlog -= 1
+    def covers(self, start: int, size: int) -> bool:
+        i = bisect.bisect_right(self._starts, start) - 1
+        return i >= 0 and start + size <= self._ends[self._starts[i]]
 
-    @property
-    def backlog(self) -> int:
-        return self._backlog
+    def add(self, start: int, size: int) -> None:
+        bisect.insort(self._starts, start)
+        self._ends[start] = start + size
 
-    def submit(self, call: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        with self._lock:
-            self._backlog += 1
-        self._calls.put((call, future))  # type: ignore[arg-type]
-        return future
-
-    def stop(self) -> None:
-        self._calls.put(None)
+    def starts(self) -> list[int]:
+        return list(self._starts)
 
 
 class MooncakeClient:
-    """A connected `MooncakeDistributedStore`, driven through `_IoThread` with deadlines."""
+    """A connected `MooncakeDistributedStore`, driven through an I/O executor with deadlines."""
 
-    def __init__(self, settings: ClientSettings) -> None:
+    def __init__(self, settings: ClientSettings, io: IoExecutor | None = None) -> None:
         self.settings = settings
-        self._store: object | None = None
-        self._io = _IoThread()
+        self._store: Any = None
+        self._io: IoExecutor = io if io is not None else IoThread()
         self._refuse_until = 0.0
-        self._registered: list[int] = []
+        self._backlog = 0
+        self._lock = threading.Lock()
+        self._registered = _Registrations()
 
-    # -- lifecycle -----------------------------------------------------------------------------------------------
+    # -- lifecycle ------------------------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Set up the Mooncake client within `connect_timeout_s`, or raise `StoreUnavailable`."""
+        """Set up the Mooncake client within `connect_timeout_s`, or raise `StoreUnavailable`. Blocking: call it
+        at start-up, on the caller's thread (a hung set-up is abandoned to a daemon thread, not waited for)."""
         from mooncake.store import MooncakeDistributedStore
 
         s = self.settings
         if not port_accepts(s.master.host, s.master.port, timeout_s=min(1.0, s.connect_timeout_s)):
             raise StoreUnavailable(f"no Mooncake master listens on {s.master}")
         store = MooncakeDistributedStore()
-        future = self._io.submit(lambda: store.setup(s.local_hostname, "P2PHANDSHAKE", s.segment_bytes,
-                                                     s.transfer_buffer_bytes, "tcp", "", str(s.master)))
-        code = Pending(future, time.monotonic() + s.connect_timeout_s, lambda: None).wait(s.connect_timeout_s)
-        if code != 0:
-            raise StoreUnavailable(f"Mooncake client set-up with {s.master} failed: {code}")
+        outcome: list[int] = []
+        setup = threading.Thread(target=lambda: outcome.append(store.setup(
+            s.local_hostname, "P2PHANDSHAKE", s.segment_bytes, s.transfer_buffer_bytes, "tcp", "", str(s.master))),
+            name="kvfsm-mooncake-setup", daemon=True)
+        setup.start()
+        setup.join(s.connect_timeout_s)
+        if outcome != [0]:
+            raise StoreUnavailable(f"Mooncake client set-up with {s.master} failed: {outcome or 'timed out'}")
         self._store = store
 
-    def register(self, region: SlotRegion) -> None:
-        """Register the region's memory for zero-copy calls (raises `StoreUnavailable` if refused)."""
-        for tensor in (region.buffer, region.trailers):
-            ptr, size = tensor.data_ptr(), tensor.numel()
-            code = self._call_now(lambda: self._require().register_buffer(ptr, size))
-            if code != 0:
-                raise StoreUnavailable(f"register_buffer of {size} bytes failed: {code}")
-            self._registered.append(ptr)
+    def register(self, buffer: torch.Tensor | np.ndarray) -> None:
+        """Register a whole host buffer now, so that views into it need no registration later."""
+        array = buffer.numpy() if isinstance(buffer, torch.Tensor) else buffer
 
-    def close(self) -> None:
-        """Unregister, close the client and stop the I/O thread; calls still queued run first."""
-        store = self._store
+        def call() -> TierFault | bool:
+            self._ensure_registered([array])
+            return True
+
+        result = self._submit(call, fallback=lambda fault: fault).wait(
+            self.settings.op_timeout_s + self.settings.connect_timeout_s)
+        if result is not True:
+            raise result if isinstance(result, TierFault) else StoreUnavailable("register_buffer did not answer")
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Unregister and close once every call settled; False (and the client kept open, its memory still
+        registered) if calls are still running after `timeout_s`: that memory must then outlive the process."""
+        store, self._store = self._store, None
         if store is not None:
-            for ptr in self._registered:
-                self._io.submit(lambda ptr=ptr: store.unregister_buffer(ptr))  # type: ignore[attr-defined]
-            done = self._io.submit(store.close)  # type: ignore[attr-defined]
-            _wait(done, self.settings.connect_timeout_s)
-        self._registered.clear()
-        self._store = None
-        self._io.stop()
+            def teardown() -> None:
+                for start in self._registered.starts():
+                    store.unregister_buffer(start)
+                store.close()
 
-    def _require(self) -> object:
+            done = self._io.submit(teardown)
+            try:
+                done.result(timeout=self.settings.connect_timeout_s if timeout_s is None else timeout_s)
+            except TimeoutError:
+                log.error("Mooncake client: calls still running at close; its registered memory stays in use")
+                return False
+        self._io.shutdown(wait=False)
+        return True
+
+    @property
+    def connected(self) -> bool:
+        return self._store is not None
+
+    @property
+    def backlog(self) -> int:
+        """Calls submitted and not yet returned or cancelled."""
+        return self._backlog
+
+    def raw(self) -> Any:
+        """The underlying `MooncakeDistributedStore`, for the benchmark's baseline and for fault injection."""
         if self._store is None:
             raise StoreUnavailable("the Mooncake client is not connected")
         return self._store
 
-    def _call_now(self, call: Callable[[], T]) -> T | TierFault:
-        return self._submit(call, fallback=lambda fault: fault).wait(self.settings.op_timeout_s)
-
-    # -- submission ------------------------------------------------------------------------------------------------
-    @property
-    def backlog(self) -> int:
-        """Calls queued or running on the I/O thread."""
-        return self._io.backlog
-
-    def _submit(self, call: Callable[[], T], fallback: Callable[[TierFault], T]) -> Pending[T]:
+    # -- submission -----------------------------------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], T], fallback: Callable[[TierFault], T]) -> Pending[T]:
         now = time.monotonic()
         if self._store is None:
-            return Pending.failed(fallback(StoreUnavailable("the Mooncake client is not connected")))
+            return Pending.answered(fallback(StoreUnavailable("the Mooncake client is not connected")))
         if now < self._refuse_until:
-            return Pending.failed(fallback(StoreUnavailable("the store was unreachable moments ago")))
-        if self._io.backlog >= self.settings.max_pending:
-            return Pending.failed(fallback(StoreBusy(f"{self._io.backlog} calls already queued")))
+            return Pending.answered(fallback(StoreUnavailable("the store was unreachable or slow moments ago")))
+        if self._backlog >= self.settings.max_pending:
+            return Pending.answered(fallback(StoreBusy(f"{self._backlog} calls already pending")))
 
         def guarded() -> T:
             try:
-                return call()
+                return fn()
             except TierFault as fault:
                 return fallback(fault)
+            finally:
+                self._count(-1)
 
-        return Pending(self._io.submit(guarded), now + self.settings.op_timeout_s, self._back_off)
+        timed_out = fallback(StoreTimeout(f"still queued after {self.settings.op_timeout_s}s"))
+
+        def cancelled() -> T:
+            self._count(-1)
+            return timed_out
+
+        call = _Call(guarded, cancelled)
+        self._count(+1)
+        future = self._io.submit(call)
+        return Pending(future, call, now + self.settings.op_timeout_s, self._back_off, timed_out)
+
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            self._backlog += delta
 
     def _back_off(self) -> None:
         self._refuse_until = time.monotonic() + self.settings.retry_after_s
 
-    def _per_key(self, keys: Sequence[str], codes: Sequence[int], what: str,
-                 check: Callable[[int, int], KeyResult]) -> list[KeyResult]:
-        results: list[KeyResult] = []
-        for index, (key, code) in enumerate(zip(keys, codes, strict=True)):
-            if code < 0:
-                fault = fault_of(code, f"{what} {key}")
+    def _ensure_registered(self, arrays: Sequence[np.ndarray]) -> None:
+        for array in arrays:
+            start, size = address(array), array.nbytes
+            if not self._registered.covers(start, size):
+                code = self._store.register_buffer(start, size)
+                if code != 0:
+                    raise StoreUnavailable(f"register_buffer of {size} bytes failed: {code}")
+                self._registered.add(start, size)
+
+    def _faults(self, keys: Sequence[str], codes: Sequence[int], what: str) -> list[TierFault | None]:
+        faults: list[TierFault | None] = []
+        for key, code in zip(keys, codes, strict=True):
+            if code < 0 and code != StoreCode.OBJECT_ALREADY_EXISTS:
                 if code == StoreCode.RPC_FAIL:
                     self._back_off()
-                results.append(fault)
+                faults.append(fault_of(code, f"{what} {key}"))
             else:
-                results.append(check(index, code))
-        return results
+                faults.append(None)
+        return faults
 
-    # -- operations --------------------------------------------------------------------------------------------
-    def write_back(self, region: SlotRegion, keys: Sequence[str], slots: Sequence[int]) -> Pending[list[KeyResult]]:
-        """Store each slot's bytes under its key, sealed with a trailer; a key already stored counts as written
-        (keys name content, so the object there holds these bytes)."""
-        keys, slots = list(keys), list(slots)
+    # -- operations -----------------------------------------------------------------------------------------------
+    def write_back(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
+                   units: Sequence[np.ndarray] = ()) -> Pending[list[KeyResult]]:
+        """Store each payload under its key, sealed with its trailer (one object each). A key the store already
+        holds counts as written: keys name content, so the object there holds these bytes. `units` are buffers to
+        register whole before the first use of views into them."""
+        keys, payloads, trailers = list(keys), list(payloads), list(trailers)
 
         def call() -> list[KeyResult]:
-            for key, slot in zip(keys, slots, strict=True):
-                value.seal(region.trailer(slot), key, region.payload(slot))
-            codes = self._require().batch_put_from_multi_buffers(  # type: ignore[attr-defined]
-                keys, [region.pointers(slot) for slot in slots], [region.sizes] * len(keys))
-            codes = [0 if code == StoreCode.OBJECT_ALREADY_EXISTS else code for code in codes]
-            return self._per_key(keys, codes, "write-back of", lambda _i, _c: None)
+            self._ensure_registered(list(units) + payloads + trailers)
+            crcs = [value.seal(t, k, p) for k, p, t in zip(keys, payloads, trailers, strict=True)]
+            codes = self._store.batch_put_from_multi_buffers(
+                keys, [[address(p), address(t)] for p, t in zip(payloads, trailers)],
+                [[p.nbytes, value.TRAILER_BYTES] for p in payloads])
+            return [crc if fault is None else fault
+                    for crc, fault in zip(crcs, self._faults(keys, codes, "write-back of"))]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 
-    def fetch(self, region: SlotRegion, keys: Sequence[str], slots: Sequence[int]) -> Pending[list[KeyResult]]:
-        """Read each key into its slot and verify it; a slot whose result is not `None` holds garbage."""
-        keys, slots = list(keys), list(slots)
-        expected = region.slot_bytes + value.TRAILER_BYTES
+    def fetch(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
+              units: Sequence[np.ndarray] = ()) -> Pending[list[KeyResult]]:
+        """Read each key into its payload and trailer and verify them; a payload whose result is a fault holds
+        garbage and must not be used."""
+        keys, payloads, trailers = list(keys), list(payloads), list(trailers)
 
-        def verify(index: int, nbytes: int) -> KeyResult:
+        def verify(key: str, payload: np.ndarray, trailer: np.ndarray, nbytes: int) -> KeyResult:
+            expected = payload.nbytes + value.TRAILER_BYTES
+            if nbytes != expected:
+                return ChecksumMismatch(f"{key}: read {nbytes} bytes, expected {expected}")
             try:
-                if nbytes != expected:
-                    raise ChecksumMismatch(f"{keys[index]}: read {nbytes} bytes, expected {expected}")
-                value.check(region.trailer(slots[index]), keys[index], region.payload(slots[index]))
+                return value.check(trailer, key, payload)
             except TierFault as fault:
                 return fault
-            return None
 
         def call() -> list[KeyResult]:
-            codes = self._require().batch_get_into_multi_buffers(  # type: ignore[attr-defined]
-                keys, [region.pointers(slot) for slot in slots], [region.sizes] * len(keys))
-            return self._per_key(keys, codes, "fetch of", verify)
+            self._ensure_registered(list(units) + payloads + trailers)
+            codes = self._store.batch_get_into_multi_buffers(
+                keys, [[address(p), address(t)] for p, t in zip(payloads, trailers)],
+                [[p.nbytes, value.TRAILER_BYTES] for p in payloads])
+            faults = self._faults(keys, codes, "fetch of")
+            return [fault if fault is not None else verify(k, p, t, code)
+                    for k, p, t, code, fault in zip(keys, payloads, trailers, codes, faults)]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 
@@ -303,9 +397,8 @@ class MooncakeClient:
         keys = list(keys)
 
         def call() -> list[bool | TierFault]:
-            codes = self._require().batch_is_exist(keys)  # type: ignore[attr-defined]
             answers: list[bool | TierFault] = []
-            for key, code in zip(keys, codes, strict=True):
+            for key, code in zip(keys, self._store.batch_is_exist(keys), strict=True):
                 if code < 0:
                     self._back_off()
                     answers.append(StoreUnavailable(f"lookup of {key} failed"))
@@ -314,7 +407,3 @@ class MooncakeClient:
             return answers
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
-
-    def raw(self) -> object:
-        """The underlying `MooncakeDistributedStore`, for the benchmark's baseline and for fault injection."""
-        return self._require()

@@ -26,13 +26,16 @@ def key_tag(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=20).digest()
 
 
-def seal(trailer: np.ndarray, key: str, payload: np.ndarray) -> None:
-    """Fill `trailer` (TRAILER_BYTES uint8) for `payload` stored under `key`."""
-    trailer[:] = np.frombuffer(TRAILER.pack(key_tag(key), zlib.crc32(payload), payload.nbytes), dtype=np.uint8)
+def seal(trailer: np.ndarray, key: str, payload: np.ndarray) -> int:
+    """Fill `trailer` (TRAILER_BYTES uint8) for `payload` stored under `key`; returns the payload's CRC-32."""
+    crc = zlib.crc32(payload)
+    trailer[:] = np.frombuffer(TRAILER.pack(key_tag(key), crc, payload.nbytes), dtype=np.uint8)
+    return crc
 
 
-def check(trailer: np.ndarray, key: str, payload: np.ndarray) -> None:
-    """Raise `ChecksumMismatch` unless `trailer` was sealed for exactly these `payload` bytes under `key`."""
+def check(trailer: np.ndarray, key: str, payload: np.ndarray) -> int:
+    """The payload's CRC-32 if `trailer` was sealed for exactly these `payload` bytes under `key`, else raise
+    `ChecksumMismatch`."""
     tag, crc, length = TRAILER.unpack(trailer.tobytes())
     if tag != key_tag(key):
         raise ChecksumMismatch(f"{key}: the value was written for another key")
@@ -40,3 +43,4 @@ def check(trailer: np.ndarray, key: str, payload: np.ndarray) -> None:
         raise ChecksumMismatch(f"{key}: the value holds {length} bytes, the slot {payload.nbytes}")
     if crc != zlib.crc32(payload):
         raise ChecksumMismatch(f"{key}: CRC-32 of the value does not match its trailer")
+    return int(crc)
