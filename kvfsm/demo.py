@@ -38,7 +38,6 @@ from kvfsm.executor.cuda import CudaDevice
 from kvfsm.executor.device import STREAMS, Device
 from kvfsm.executor.sim import SimDevice, SimEvent
 from kvfsm.invariants import check_all
-from kvfsm.machines import default_machines
 from kvfsm.testing.mutants import MUTANTS
 from kvfsm.testing.oracle import poisoned
 from kvfsm.testing.trace import TraceRecorder
@@ -229,7 +228,7 @@ def run_once(config: DemoConfig, kind: DeviceKind, engine_config: EngineConfig, 
     report = RunReport(device=device.kind, outputs={}, steps=0, wall_s=0.0, gpu_hit_tokens=0, cpu_hit_tokens=0,
                        computed_tokens=0, preemptions=0)
     world = EngineWorld(engine, connector) if connector is not None else None
-    trace = TraceRecorder(default_machines()) if connector is not None else None
+    trace = TraceRecorder(connector.machines) if connector is not None else None
 
     pacer = _OneStepBehind(device) if isinstance(device, SimDevice) else None
 

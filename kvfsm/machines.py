@@ -60,6 +60,11 @@ class LifecycleMachine:
         """Move `model` by `trigger`; returns the new state or raises `IllegalTrigger` / `GuardRefused`."""
         raise NotImplementedError
 
+    def fire_many(self, models: Iterable[Stateful], trigger: str, **context: Any) -> None:
+        """Fire `trigger` on each model in order, as `fire` would; a refusal leaves the later models unmoved."""
+        for model in models:
+            self.fire(model, trigger, **context)
+
     def _notify(self, model: Stateful, source: str, trigger: str) -> None:
         for observer in self.observers:
             observer(self.lifecycle.name, model, source, trigger, model.state)
@@ -81,11 +86,25 @@ class CompiledLifecycle(LifecycleMachine):
                         Branch(
                             dest=t.dest,
                             guards=tuple(registry.guards[(name, g)] for g in t.guards),
-                            effects=tuple(registry.effects[(name, e)] for e in t.effects),
+                            effects=tuple(registry.effects[(name, e)] for e in t.effects)
+                            + tuple(registry.coupled(name, c) for c in t.couplings),
                             guard_names=t.guards,
                         )
                         for t in branches
                     )
+        self._moves: dict[str, dict[str, tuple[str, tuple[Callable[..., None], ...]]]] = {
+            trigger: {
+                state: (branches[0].dest, branches[0].effects)
+                for (state, t), branches in self.table.items()
+                if t == trigger and len(branches) == 1 and not branches[0].guards
+            }
+            for trigger in lifecycle.triggers
+        }
+        """Per trigger, the states it leaves by one unguarded branch: a batch moves those without trying guards."""
+        self._guarded: dict[str, dict[str, tuple[Branch, ...]]] = {
+            trigger: {state: b for (state, t), b in self.table.items() if t == trigger and state not in moves}
+            for trigger, moves in self._moves.items()
+        }
 
     def fire(self, model: Stateful, trigger: str, **context: Any) -> str:
         source = model.state
@@ -106,27 +125,57 @@ class CompiledLifecycle(LifecycleMachine):
     def fire_many(self, models: Iterable[Stateful], trigger: str, **context: Any) -> None:
         """Fire `trigger` on each model in order, with the outcome of calling `fire` on each.
 
-        A batch of blocks (a store's slots, a load's slots) pays per block only the table lookup and its guards
-        and effects, not a call and a keyword-argument dict each. A refusal is re-raised by `fire` itself, so it
-        carries the same exception and message; the models before it have moved, those after it have not.
+        A batch of blocks (a store's slots, a load's slots) pays per block only a lookup by its state, its guards
+        and its effects: a state the trigger leaves by one unguarded branch moves without trying guards. A refusal
+        is re-raised by `fire` itself, so it carries the same exception and message; the models before it have
+        moved, those after it have not.
         """
-        table = self.table
+        moves = self._moves.get(trigger)
+        if moves is None:  # a trigger the lifecycle lacks: `fire` raises for the first model, as it would alone
+            for model in models:
+                self.fire(model, trigger, **context)
+            return
+        guarded = self._guarded[trigger]
         observers = self.observers
+        if not context and not observers:  # the common batch: no context to pass, nobody watching
+            for model in models:
+                move = moves.get(model.state)
+                if move is not None:
+                    model.state = move[0]
+                    for effect in move[1]:
+                        effect(model)
+                else:
+                    self._fire_guarded(model, trigger, guarded, context)
+            return
         for model in models:
             source = model.state
-            for branch in table.get((source, trigger), ()):
-                for guard in branch.guards:
-                    if not guard(model, **context):
-                        break
-                else:
-                    model.state = branch.dest
-                    for effect in branch.effects:
-                        effect(model, **context)
-                    if observers:
-                        self._notify(model, source, trigger)
+            move = moves.get(source)
+            if move is not None:
+                model.state = move[0]
+                for effect in move[1]:
+                    effect(model, **context)
+            else:
+                self._fire_guarded(model, trigger, guarded, context)
+                continue
+            if observers:
+                self._notify(model, source, trigger)
+
+    def _fire_guarded(self, model: Stateful, trigger: str, guarded: dict[str, tuple[Branch, ...]],
+                      context: dict[str, Any]) -> None:
+        """One model of a batch whose state the trigger leaves only by guarded branches (or not at all)."""
+        source = model.state
+        for branch in guarded.get(source, ()):
+            for guard in branch.guards:
+                if not guard(model, **context):
                     break
             else:
-                self.fire(model, trigger, **context)
+                model.state = branch.dest
+                for effect in branch.effects:
+                    effect(model, **context)
+                if self.observers:
+                    self._notify(model, source, trigger)
+                return
+        self.fire(model, trigger, **context)  # raises the refusal `fire` would
 
     def allows(self, state: str, trigger: str) -> bool:
         """Whether the spec gives `trigger` any transition from `state` (guards aside)."""
@@ -151,7 +200,8 @@ class TransitionsLifecycle(LifecycleMachine):
                     "source": list(t.source),
                     "dest": t.dest,
                     "conditions": [_on_event(registry.guards[(name, g)], g) for g in t.guards],
-                    "after": [_on_event(registry.effects[(name, e)], e) for e in t.effects],
+                    "after": [_on_event(registry.effects[(name, e)], e) for e in t.effects]
+                    + [_on_event(registry.coupled(name, c), str(c)) for c in t.couplings],
                 }
                 for t in lifecycle.transitions
             ],
@@ -219,5 +269,8 @@ class MachineSet:
 
 @cache
 def default_machines() -> MachineSet:
-    """The compiled machines of the shipped `kvfsm/lifecycles/`, built once per process."""
+    """One compiled machine set of the shipped spec, for callers that move lone records (tests, tools).
+
+    A connector builds its own set (`MachineSet(default_spec())`), so an observer sees one connector's objects.
+    """
     return MachineSet(default_spec())

@@ -6,8 +6,9 @@ it (readers, store readers) change only through the effects bound here, so a cou
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Sequence
 
 from kvfsm.registry import REGISTRY
 
@@ -25,6 +26,8 @@ class CpuBlock:
     readers: int = 0
     block_hash: int | None = None
     writer_job: int | None = None
+    reader_job: int | None = None
+    """The load reading it while it is loading: whom a lookup that meets it waits for."""
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +45,8 @@ class TransferJob:
     state: str = "created"
     submit_step: int | None = None
     finished_step: int | None = None
+    submitted_at: float = 0.0
+    """`time.perf_counter()` when it was submitted: how long it spent in flight is a statistic operators want."""
 
     @property
     def in_flight(self) -> bool:
@@ -50,12 +55,24 @@ class TransferJob:
 
 @dataclass(slots=True, eq=False)
 class RequestRecord:
-    """A request as the connector tracks it; `jobs` holds its transfer jobs still in flight."""
+    """A request as the connector tracks it; `jobs` holds its transfer jobs still in flight.
+
+    Beside the lifecycle state it keeps what the scheduler plans with, so a step costs one lookup per request:
+    the engine's view of it, its GPU blocks, how many CPU blocks were ordered stored, and the computed-token
+    count at which its next CPU block completes (a decode step below it has nothing to store).
+    """
 
     req_id: str
     state: str = "new"
     jobs: dict[int, TransferJob] = field(default_factory=dict)
-    load_error: bool = False
+    failed_blocks: tuple[int, ...] = ()
+    """GPU blocks whose load failed, set by `mark-load-error`; the engine recomputes them."""
+    view: Any = None
+    block_ids: Sequence[int] = ()
+    stored_cpu_blocks: int = 0
+    store_due: int = 0
+    match: tuple[int, int] | None = None
+    """(first GPU block, GPU blocks offered) by the last lookup, until the engine allocates."""
 
     @property
     def jobs_in_flight(self) -> list[TransferJob]:
@@ -75,8 +92,10 @@ class GpuBlock:
 
 
 @REGISTRY.effect("cpu-block", "claim-hash")
-def _claim_hash(block: CpuBlock, block_hash: int, job_id: int | None = None, **_: object) -> None:
-    block.block_hash = block_hash
+def _claim_hash(block: CpuBlock, block_hash: int | None = None, job_id: int | None = None,
+                hashes: dict[int, int] | None = None, **_: object) -> None:
+    """The hash a store writes: `block_hash` for one block, or `hashes[slot]` when a batch is allocated at once."""
+    block.block_hash = hashes[block.slot] if hashes is not None else block_hash
     block.writer_job = job_id
 
 
@@ -86,8 +105,9 @@ def _forget_hash(block: CpuBlock, **_: object) -> None:
 
 
 @REGISTRY.effect("cpu-block", "add-reader")
-def _add_reader(block: CpuBlock, **_: object) -> None:
+def _add_reader(block: CpuBlock, job_id: int | None = None, **_: object) -> None:
     block.readers += 1
+    block.reader_job = job_id
 
 
 @REGISTRY.effect("cpu-block", "drop-reader")
@@ -111,6 +131,7 @@ def _is_load(job: TransferJob, **_: object) -> bool:
 @REGISTRY.effect("transfer-job", "record-submit-step")
 def _record_submit_step(job: TransferJob, step: int | None = None, **_: object) -> None:
     job.submit_step = step
+    job.submitted_at = time.perf_counter()
 
 
 @REGISTRY.effect("transfer-job", "record-finish-step")
@@ -152,22 +173,33 @@ def _no_jobs_in_flight(request: RequestRecord, **_: object) -> bool:
 
 
 @REGISTRY.effect("request", "mark-load-error")
-def _mark_load_error(request: RequestRecord, **_: object) -> None:
-    request.load_error = True
+def _mark_load_error(request: RequestRecord, cause: TransferJob | None = None, **_: object) -> None:
+    """The failed load (the coupling's cause) names the GPU blocks the engine must recompute."""
+    request.failed_blocks = cause.gpu_blocks if cause is not None else request.failed_blocks
 
 
-class Fires(Protocol):
-    """A lifecycle machine as an effect sees it (`kvfsm.machines` builds them; records sit below machines)."""
+@REGISTRY.relation("request", "flushable-stores")
+def _flushable_stores(request: RequestRecord) -> list[int]:
+    """Its stores a preemption or abort must submit now and wait for: the pending and the submitted ones."""
+    return [j.job_id for j in request.jobs.values() if j.kind == "store" and j.state in FLUSHABLE_JOB_STATES]
 
-    def fire(self, model: Any, trigger: str, **context: Any) -> str: ...
+
+# couplings of transfer-job ---------------------------------------------------------------------------------
 
 
-@REGISTRY.effect("request", "flush-stores")
-def _flush_stores(request: RequestRecord, job_machine: Fires, **_: object) -> None:
-    """The caller hands in its transfer-job machine: the one its jobs move through, not a process-wide default."""
-    for job in request.jobs.values():
-        if job.kind == "store" and job.state in FLUSHABLE_JOB_STATES:
-            job_machine.fire(job, "flush")
+@REGISTRY.relation("transfer-job", "cpu-slots")
+def _cpu_slots(job: TransferJob) -> tuple[int, ...]:
+    return job.cpu_slots
+
+
+@REGISTRY.relation("transfer-job", "gpu-blocks")
+def _gpu_blocks(job: TransferJob) -> tuple[int, ...]:
+    return job.gpu_blocks
+
+
+@REGISTRY.relation("transfer-job", "owner")
+def _owner(job: TransferJob) -> tuple[str, ...]:
+    return (job.req_id,)
 
 
 # gpu-block -------------------------------------------------------------------------------------------------

@@ -2,18 +2,38 @@
 
 The spec only names things; this registry says what each name does. The loader refuses a spec that names a
 guard, effect or invariant missing here, so a typo in YAML is an error at load time, not a silently skipped check.
-Guards and effects are scoped by lifecycle (two lifecycles may reuse a name for different rules); invariants are
-system-wide predicates over a `kvfsm.invariants.World`.
+Guards, effects and relations (what a coupling's `of` names) are scoped by lifecycle (two lifecycles may reuse a
+name for different rules); invariants are system-wide predicates over a `kvfsm.invariants.World`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 Guard = Callable[..., bool]
 Effect = Callable[..., None]
 Invariant = Callable[[Any], list[str]]
+Relation = Callable[[Any], Iterable[Any]]
+"""The keys of the objects a coupling moves, read from the model whose transition fires it (a job's CPU slots)."""
+
+
+class Coupled:
+    """A spec coupling bound as an effect: after its transition, fire `trigger` on the related objects.
+
+    The objects live in a ledger (one per connector) passed in the firing context as `ledger`; a machine fired
+    with no ledger (the worker half's own job records, a lone record in a test) moves its one object alone.
+    """
+
+    __slots__ = ("lifecycle", "trigger", "relation", "__name__")
+
+    def __init__(self, lifecycle: str, trigger: str, relation: Relation, name: str) -> None:
+        self.lifecycle, self.trigger, self.relation, self.__name__ = lifecycle, trigger, relation, name
+
+    def __call__(self, model: Any, ledger: Any = None, **context: Any) -> None:
+        if ledger is not None:
+            context["cause"] = model
+            ledger.couple(self.lifecycle, self.trigger, self.relation(model), ledger=ledger, **context)
 
 
 @dataclass
@@ -21,6 +41,7 @@ class Registry:
     guards: dict[tuple[str, str], Guard] = field(default_factory=dict)
     effects: dict[tuple[str, str], Effect] = field(default_factory=dict)
     invariants: dict[str, Invariant] = field(default_factory=dict)
+    relations: dict[tuple[str, str], Relation] = field(default_factory=dict)
 
     def guard(self, lifecycle: str, name: str) -> Callable[[Guard], Guard]:
         def register(fn: Guard) -> Guard:
@@ -36,12 +57,24 @@ class Registry:
 
         return register
 
+    def relation(self, lifecycle: str, name: str) -> Callable[[Relation], Relation]:
+        def register(fn: Relation) -> Relation:
+            self.relations[(lifecycle, name)] = fn
+            return fn
+
+        return register
+
     def invariant(self, name: str) -> Callable[[Invariant], Invariant]:
         def register(fn: Invariant) -> Invariant:
             self.invariants[name] = fn
             return fn
 
         return register
+
+    def coupled(self, lifecycle: str, coupling: Any) -> Effect:
+        """The effect that carries out `coupling` (a `kvfsm.spec.Coupling` of a `lifecycle` transition)."""
+        relation = self.relations[(lifecycle, coupling.relation)]
+        return Coupled(coupling.lifecycle, coupling.fire, relation, str(coupling))
 
     def has_guard(self, lifecycle: str, name: str) -> bool:
         return (lifecycle, name) in self.guards
@@ -51,6 +84,9 @@ class Registry:
 
     def has_invariant(self, name: str) -> bool:
         return name in self.invariants
+
+    def has_relation(self, lifecycle: str, name: str) -> bool:
+        return (lifecycle, name) in self.relations
 
 
 REGISTRY = Registry()

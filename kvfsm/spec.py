@@ -36,6 +36,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class Coupling(_Strict):
+    """A trigger this transition fires on other objects: `fire` on each `target` model the relation `of` names.
+
+    Couplings are how one lifecycle moves another (a store's completion makes its CPU slots ready, unfences its GPU
+    blocks and tells its request); they run after the transition's own effects, each target through its own
+    machine, so a coupling the target's state refuses raises there as any illegal trigger does.
+    """
+
+    fire: str = Field(min_length=1)
+    lifecycle: str = Field(alias="target", min_length=1)
+    relation: str = Field(alias="of", min_length=1)
+
+    def __str__(self) -> str:
+        return f"{self.lifecycle}.{self.fire}({self.relation})"
+
+
 class Transition(_Strict):
     """One edge family: `trigger` moves a model from any of `source` to `dest` when every guard holds."""
 
@@ -44,6 +60,7 @@ class Transition(_Strict):
     dest: str = Field(min_length=1)
     guards: tuple[str, ...] = ()
     effects: tuple[str, ...] = ()
+    couplings: tuple[Coupling, ...] = ()
 
     @field_validator("source", mode="before")
     @classmethod
@@ -92,6 +109,7 @@ class Registry(Protocol):
     def has_guard(self, lifecycle: str, name: str) -> bool: ...
     def has_effect(self, lifecycle: str, name: str) -> bool: ...
     def has_invariant(self, name: str) -> bool: ...
+    def has_relation(self, lifecycle: str, name: str) -> bool: ...
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -162,7 +180,25 @@ def load_spec(directory: Path | str = DEFAULT_SPEC_DIR, *, registry: Registry) -
             invariant_owner[invariant] = lifecycle.name
         lifecycles[lifecycle.name] = lifecycle
         files[lifecycle.name] = str(path)
+    for lifecycle in lifecycles.values():
+        _check_couplings(Path(files[lifecycle.name]), lifecycle, lifecycles, registry)
     return Spec(lifecycles=lifecycles, files=files)
+
+
+def _check_couplings(path: Path, lc: Lifecycle, lifecycles: dict[str, Lifecycle], registry: Registry) -> None:
+    """Each coupling names a lifecycle of the spec, one of its triggers, and a relation the registry resolves."""
+    for index, t in enumerate(lc.transitions):
+        item = f"transition #{index + 1} ({t.trigger})"
+        for coupling in t.couplings:
+            target = lifecycles.get(coupling.lifecycle)
+            if target is None:
+                raise SpecError(path, lc.name, item, f"coupling names unknown lifecycle {coupling.lifecycle!r}")
+            if coupling.fire not in target.triggers:
+                raise SpecError(path, lc.name, item,
+                                f"coupling fires {coupling.fire!r}, which lifecycle {target.name!r} does not have")
+            if not registry.has_relation(lc.name, coupling.relation):
+                raise SpecError(path, lc.name, item,
+                                f"coupling relation {coupling.relation!r} is not defined in the relation registry")
 
 
 def _check_graph(path: Path, lc: Lifecycle) -> None:

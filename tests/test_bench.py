@@ -31,9 +31,10 @@ def test_without_cuda_the_bare_command_runs_the_cpu_parts_writes_json_and_names_
     result = json.loads((tmp_path / "bench.json").read_text())
     skipped = list(GPU_PARTS) + ([] if mooncake_available() else ["mooncake"])
     assert result["skipped"] == skipped and not result["errors"]
-    assert {"manager", "steps"} <= result["scheduler"].keys()
+    assert {"manager", "steps", "steady"} <= result["scheduler"].keys()
     assert {v["goal"] for v in result["verdicts"]} == {
-        "µs per block transition (manager)", "µs per block transition (whole scheduler half)"}
+        "µs per block transition (manager)", "µs per block transition (whole scheduler half)",
+        "µs per quiet decode step, 256 running (whole scheduler half)"}
     assert result["plot"] == "no GPU measurement to plot"
     assert f"skipped (no CUDA device, or Mooncake not installed): {', '.join(skipped)}" in run.output
 
@@ -54,6 +55,11 @@ def test_a_failing_part_is_reported_and_fails_the_exit_status(
     run = CliRunner().invoke(app, ["scheduler", "--out", str(tmp_path), "--quick"])
     assert run.exit_code == 1
     assert json.loads((tmp_path / "bench.json").read_text())["errors"] == {"scheduler": "RuntimeError: planted"}
+
+
+def test_a_quiet_decode_step_orders_nothing_and_is_timed_every_step_up_to_the_block_boundary() -> None:
+    result = steps.steady_decode(requests=8, rounds=1)
+    assert result["steps"] == 13 and result["us_per_step"] > 0  # tokens 2051..2063: the stores land at 2050
 
 
 def test_the_scheduler_half_benchmark_exercises_every_lifecycle() -> None:
@@ -95,13 +101,14 @@ def _measured(share: float, slowdown: float, us: float) -> dict[str, object]:
     return {
         "connector": [{"layout": layout, "block_tokens": 16, **row} for layout in ("kv-first", "cross-layer")],
         "mechanisms": {"kv-first": {"auto": {"compute_slowdown": slowdown}}},
-        "scheduler": {"manager": {"lru": {"us_per_transition": us}}, "steps": {"us_per_cpu_block_transition": us}},
+        "scheduler": {"manager": {"lru": {"us_per_transition": us}}, "steps": {"us_per_cpu_block_transition": us},
+                      "steady": {"us_per_step": us * 40, "steps": 14, "running_requests": 256}},
     }
 
 
 def test_goals_are_met_only_when_the_worst_figure_meets_them() -> None:
     met = {v["goal"]: v["met"] for v in verdicts(_measured(0.98, 1.01, 0.5))}
-    assert all(met.values()) and len(met) == 6
+    assert all(met.values()) and len(met) == 7
     missed = {v["goal"]: v["met"] for v in verdicts(_measured(0.85, 1.03, 1.5))}
     assert not any(missed.values())
 

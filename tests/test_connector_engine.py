@@ -11,11 +11,12 @@ from typing import Callable
 
 import pytest
 
+from kvfsm.bindings import default_spec
 from kvfsm.connector.metadata import ConnectorOutput, LoadOrder
 from kvfsm.connector.scheduler import StepResult
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import Deferral
-from kvfsm.machines import IllegalTrigger
+from kvfsm.machines import IllegalTrigger, MachineSet
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.mutants import MUTANTS
 
@@ -151,7 +152,7 @@ def test_a_request_deferred_after_its_blocker_finished_is_caught() -> None:
             if match is None or earlier is None or request.request_id in late:
                 return match
             late.add(request.request_id)
-            scheduler._req.fire(scheduler.requests[request.request_id], "lookup", busy=True)
+            scheduler.ledger.fire_request(scheduler.requests[request.request_id], "lookup", busy=True)
             scheduler.deferrals[request.request_id] = Deferral(scheduler.step + 1, earlier.blockers)
             return None
         scheduler.get_num_new_matched_tokens = convoy  # type: ignore[method-assign]
@@ -305,3 +306,44 @@ def test_a_failed_store_publishes_nothing_and_the_prefix_is_recomputed() -> None
     h.engine.reset_prefix_cache()
     h.add_request(PREFIX, 1, "b")
     assert finish(h) == [] and h.engine.cpu_hit_tokens == 0
+
+
+def _busy_run(backend: str) -> tuple[set[tuple[str, str, str, str]], dict[str, int | float], list[str]]:
+    """Stores, reloads, a preemption, an abort and a failed store, on the connector built with `backend`."""
+    h = Harness(SimDevice(), num_gpu_blocks=24, cpu_blocks=16, backend=backend)  # type: ignore[arg-type]
+    offload(h)
+    first = h.add_request(PREFIX + (40, 41, 42, 43), 3)
+    second = h.add_request(PREFIX + (50, 51), 3)
+    h.engine.step()
+    h.settle()
+    h.faults.armed = "store"
+    h.add_request(tuple(range(60, 72)), 2)
+    h.engine.step()
+    h.settle()
+    if h.engine.running:
+        h.engine.preempt(h.engine.running[0].request_id)
+    h.abort(second if first in h.engine.live else first)
+    violations = finish(h)
+    stats = {k: v for k, v in h.connector.scheduler.stats.as_dict().items() if not k.endswith("seconds")}
+    h.close()
+    return h.trace.edges, stats, violations
+
+
+def test_both_backends_run_the_whole_connector_alike() -> None:
+    """The machine set given to the connector is the one every half, the pool and every coupling fire through."""
+    table, transitions = _busy_run("table"), _busy_run("transitions")
+    assert table[2] == [] and transitions[2] == []
+    assert table[0] == transitions[0] and table[1] == transitions[1]
+    assert {e[0] for e in table[0]} == {"cpu-block", "gpu-block", "request", "transfer-job"}
+    assert table[1]["blocks_loaded"] and table[1]["stores_failed"]
+
+
+def test_a_pool_firing_through_machines_of_its_own_is_caught() -> None:
+    """The control: a pool that ignores the injected machine set moves CPU blocks the connector's trace never sees."""
+    h = harness()
+    h.connector.scheduler.manager._machine = MachineSet(default_spec())["cpu-block"]
+    offload(h)
+    h.add_request(PREFIX + (40, 41), 2)
+    finish(h)
+    assert "cpu-block" not in {edge[0] for edge in h.trace.edges}
+    h.close()

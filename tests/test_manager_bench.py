@@ -6,20 +6,18 @@ from collections import Counter
 
 import pytest
 
+from kvfsm.bindings import default_spec
 from kvfsm.bench.scheduler import run, scan_comparison
-from kvfsm.machines import default_machines
+from kvfsm.machines import MachineSet
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_the_benchmark_counts_every_transition_the_machine_fired(policy: str) -> None:
     fired: Counter[str] = Counter()
     observer = lambda lifecycle, _model, _source, trigger, _dest: fired.update([trigger])  # noqa: E731
-    machines = default_machines()
+    machines = MachineSet(default_spec())
     machines.observe(observer)
-    try:
-        result = run(policy, steps=6, requests=16, num_slots=512, documents=32)  # type: ignore[arg-type]
-    finally:
-        machines.unobserve(observer)
+    result = run(policy, steps=6, requests=16, num_slots=512, documents=32, machines=machines)  # type: ignore[arg-type]
     assert result["transitions"] == sum(fired.values())
     assert fired["evict"] and fired["pin"] and fired["store-done"], f"the workload skipped a path: {fired}"
 

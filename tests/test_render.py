@@ -14,7 +14,10 @@ import yaml
 from typer.testing import CliRunner
 
 from kvfsm.bindings import default_registry, default_spec
-from kvfsm.render import DOCS_COMMAND, DOCS_DIR, app, mermaid, spec_markdown, transition_label
+from kvfsm.render import (
+    DOCS_COMMAND, DOCS_DIR, STATES_MODULE, _camel, _constant, app, couplings_mermaid, mermaid, spec_markdown,
+    states_module, transition_label,
+)
 from kvfsm.spec import DEFAULT_SPEC_DIR, Lifecycle, SpecError, load_spec
 
 SPEC = default_spec()
@@ -51,15 +54,16 @@ def test_mermaid_names_every_transition(lifecycle: Lifecycle) -> None:
     edges = _mermaid_edges(text)
     node = {state: node for state in lifecycle.states for node in [re.sub(r"\W", "_", state)]}
     for t in lifecycle.transitions:
+        effects = t.effects + tuple(str(c) for c in t.couplings)  # a coupling is drawn as an effect
         for source in t.source:
             direct = edges.get((node[source], node[t.dest]), "")
             via_choice = any(
                 src == node[source] and t.trigger in label.split(" | ")
-                and transition_label("", t.guards, t.effects) in edges.get((choice, node[t.dest]), "").split(" | ")
+                and transition_label("", t.guards, effects) in edges.get((choice, node[t.dest]), "").split(" | ")
                 for (src, choice), label in edges.items()
                 if choice.startswith("choice_")
             )
-            assert transition_label(t.trigger, t.guards, t.effects) in direct.split(" | ") or via_choice, (
+            assert transition_label(t.trigger, t.guards, effects) in direct.split(" | ") or via_choice, (
                 f"{lifecycle.name}: {source} --{t.trigger}--> {t.dest} is not drawn"
             )
 
@@ -115,3 +119,23 @@ def test_with_graphviz_it_writes_one_svg_per_lifecycle(tmp_path: Path) -> None:
         svg = ElementTree.parse(tmp_path / f"{lc.name}.svg").getroot()
         titles = {title.text for title in svg.iter("{http://www.w3.org/2000/svg}title")}
         assert set(lc.states) <= titles, f"{lc.name}: states missing from the picture"
+
+
+def test_committed_states_module_is_what_the_generator_makes_from_spec_now() -> None:
+    assert STATES_MODULE.read_text() == states_module(SPEC), f"kvfsm/states.py is stale: run `{DOCS_COMMAND}`"
+
+
+def test_states_module_names_every_state_of_every_lifecycle() -> None:
+    namespace: dict[str, object] = {}
+    exec(states_module(SPEC), namespace)  # noqa: S102  (the generator's own output)
+    for lc in LIFECYCLES:
+        names = namespace[_camel(lc.name) + "State"]
+        assert {getattr(names, _constant(s)) for s in lc.states} == set(lc.states)
+
+
+def test_couplings_are_drawn_from_every_transition_that_declares_one() -> None:
+    drawn = couplings_mermaid(SPEC)
+    for lc in LIFECYCLES:
+        for t in lc.transitions:
+            for c in t.couplings:
+                assert f"→ {c.fire} ({c.relation})\" --> {c.lifecycle.replace('-', '_')}" in drawn

@@ -72,7 +72,7 @@ def test_unreachable_state_is_refused(tmp_path: Path) -> None:
 
 def test_non_terminal_dead_end_is_refused(tmp_path: Path) -> None:
     def drop_exits(doc: Doc) -> None:
-        doc["transitions"] = [t for t in doc["transitions"] if t["trigger"] != "job-done"]
+        doc["transitions"] = [t for t in doc["transitions"] if t["source"] != "draining"]
 
     refusal(broken_spec(tmp_path, "request", drop_exits), "request", "state 'draining'", "dead end")
 
@@ -126,3 +126,25 @@ def test_invariant_declared_by_two_lifecycles_is_refused(tmp_path: Path) -> None
 def test_empty_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="no \\*.yaml lifecycle file"):
         load_spec(tmp_path, registry=default_registry())
+
+
+def _couple(coupling: dict[str, str]) -> Callable[[Doc], None]:
+    def edit(doc: Doc) -> None:
+        doc["transitions"][0].setdefault("couplings", []).append(coupling)
+
+    return edit
+
+
+def test_a_coupling_to_an_unknown_lifecycle_is_refused(tmp_path: Path) -> None:
+    spec = broken_spec(tmp_path, "transfer-job", _couple({"fire": "fence", "target": "gpu-blok", "of": "gpu-blocks"}))
+    refusal(spec, "transfer-job", "(prepare)", "unknown lifecycle 'gpu-blok'")
+
+
+def test_a_coupling_firing_a_trigger_its_target_lacks_is_refused(tmp_path: Path) -> None:
+    spec = broken_spec(tmp_path, "transfer-job", _couple({"fire": "fenc", "target": "gpu-block", "of": "gpu-blocks"}))
+    refusal(spec, "transfer-job", "(prepare)", "fires 'fenc'", "'gpu-block' does not have")
+
+
+def test_a_coupling_over_an_unregistered_relation_is_refused(tmp_path: Path) -> None:
+    spec = broken_spec(tmp_path, "transfer-job", _couple({"fire": "fence", "target": "gpu-block", "of": "gpu-blokcs"}))
+    refusal(spec, "transfer-job", "(prepare)", "relation 'gpu-blokcs' is not defined")

@@ -29,6 +29,7 @@ GOALS = {
     "matmul slowdown while moving blocks": ("<=", 1.02),
     "µs per block transition (manager)": ("<=", 1.0),
     "µs per block transition (whole scheduler half)": ("<=", 1.0),
+    "µs per quiet decode step, 256 running (whole scheduler half)": ("<=", 50.0),
 }
 CONNECTOR_BLOCK_TOKENS = (16, 32, 64)
 FULL_LAYERS = 32
@@ -47,6 +48,7 @@ def _scheduler(result: dict[str, Any], quick: bool) -> None:
     result["scheduler"] = {
         "manager": {policy: scheduler.run(policy, **size) for policy in ("lru", "arc")},  # type: ignore[arg-type]
         "steps": steps.run(**({"steps": 8, "requests": 16, "lifetime": 2, "documents": 8} if quick else {})),
+        "steady": steps.steady_decode(**({"requests": 16, "rounds": 1} if quick else {})),
     }
 
 
@@ -133,6 +135,9 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
             max(r["us_per_transition"] for r in result["scheduler"]["manager"].values()), "worse of LRU and ARC")
         measured["µs per block transition (whole scheduler half)"] = (
             result["scheduler"]["steps"]["us_per_cpu_block_transition"], "all scheduler-half time / CPU-block transitions")
+        steady = result["scheduler"]["steady"]
+        measured["µs per quiet decode step, 256 running (whole scheduler half)"] = (
+            steady["us_per_step"], f"median of {steady['steps']} steps, {steady['running_requests']} running, GC on")
     out = []
     for goal, (op, target) in GOALS.items():
         if goal not in measured:
@@ -170,6 +175,10 @@ def _print(result: dict[str, Any]) -> None:
         table.add_row("SchedulerConnector per step", f"{st['us_per_cpu_block_transition']:.3f}",
                       f"{st['running_requests']} running x {st['prompt_tokens']}-token prompts: "
                       f"{st['us_per_step']:.0f} µs/step, {st['us_per_transition']:.3f} µs per transition of any kind")
+        sd = s["steady"]
+        table.add_row("SchedulerConnector, quiet decode step", "—",
+                      f"{sd['running_requests']} running, none completing a block: {sd['us_per_step']:.1f} µs/step "
+                      f"(median of {sd['steps']}, slowest {sd['us_per_step_max']:.0f} µs)")
         console.print(table)
     if "ttft" in result:
         t = result["ttft"]

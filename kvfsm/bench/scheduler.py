@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.table import Table
 
+from kvfsm.machines import MachineSet
 from kvfsm.manager import BlockRemoved, OffloadingManager, PolicyName
 
 @dataclass
@@ -35,13 +36,13 @@ def _prompts(documents: int, blocks: int) -> list[list[int]]:
 
 def run(policy: PolicyName = "lru", steps: int = 24, requests: int = 256, prompt_tokens: int = 2048,
         block_tokens: int = 16, num_slots: int = 65536, documents: int = 1024, fail_rate: float = 0.01,
-        seed: int = 0) -> dict[str, float]:
-    """One run of the per-step workload; returns µs per transition and what was counted."""
+        seed: int = 0, machines: MachineSet | None = None) -> dict[str, float]:
+    """One run of the per-step workload; returns µs per transition and what was counted (`machines`: to observe)."""
     rng = random.Random(seed)
     blocks = prompt_tokens // block_tokens
     prompts = _prompts(documents, blocks)
     popularity = [1.0 / (rank + 1) for rank in range(documents)]  # Zipf: a few prompts are asked often
-    manager = OffloadingManager(num_slots, policy)
+    manager = OffloadingManager(num_slots, policy, machines)
     transitions = hits = looked_up = deferred = refused = 0
     elapsed = 0.0
     older, previous = _Step(), _Step()

@@ -6,6 +6,10 @@ with the request, transfer-job and GPU-block machines as well as the CPU-block o
 running requests finish and as many new ones arrive; prompts are drawn by Zipf popularity from a fixed set of
 documents so some hit the pool in full, some in part, and a few are deferred behind another request's transfer.
 A worker is simulated: a load finishes in the step that submits it, a store in the step after it was ordered.
+GPU block ids come from a fixed pool and are reused once a request's blocks are freed, as an engine's are.
+
+`steady_decode` prices the common step: every request running and stored, decoding one token, none completing
+a block. The half should cost (nearly) nothing per request then.
 
 The workload is run twice with the same seed: once with an observer counting every transition the machines
 fire, once timed without it (an observer costs more than the transitions it counts).
@@ -18,10 +22,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput, WorkerOutput
 from kvfsm.connector.scheduler import SchedulerConnector
-from kvfsm.machines import default_machines
+from kvfsm.machines import MachineSet
 
 GPU_BLOCK_BYTES = 2 << 20  # Llama-3-8B, 16 tokens: only sizes the pool here
 
@@ -44,7 +49,18 @@ class _World:
     loading: dict[str, _Request] = field(default_factory=dict)
     running: list[_Request] = field(default_factory=list)
     stores_in_flight: tuple[int, ...] = ()
+    free_blocks: list[int] = field(default_factory=list)
     next_block: int = 0
+    held: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Blocks of finished requests the connector still holds (their stores are in flight)."""
+
+    def allocate(self, n: int) -> tuple[int, ...]:
+        fresh = max(0, n - len(self.free_blocks))
+        self.free_blocks.extend(range(self.next_block, self.next_block + fresh))
+        self.next_block += fresh
+        blocks = tuple(self.free_blocks[-n:])
+        del self.free_blocks[-n:]
+        return blocks
 
 
 def _workload(connector: SchedulerConnector, steps: int, requests: int, prompt_tokens: int, lifetime: int,
@@ -72,8 +88,7 @@ def _workload(connector: SchedulerConnector, steps: int, requests: int, prompt_t
             if match is None:
                 still_waiting.append(request)
                 continue
-            request.block_ids = tuple(range(world.next_block, world.next_block + blocks + 1))
-            world.next_block += blocks + 1
+            request.block_ids = world.allocate(blocks + 1)
             connector.update_state_after_alloc(request, request.block_ids, match[0])
             if match[0]:
                 world.loading[request.request_id] = request
@@ -96,9 +111,15 @@ def _workload(connector: SchedulerConnector, steps: int, requests: int, prompt_t
         start = time.perf_counter()
         result = connector.update_connector_output(report)
         finishing = [r for r in world.running if r.steps_left <= 1]
-        for request in finishing:
-            connector.request_finished(request.request_id)
+        held = [connector.request_finished(request.request_id) for request in finishing]
         elapsed += time.perf_counter() - start
+        for request, keep in zip(finishing, held):
+            if keep:
+                world.held[request.request_id] = request.block_ids
+            else:
+                world.free_blocks.extend(request.block_ids)
+        for request_id in result.released:
+            world.free_blocks.extend(world.held.pop(request_id))
         for request_id in result.loaded:
             world.running.append(world.loading.pop(request_id))
         ended = {r.request_id for r in finishing}
@@ -111,18 +132,14 @@ def _workload(connector: SchedulerConnector, steps: int, requests: int, prompt_t
 def run(steps: int = 48, requests: int = 256, prompt_tokens: int = 2048, lifetime: int = 16,
         documents: int = 512, num_slots: int = 32768, seed: int = 0) -> dict[str, float | int | dict[str, int]]:
     """µs per step and per block transition (CPU-block, and every lifecycle) of the scheduler half."""
-    def connector() -> SchedulerConnector:
-        return SchedulerConnector(OffloadConfig(cpu_blocks=num_slots), GPU_BLOCK_BYTES)
+    def connector(machines: MachineSet | None = None) -> SchedulerConnector:
+        return SchedulerConnector(OffloadConfig(cpu_blocks=num_slots), GPU_BLOCK_BYTES, machines)
 
     fired: Counter[str] = Counter()
-    observer = lambda lifecycle, _model, _source, _trigger, _dest: fired.update([lifecycle])  # noqa: E731
-    machines = default_machines()
-    machines.observe(observer)
-    try:
-        counted = connector()
-        _workload(counted, steps, requests, prompt_tokens, lifetime, documents, seed)
-    finally:
-        machines.unobserve(observer)
+    machines = MachineSet(default_spec())
+    machines.observe(lambda lifecycle, _model, _source, _trigger, _dest: fired.update([lifecycle]))
+    counted = connector(machines)
+    _workload(counted, steps, requests, prompt_tokens, lifetime, documents, seed)
     timed = connector()
     seconds, ran = _workload(timed, steps, requests, prompt_tokens, lifetime, documents, seed)
     stats = timed.stats
@@ -141,3 +158,48 @@ def run(steps: int = 48, requests: int = 256, prompt_tokens: int = 2048, lifetim
         "deferrals": stats.deferrals,
         "store_refusals": stats.store_refusals,
     }
+
+
+def steady_decode(requests: int = 256, prompt_tokens: int = 2048, num_slots: int = 65536, seed: int = 0,
+                  rounds: int = 3) -> dict[str, float | int]:
+    """µs per step of the scheduler half while `requests` stored requests each decode a token, none completing a block.
+
+    Requests are admitted, computed and stored first (untimed); then every step up to the next block boundary is
+    timed from `build_connector_meta` through `update_connector_output`, the engine's schedule built outside.
+    """
+    config = OffloadConfig(cpu_blocks=num_slots)
+    block = config.gpu_block_size
+    blocks = prompt_tokens // block
+    samples: list[float] = []
+    for round_ in range(rounds):
+        connector = SchedulerConnector(config, GPU_BLOCK_BYTES)
+        running = [_Request(f"r{i}", tuple((seed + round_) << 40 | i << 20 | j for j in range(blocks)),
+                            prompt_tokens + 1) for i in range(requests)]
+        for i, request in enumerate(running):
+            assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+            request.block_ids = tuple(range(i * (blocks + 1), (i + 1) * (blocks + 1)))
+            connector.update_state_after_alloc(request, request.block_ids, 0)
+            request.computed = request.num_tokens
+        pending: tuple[int, ...] = ()
+        first = True
+        while True:
+            output = SchedulerOutput(scheduled=tuple(
+                ScheduledRequest(req_id=r.request_id, block_ids=r.block_ids, num_computed_tokens=r.computed)
+                for r in running))
+            quiet = not first and not pending and all(r.computed % block for r in running)
+            start = time.perf_counter()
+            meta = connector.build_connector_meta(output)
+            connector.update_connector_output(ConnectorOutput(workers=(WorkerOutput(done=pending),)))
+            elapsed = time.perf_counter() - start
+            if quiet:
+                if meta.stores or meta.loads:
+                    raise RuntimeError("a quiet decode step ordered transfers: the figure would price other work")
+                samples.append(elapsed)
+            pending, first = tuple(o.job_id for o in meta.stores), False
+            if quiet and (running[0].computed + 1) % block == 0:
+                break
+            for request in running:
+                request.computed += 1
+    samples.sort()
+    return {"running_requests": requests, "steps": len(samples), "us_per_step": samples[len(samples) // 2] * 1e6,
+            "us_per_step_max": samples[-1] * 1e6}

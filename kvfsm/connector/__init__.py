@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
 from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult
 from kvfsm.connector.worker import NotRegistered, WorkerConnector
 from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import KVCaches
+from kvfsm.machines import MachineSet
 
 __all__ = ["Connector", "SchedulerConnector", "WorkerConnector", "StepResult"]
 
@@ -21,16 +23,20 @@ __all__ = ["Connector", "SchedulerConnector", "WorkerConnector", "StepResult"]
 class Connector:
     """Both halves in one object; the scheduler half exists once the KV caches are registered (it needs their size)."""
 
-    def __init__(self, config: OffloadConfig, device: Device, keep_history: bool = False) -> None:
+    def __init__(self, config: OffloadConfig, device: Device, keep_history: bool = False,
+                 machines: MachineSet | None = None) -> None:
         self.config = config
-        self.worker = WorkerConnector(config, device)
+        self.machines = machines or MachineSet(default_spec())
+        """This connector's machines, shared by both halves: observe them to trace this connector alone."""
+        self.worker = WorkerConnector(config, device, machines=self.machines)
         self.keep_history = keep_history
         self._scheduler: SchedulerConnector | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout: str,
                            groups: dict[str, list[str]] | None = None) -> KVCaches:
         caches = self.worker.register_kv_caches(kv_caches, layout, groups)
-        self._scheduler = SchedulerConnector(self.config, caches.gpu_block_bytes, keep_history=self.keep_history)
+        self._scheduler = SchedulerConnector(self.config, caches.gpu_block_bytes, self.machines,
+                                             keep_history=self.keep_history)
         return caches
 
     @property

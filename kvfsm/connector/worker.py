@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.checksums import SlotChecksums
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
@@ -24,7 +25,7 @@ from kvfsm.executor.device import Device, Event
 from kvfsm.executor.layouts import KVCaches, register_kv_caches
 from kvfsm.executor.pool import HostPool
 from kvfsm.executor.transfer import TransferError, Transfers
-from kvfsm.machines import MachineSet, default_machines
+from kvfsm.machines import MachineSet
 from kvfsm.records import TransferJob
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class WorkerConnector:
         self.device = device
         self.worker = worker
         self.jobs: dict[int, TransferJob] = {}
-        self._job = (machines or default_machines())["transfer-job"]
+        self._job = (machines or MachineSet(default_spec()))["transfer-job"]
         self._meta = ConnectorMetadata(step=0)
         self._events: dict[int, Event] = {}
         self._compute_done: dict[int, Event] = {}

@@ -16,13 +16,27 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvfsm.machines import CompiledLifecycle, default_machines
+from typing import Any
+
+from kvfsm.bindings import default_spec
+from kvfsm.machines import LifecycleMachine, MachineSet
 from kvfsm.manager.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvfsm.manager.policies import EvictionPolicy, PolicyName, make_policy
 from kvfsm.records import CpuBlock
+from kvfsm.states import CpuBlockState
 
-READABLE = frozenset({"ready", "loading"})  # catalogued and holding their bytes: counted by the policy
-BUSY = frozenset({"pending-store", "submitted", "loading"})  # a lookup that meets one of these defers
+READY, LOADING, FREE = CpuBlockState.READY, CpuBlockState.LOADING, CpuBlockState.FREE
+READABLE = frozenset({READY, LOADING})  # catalogued and holding their bytes: counted by the policy
+BUSY = frozenset({CpuBlockState.PENDING_STORE, CpuBlockState.SUBMITTED, LOADING})  # a lookup meeting one defers
+
+
+_COUPLED: dict[str, tuple[str, tuple[bool, ...]]] = {
+    "submit": ("mark_submitted", ()),
+    "store-done": ("complete_store", (True,)),
+    "store-failed": ("complete_store", (False,)),
+    "unpin": ("complete_load", ()),
+}
+"""cpu-block triggers a coupling may fire, and the method that fires each with its index updates."""
 
 
 class ManagerError(RuntimeError):
@@ -60,7 +74,10 @@ class StorePlan:
 class OffloadingManager:
     """The host pool's catalogue, addressed by CPU-block hashes; one instance per scheduler."""
 
-    def __init__(self, num_slots: int, policy: PolicyName | EvictionPolicy = "lru") -> None:
+    def __init__(self, num_slots: int, policy: PolicyName | EvictionPolicy = "lru",
+                 machines: MachineSet | None = None, events: bool = True) -> None:
+        """`events`: keep `BlockStored`/`BlockRemoved` for `take_events`; off for an engine that never takes them,
+        whose buffer would otherwise grow for as long as it runs."""
         if num_slots <= 0:
             raise ValueError(f"the pool needs at least one slot, got {num_slots}")
         self.blocks: list[CpuBlock] = [CpuBlock(slot) for slot in range(num_slots)]
@@ -68,13 +85,24 @@ class OffloadingManager:
         self.policy: EvictionPolicy = make_policy(policy, num_slots) if isinstance(policy, str) else policy
         if self.policy.capacity != num_slots:
             raise ValueError(f"policy capacity {self.policy.capacity} != pool size {num_slots}")
-        self._machine: CompiledLifecycle = default_machines()["cpu-block"]  # type: ignore[assignment]
+        self._machine: LifecycleMachine = (machines or MachineSet(default_spec()))["cpu-block"]
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot is handed out first
         self._events: list[KVCacheEvent] = []
+        self._keep_events = events
         self._sources = {
-            trigger: frozenset(state for state, t in self._machine.table if t == trigger)
+            trigger: frozenset(s for s in self._machine.lifecycle.states if self._machine.lifecycle.branches(s, trigger))
             for trigger in self._machine.lifecycle.triggers
         }
+
+    def fire(self, trigger: str, slots: Sequence[int], **_: Any) -> None:
+        """A coupling's entry: a job's transition moves its slots (the ledger calls this; see `kvfsm/lifecycles/`).
+
+        Each coupled trigger goes through the method that keeps the indexes that transition implies (looked up
+        by name at call time, so a patched method, as a mutant patches it, is the one used)."""
+        if trigger not in _COUPLED:
+            raise BadSlots(f"{trigger}: the pool takes this trigger only from its own planning calls")
+        method, args = _COUPLED[trigger]
+        getattr(self, method)(slots, *args)
 
     @property
     def capacity(self) -> int:
@@ -92,7 +120,7 @@ class OffloadingManager:
             if slot is None:
                 break
             state = blocks[slot].state
-            if counting and state == "ready":
+            if counting and state == READY:
                 hits += 1
                 continue
             counting = False
@@ -100,22 +128,22 @@ class OffloadingManager:
                 busy.append(slot)
         return Lookup(hits, tuple(busy))
 
-    def prepare_load(self, hashes: Sequence[int]) -> tuple[int, ...]:
-        """Pin the ready blocks of `hashes` for one load; the caller releases them with `complete_load`."""
+    def prepare_load(self, hashes: Sequence[int], job_id: int | None = None) -> tuple[int, ...]:
+        """Pin the ready blocks of `hashes` for one load (`job_id`); the caller releases them with `complete_load`."""
         self._require_distinct(hashes)
         blocks, catalogue = self.blocks, self.catalogue
         slots = tuple(catalogue.get(h, -1) for h in hashes)
         for block_hash, slot in zip(hashes, slots):
-            if slot < 0 or blocks[slot].state != "ready":
+            if slot < 0 or blocks[slot].state != READY:
                 state = "not catalogued" if slot < 0 else blocks[slot].state
                 raise NotLoadable(f"hash {block_hash:#x} cannot be loaded: {state}")
-        self._machine.fire_many([blocks[s] for s in slots], "pin")
+        self._machine.fire_many([blocks[s] for s in slots], "pin", job_id=job_id)
         return slots
 
     def complete_load(self, slots: Sequence[int]) -> None:
         picked = self._picked(slots, "unpin")
         self._machine.fire_many(picked, "unpin")
-        self._free.extend(b.slot for b in picked if b.state == "free")
+        self._free.extend(b.slot for b in picked if b.state == FREE)
 
     def touch(self, hashes: Sequence[int]) -> None:
         """A hit on `hashes`: refresh their readable blocks in the policy, head of the prefix last."""
@@ -135,17 +163,16 @@ class OffloadingManager:
         shortfall = len(new) - len(self._free)
         if shortfall > 0 and not self._make_room(shortfall, {catalogue[h] for h in hashes if h in catalogue}):
             return None
-        free, blocks, fire = self._free, self.blocks, self._machine.fire
+        free, blocks = self._free, self.blocks
         slots = tuple(free.pop() for _ in new)
-        for block_hash, slot in zip(new, slots):
-            fire(blocks[slot], "allocate", block_hash=block_hash, job_id=job_id)
-            catalogue[block_hash] = slot
+        self._machine.fire_many([blocks[s] for s in slots], "allocate", hashes=dict(zip(slots, new)), job_id=job_id)
+        catalogue.update(zip(new, slots))
         return StorePlan(tuple(new), slots)
 
     def _make_room(self, n: int, protected: set[int]) -> bool:
         """Evict `n` unpinned ready blocks outside `protected`, or evict nothing and say so."""
         blocks = self.blocks
-        victims = self.policy.victims(n, lambda s: s not in protected and blocks[s].state == "ready")
+        victims = self.policy.victims(n, lambda s: s not in protected and blocks[s].state == READY)
         if victims is None:
             return False
         picked = [blocks[s] for s in victims]
@@ -155,7 +182,8 @@ class OffloadingManager:
             self.policy.remove(slot)
             del self.catalogue[block_hash]
         self._free.extend(victims)
-        self._events.append(BlockRemoved(hashes))  # type: ignore[arg-type]
+        if self._keep_events:
+            self._events.append(BlockRemoved(hashes))  # type: ignore[arg-type]
         return True
 
     def mark_submitted(self, slots: Sequence[int]) -> None:
@@ -167,15 +195,15 @@ class OffloadingManager:
         picked = self._picked(slots, trigger)
         hashes = [b.block_hash for b in picked]  # read before `store-failed` forgets them
         self._machine.fire_many(picked, trigger)
-        stored = [(b.slot, h) for b, h in zip(picked, hashes) if b.state == "ready"]
+        stored = [(b.slot, h) for b, h in zip(picked, hashes) if b.state == READY]
         for slot, block_hash in reversed(stored):
             self.policy.insert(slot, block_hash)  # type: ignore[arg-type]
         for block, block_hash in zip(picked, hashes):
-            if block.state == "free":
+            if block.state == FREE:
                 self._free.append(block.slot)
                 if block_hash is not None:
                     del self.catalogue[block_hash]
-        if stored:
+        if stored and self._keep_events:
             self._events.append(BlockStored(tuple(h for _, h in stored)))  # type: ignore[misc]
 
     # whole pool --------------------------------------------------------------------------------------------
@@ -186,10 +214,10 @@ class OffloadingManager:
         resettable = self._sources["reset"]  # every catalogued state; orphaned blocks already left the catalogue
         held = [b for b in self.blocks if b.state in resettable]
         self._machine.fire_many(held, "reset")
-        self._free.extend(b.slot for b in held if b.state == "free")
+        self._free.extend(b.slot for b in held if b.state == FREE)
         self.catalogue.clear()
         self.policy.clear()
-        if announced:
+        if announced and self._keep_events:
             self._events.append(BlockRemoved(announced))
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvfsm.registry import Registry
-from kvfsm.spec import Lifecycle, Spec
+from kvfsm.spec import Coupling, Lifecycle, Spec
 
 Edge = tuple[str, str, str, str]  # lifecycle, source, trigger, dest
 
@@ -48,9 +49,17 @@ class Probe:
     effects: list[str] = field(default_factory=list)
 
 
+class ProbeRegistry(Registry):
+    """A registry whose couplings are logged on the probe like effects (a probe has no ledger to move)."""
+
+    def coupled(self, lifecycle: str, coupling: Coupling) -> Callable[..., None]:
+        name = str(coupling)
+        return lambda model, **_: model.effects.append(name)
+
+
 def probe_registry(spec: Spec) -> Registry:
-    """Every guard reads `Probe.guard_values`; every effect appends its name to `Probe.effects`."""
-    registry = Registry()
+    """Every guard reads `Probe.guard_values`; every effect and coupling appends its name to `Probe.effects`."""
+    registry = ProbeRegistry()
     for lc in spec.lifecycles.values():
         for t in lc.transitions:
             for g in t.guards:

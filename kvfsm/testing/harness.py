@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine, EngineConfig
@@ -19,7 +20,7 @@ from kvfsm.engine.model import ModelShape
 from kvfsm.executor.device import Device
 from kvfsm.executor.transfer import TransferError
 from kvfsm.invariants import check_all
-from kvfsm.machines import default_machines
+from kvfsm.machines import Backend, MachineSet
 from kvfsm.testing.mutants import MUTANTS
 from kvfsm.testing.oracle import BlockOracle, expected_tokens, poisoned
 from kvfsm.testing.trace import TraceRecorder
@@ -67,12 +68,13 @@ class Submitted:
 class Harness:
     def __init__(self, device: Device, num_gpu_blocks: int, cpu_blocks: int, block_size_factor: int = 1,
                  mutant: str | None = None, max_batched_tokens: int = 32, shape: ModelShape = SHAPE,
-                 compute_delay_cycles: int = 0, checksum: bool = False) -> None:
+                 compute_delay_cycles: int = 0, checksum: bool = False, backend: Backend = "table") -> None:
         self.device = device
         self.shape = shape
         config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=block_size_factor,
                                gpu_block_size=shape.block_size, checksum=checksum)
-        self.connector = Connector(config, device, keep_history=True)
+        self.connector = Connector(config, device, keep_history=True,
+                                   machines=MachineSet(default_spec(), backend=backend))
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
                                           model=shape, compute_delay_cycles=compute_delay_cycles),
                              device, self.connector)
@@ -82,7 +84,7 @@ class Harness:
             MUTANTS[mutant].apply(self.engine, self.connector)
         self.world = EngineWorld(self.engine, self.connector)
         self.oracle = BlockOracle(shape, block_size_factor)
-        self.trace = TraceRecorder(default_machines())
+        self.trace = TraceRecorder(self.connector.machines)
         self.submitted: dict[int, Submitted] = {}
         self._next_id = 0
 

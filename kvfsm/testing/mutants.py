@@ -45,9 +45,9 @@ def _no_load_dedup(engine: Engine, connector: Connector) -> None:
             hits += 1
         return Lookup(hits, ())
 
-    def prepare_load(hashes: Sequence[int]) -> tuple[int, ...]:
+    def prepare_load(hashes: Sequence[int], job_id: int | None = None) -> tuple[int, ...]:
         slots = tuple(manager.catalogue[h] for h in hashes)
-        pin.fire_many([manager.blocks[s] for s in slots], "pin")
+        pin.fire_many([manager.blocks[s] for s in slots], "pin", job_id=job_id)
         return slots
 
     manager.lookup = lookup  # type: ignore[method-assign]
@@ -73,8 +73,8 @@ def _unpinned_load(engine: Engine, connector: Connector) -> None:
     manager = connector.scheduler.manager
     prepare, complete = manager.prepare_load, manager.complete_load
 
-    def prepare_load(hashes: Sequence[int]) -> tuple[int, ...]:
-        slots = prepare(hashes)
+    def prepare_load(hashes: Sequence[int], job_id: int | None = None) -> tuple[int, ...]:
+        slots = prepare(hashes, job_id)
         complete(slots)  # readers dropped at once: the block is evictable while the load still reads it
         return slots
 

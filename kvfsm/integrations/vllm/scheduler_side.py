@@ -49,7 +49,7 @@ class UnexpectedAllocation(RuntimeError):
 
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
-        self.kvfsm = SchedulerConnector(config, gpu_block_bytes(kv_cache_config))
+        self.kvfsm = SchedulerConnector(config, gpu_block_bytes(kv_cache_config), kv_events=True)  # vLLM takes them
         self.codec = HashCodec()
         self.stats = StatsDelta(self.kvfsm.stats)
         self._matched: dict[str, RequestView] = {}

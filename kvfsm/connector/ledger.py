@@ -1,0 +1,132 @@
+"""One connector's lifecycle objects, and the one place the spec's couplings between them land.
+
+The spec declares how lifecycles move each other (`couplings:` in `kvfsm/lifecycles/*.yaml`): a store's completion
+makes its CPU slots ready, unfences the GPU blocks it read and tells its request; a preemption flushes the request's
+stores.
+The machines carry those couplings out as effects that call `Ledger.couple`, which fires the named trigger on the
+related objects of one table, in one batch, through that table's machine. What the scheduler half writes by hand
+is only planning: which slots a store takes, which blocks a load reads.
+
+The indexes beside the tables (the catalogue and free list inside the pool, the jobs each request has in flight,
+the stores to flush, what the step tells the engine) are updated here from the transition that was taken, never
+by a second copy of the states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from kvfsm.connector.fences import GpuFences
+from kvfsm.invariants import Deferral
+from kvfsm.machines import MachineSet
+from kvfsm.manager import OffloadingManager
+from kvfsm.records import RequestRecord, TransferJob
+from kvfsm.states import RequestState, TransferJobState
+
+JOB_ENDS = frozenset({TransferJobState.DONE, TransferJobState.FAILED})
+ENDS_OF_JOBS = frozenset({"job-done", "load-done", "load-failed"})
+"""Request triggers a job's end fires: a release they cause is news to the engine, unlike one by finish/abort."""
+
+
+@dataclass
+class StepResult:
+    """What `update_connector_output` tells the engine."""
+
+    loaded: set[str] = field(default_factory=set)
+    """Requests whose load finished (ok or failed): they may be scheduled for compute."""
+    released: set[str] = field(default_factory=set)
+    """Requests that were draining and have nothing in flight any more: their GPU blocks may be freed."""
+    load_errors: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """GPU blocks whose load failed, per request: the engine recomputes them."""
+
+
+class Ledger:
+    """Every CPU block, GPU fence, transfer job and request of one connector, and their machines."""
+
+    def __init__(self, machines: MachineSet, pool: OffloadingManager, keep_history: bool = False) -> None:
+        self.machines = machines
+        self.pool = pool
+        self.fences = GpuFences(machines["gpu-block"])
+        self.jobs: dict[int, TransferJob] = {}
+        """Jobs in flight (every job of the run with `keep_history`)."""
+        self.requests: dict[str, RequestRecord] = {}
+        """Requests not yet released (every request of the run with `keep_history`)."""
+        self.deferrals: dict[str, Deferral] = {}
+        self.reported_failed: set[int] = set()
+        """Failed jobs reported to the engine; kept with the history it is checked against, else not at all."""
+        self.keep_history = keep_history
+        self.result = StepResult()
+        self.flushed: list[TransferJob] = []
+        """Stores flushed since the last metadata: the workers submit and wait for them before blocks are reused."""
+        self._job, self._request = machines["transfer-job"], machines["request"]
+        self._tables: dict[str, Callable[..., None]] = {
+            "cpu-block": pool.fire,
+            "gpu-block": self.fences.fire,
+            "transfer-job": self._fire_jobs,
+            "request": self._fire_requests,
+        }
+
+    # --- firing --------------------------------------------------------------------------------------------
+
+    def fire_job(self, job: TransferJob, trigger: str, **context: Any) -> None:
+        self._fire_job(job, trigger, ledger=self, **context)
+
+    def fire_request(self, record: RequestRecord, trigger: str, **context: Any) -> str:
+        return self._fire_request(record, trigger, ledger=self, **context)
+
+    def couple(self, lifecycle: str, trigger: str, keys: Iterable[Any], **context: Any) -> None:
+        """What a coupling effect calls: fire `trigger` on the `lifecycle` objects named by `keys`."""
+        self._tables[lifecycle](trigger, keys, **context)
+
+    def _fire_jobs(self, trigger: str, job_ids: Iterable[int], **context: Any) -> None:
+        for job_id in job_ids:
+            self._fire_job(self.jobs[job_id], trigger, **context)
+
+    def _fire_requests(self, trigger: str, req_ids: Iterable[str], **context: Any) -> None:
+        for req_id in req_ids:
+            self._fire_request(self.requests[req_id], trigger, **context)
+
+    def _fire_job(self, job: TransferJob, trigger: str, **context: Any) -> None:
+        record = self.requests[job.req_id]
+        dest = self._job.fire(job, trigger, **context)
+        if dest == TransferJobState.FLUSHED_ON_PREEMPT:
+            self.flushed.append(job)
+        elif dest in JOB_ENDS:
+            del record.jobs[job.job_id]
+            if self.keep_history:
+                if dest == TransferJobState.FAILED:
+                    self.reported_failed.add(job.job_id)
+            else:
+                del self.jobs[job.job_id]
+
+    def _fire_request(self, record: RequestRecord, trigger: str, **context: Any) -> str:
+        dest = self._request.fire(record, trigger, **context)
+        if trigger == "load-done" or trigger == "load-failed":
+            if dest == RequestState.RUNNING:
+                self.result.loaded.add(record.req_id)
+                if record.failed_blocks:
+                    self.result.load_errors[record.req_id] = record.failed_blocks
+                    record.failed_blocks = ()
+        if dest == RequestState.RELEASED:
+            record.store_due = 0  # a step that still names it goes past the fast path, to the check that refuses it
+            if trigger in ENDS_OF_JOBS:
+                self.result.released.add(record.req_id)
+            self.deferrals.pop(record.req_id, None)
+            if not self.keep_history:
+                del self.requests[record.req_id]
+        return dest
+
+    # --- records -------------------------------------------------------------------------------------------
+
+    def add_job(self, job: TransferJob) -> None:
+        self.jobs[job.job_id] = job
+        self.requests[job.req_id].jobs[job.job_id] = job
+
+    def take_flushed(self) -> tuple[int, ...]:
+        flushed, self.flushed = self.flushed, []
+        return tuple(job.job_id for job in flushed)
+
+    def take_result(self) -> StepResult:
+        result, self.result = self.result, StepResult()
+        return result
