@@ -18,6 +18,10 @@ from typing import Mapping, Protocol, Sequence
 from kvfsm.executor.access import Access, Actor, Mode, Space
 from kvfsm.records import FLUSHABLE_JOB_STATES, CpuBlock, GpuBlock, RequestRecord, TransferJob
 from kvfsm.registry import REGISTRY
+from kvfsm.states import CpuBlockState as C
+from kvfsm.states import GpuBlockState as G
+from kvfsm.states import RequestState as R
+from kvfsm.states import TransferJobState as J
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +91,8 @@ def readers_pin(world: World) -> list[str]:
         f"CPU slot {b.slot} is {b.state} with {b.readers} readers"
         for b in world.cpu_blocks
         if b.readers < 0
-        or (b.readers > 0 and b.state not in ("loading", "orphaned"))
-        or (b.state == "loading" and b.readers != 1)
+        or (b.readers > 0 and b.state not in (C.LOADING, C.ORPHANED))
+        or (b.state == C.LOADING and b.readers != 1)
     ]
     return found + _ordering(world, {(("load", "read"), ("store", "write"))}, "cpu")
 
@@ -98,7 +102,7 @@ def ready_means_written(world: World) -> list[str]:
     found = []
     for block_hash, slot in world.catalogue.items():
         block = world.cpu_blocks[slot]
-        if block.block_hash != block_hash or block.state in ("free", "orphaned"):
+        if block.block_hash != block_hash or block.state in (C.FREE, C.ORPHANED):
             found.append(f"hash {block_hash:#x} is catalogued at CPU slot {slot}, which is {block.state}")
     return found + _ordering(world, {(("store", "write"), ("load", "read"))}, "cpu")
 
@@ -117,7 +121,7 @@ def pool_accounting(world: World) -> list[str]:
         found.append("two hashes share one CPU slot")
     for block in world.cpu_blocks:
         listed = block.slot in catalogued
-        should = block.state not in ("free", "orphaned")
+        should = block.state not in (C.FREE, C.ORPHANED)
         if listed != should:
             found.append(f"CPU slot {block.slot} is {block.state} but {'is' if listed else 'is not'} catalogued")
     return found
@@ -127,14 +131,14 @@ def pool_accounting(world: World) -> list[str]:
 def failure_visible(world: World) -> list[str]:
     found = []
     for job in world.jobs.values():
-        if job.state != "failed":
+        if job.state != J.FAILED:
             continue
         if job.job_id not in world.reported_failed:
             found.append(f"{job.kind} job {job.job_id} failed without being reported")
         if job.kind == "store":
             for slot in job.cpu_slots:
                 block = world.cpu_blocks[slot]
-                if block.writer_job == job.job_id and block.state in ("ready", "loading"):
+                if block.writer_job == job.job_id and block.state in (C.READY, C.LOADING):
                     found.append(f"failed store job {job.job_id} left CPU slot {slot} {block.state}")
     return found
 
@@ -154,7 +158,7 @@ def no_convoy(world: World) -> list[str]:
     found = []
     for req_id, deferral in world.deferrals.items():
         request = world.requests.get(req_id)
-        if request is None or request.state != "deferred":
+        if request is None or request.state != R.DEFERRED:
             continue
         stale = [
             j for j in deferral.blockers
@@ -170,7 +174,7 @@ def preempt_flushes(world: World) -> list[str]:
     return [
         f"preempted request {r.req_id} has store job {j.job_id} still {j.state}"
         for r in world.requests.values()
-        if r.state == "preempted"
+        if r.state == R.PREEMPTED
         for j in r.jobs.values()
         if j.kind == "store" and j.state in FLUSHABLE_JOB_STATES
     ]
@@ -182,10 +186,10 @@ def drained(world: World) -> list[str]:
         return []
     found = [f"{j.kind} job {j.job_id} is still {j.state}" for j in world.jobs.values() if j.in_flight]
     found += [f"CPU slot {b.slot} still has {b.readers} readers" for b in world.cpu_blocks if b.readers]
-    settled = sum(b.state in ("free", "ready") for b in world.cpu_blocks)
+    settled = sum(b.state in (C.FREE, C.READY) for b in world.cpu_blocks)
     if settled != len(world.cpu_blocks):
         found.append(f"free + ready = {settled} of {len(world.cpu_blocks)} CPU slots")
-    found += [f"GPU block {b.block_id} is still fenced" for b in world.gpu_blocks.values() if b.state != "writable"]
+    found += [f"GPU block {b.block_id} is still fenced" for b in world.gpu_blocks.values() if b.state != G.WRITABLE]
     return found
 
 
@@ -197,7 +201,7 @@ def fence_count(world: World) -> list[str]:
     found = [f"GPU block {b} is read by a store but not tracked" for b in readers if b not in world.gpu_blocks]
     for block in world.gpu_blocks.values():
         expect = readers.get(block.block_id, 0)
-        if block.store_readers != expect or (block.state == "fenced") != (expect > 0):
+        if block.store_readers != expect or (block.state == G.FENCED) != (expect > 0):
             found.append(f"GPU block {block.block_id} is {block.state} with {block.store_readers} store readers, "
                          f"{expect} stores read it")
     return found

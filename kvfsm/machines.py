@@ -101,6 +101,13 @@ class CompiledLifecycle(LifecycleMachine):
             for trigger in lifecycle.triggers
         }
         """Per trigger, the states it leaves by one unguarded branch: a batch moves those without trying guards."""
+        self._plain: dict[str, dict[str, str]] = {
+            trigger: {state: dest for state, (dest, effects) in moves.items()}
+            for trigger, moves in self._moves.items()
+            if len(moves) == sum(t == trigger for _, t in self.table) and not any(e for _, e in moves.values())
+        }
+        """Triggers whose every move is unguarded and has no effect (a store's submit, its completion): a batch of
+        those is a lookup and an assignment per model."""
         self._guarded: dict[str, dict[str, tuple[Branch, ...]]] = {
             trigger: {state: b for (state, t), b in self.table.items() if t == trigger and state not in moves}
             for trigger, moves in self._moves.items()
@@ -112,7 +119,10 @@ class CompiledLifecycle(LifecycleMachine):
         if branches is None:
             raise IllegalTrigger(self.lifecycle.name, source, trigger)
         for branch in branches:
-            if all(guard(model, **context) for guard in branch.guards):
+            for guard in branch.guards:
+                if not guard(model, **context):
+                    break
+            else:
                 model.state = branch.dest
                 for effect in branch.effects:
                     effect(model, **context)
@@ -137,15 +147,34 @@ class CompiledLifecycle(LifecycleMachine):
             return
         guarded = self._guarded[trigger]
         observers = self.observers
+        plain = self._plain.get(trigger)
+        if plain is not None and not observers:
+            for model in models:
+                dest = plain.get(model.state)
+                if dest is None:
+                    self.fire(model, trigger, **context)  # raises the refusal `fire` would
+                model.state = dest  # type: ignore[assignment]
+            return
         if not context and not observers:  # the common batch: no context to pass, nobody watching
             for model in models:
-                move = moves.get(model.state)
+                source = model.state
+                move = moves.get(source)
                 if move is not None:
                     model.state = move[0]
                     for effect in move[1]:
                         effect(model)
+                    continue
+                for branch in guarded.get(source, ()):
+                    for guard in branch.guards:
+                        if not guard(model):
+                            break
+                    else:
+                        model.state = branch.dest
+                        for effect in branch.effects:
+                            effect(model)
+                        break
                 else:
-                    self._fire_guarded(model, trigger, guarded, context)
+                    self.fire(model, trigger)  # raises the refusal `fire` would
             return
         for model in models:
             source = model.state

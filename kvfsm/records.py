@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 from kvfsm.registry import REGISTRY
+from kvfsm.states import CpuBlockState, GpuBlockState, RequestState
+from kvfsm.states import TransferJobState as J
 
 JobKind = Literal["store", "load"]
-IN_FLIGHT_JOB_STATES = frozenset({"created", "pending-store", "submitted", "flushed-on-preempt"})
-FLUSHABLE_JOB_STATES = frozenset({"pending-store", "submitted"})
+IN_FLIGHT_JOB_STATES = frozenset({J.CREATED, J.PENDING_STORE, J.SUBMITTED, J.FLUSHED_ON_PREEMPT})
+FLUSHABLE_JOB_STATES = frozenset({J.PENDING_STORE, J.SUBMITTED})
 
 
 @dataclass(slots=True, eq=False)
@@ -22,7 +24,7 @@ class CpuBlock:
     """A slot of the pinned host pool."""
 
     slot: int
-    state: str = "free"
+    state: str = CpuBlockState.FREE
     readers: int = 0
     block_hash: int | None = None
     writer_job: int | None = None
@@ -42,7 +44,7 @@ class TransferJob:
     hashes: tuple[int, ...]
     gpu_offset: int = 0
     ordered_step: int = 0
-    state: str = "created"
+    state: str = J.CREATED
     submit_step: int | None = None
     finished_step: int | None = None
     submitted_at: float = 0.0
@@ -63,7 +65,7 @@ class RequestRecord:
     """
 
     req_id: str
-    state: str = "new"
+    state: str = RequestState.NEW
     jobs: dict[int, TransferJob] = field(default_factory=dict)
     failed_blocks: tuple[int, ...] = ()
     """GPU blocks whose load failed, set by `mark-load-error`; the engine recomputes them."""
@@ -84,7 +86,7 @@ class GpuBlock:
     """The connector's fence on one engine-owned GPU block."""
 
     block_id: int
-    state: str = "writable"
+    state: str = GpuBlockState.WRITABLE
     store_readers: int = 0
 
 
@@ -164,12 +166,12 @@ def _no_external_tokens(_: RequestRecord, external_tokens: int = 0, **__: object
 
 @REGISTRY.guard("request", "has-jobs-in-flight")
 def _has_jobs_in_flight(request: RequestRecord, **_: object) -> bool:
-    return bool(request.jobs_in_flight)
+    return any(job.state in IN_FLIGHT_JOB_STATES for job in request.jobs.values())
 
 
 @REGISTRY.guard("request", "no-jobs-in-flight")
 def _no_jobs_in_flight(request: RequestRecord, **_: object) -> bool:
-    return not request.jobs_in_flight
+    return not any(job.state in IN_FLIGHT_JOB_STATES for job in request.jobs.values())
 
 
 @REGISTRY.effect("request", "mark-load-error")

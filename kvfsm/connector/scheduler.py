@@ -117,7 +117,7 @@ class SchedulerConnector:
         block_size, k = self.config.gpu_block_size, self.config.block_size_factor
         first_gpu = num_computed_tokens // block_size
         first_cpu = first_gpu // k
-        lookup = self.manager.lookup(self._cpu_hashes(request)[first_cpu:])
+        lookup = self.manager.lookup(self._cpu_hashes(request)[first_cpu:], every_busy=False)
         self.stats.lookups += 1
         if lookup.busy:
             self.ledger.fire_request(record, "lookup", busy=True)
@@ -284,7 +284,7 @@ class SchedulerConnector:
     # --- helpers ---------------------------------------------------------------------------------------
 
     def _blockers(self, busy_slots: Sequence[int]) -> frozenset[int]:
-        """The jobs a deferred lookup waits for: the store writing, or the load reading, each busy slot."""
+        """The jobs a deferred lookup waits for: the store writing, or the load reading, each busy slot it met."""
         blocks = self.manager.blocks
         jobs = set()
         for slot in busy_slots:

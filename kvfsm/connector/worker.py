@@ -27,6 +27,10 @@ from kvfsm.executor.pool import HostPool
 from kvfsm.executor.transfer import TransferError, Transfers
 from kvfsm.machines import MachineSet
 from kvfsm.records import TransferJob
+from kvfsm.states import TransferJobState
+
+_RUNNING = frozenset({TransferJobState.SUBMITTED, TransferJobState.FLUSHED_ON_PREEMPT})
+"""A job's states while its copies are on a stream: the ones whose end event `get_finished` polls."""
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,7 @@ class WorkerConnector:
         """Before the engine writes any reused GPU block: submit the flushed stores still pending, wait for all."""
         flushed = [self.jobs[j] for j in self._meta.flush if j in self.jobs and self.jobs[j].in_flight]
         for job in flushed:
-            was_pending = job.state == "pending-store"
+            was_pending = job.state == TransferJobState.PENDING_STORE
             self._job.fire(job, "flush")
             if was_pending:
                 self._submit_store(job)
@@ -104,7 +108,7 @@ class WorkerConnector:
     def start_load_kv(self) -> None:
         """Submit the stores prepared last step, then this step's loads."""
         for job in self._pending:
-            if job.state == "pending-store":
+            if job.state == TransferJobState.PENDING_STORE:
                 self._job.fire(job, "submit", step=self._meta.step)
                 self._submit_store(job)
         self._pending = []
@@ -128,7 +132,7 @@ class WorkerConnector:
         """Jobs whose copies completed (or failed) since the last call, each reported once."""
         done = []
         for job in self.jobs.values():
-            if job.state in ("submitted", "flushed-on-preempt") and self.device.query(self._events[job.job_id]):
+            if job.state in _RUNNING and self.device.query(self._events[job.job_id]):
                 self._job.fire(job, "complete", step=self._meta.step)
                 done.append(job.job_id)
                 if self._checksums is not None and job.kind == "store":

@@ -110,7 +110,12 @@ class OffloadingManager:
 
     # lookups and loads -------------------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[int]) -> Lookup:
+    def lookup(self, hashes: Sequence[int], every_busy: bool = True) -> Lookup:
+        """Leading ready hits and the busy slots after them; `every_busy=False` stops at the first busy slot.
+
+        A scheduler that only needs to know whether to defer (and whom it waits for) asks for the first: a request
+        deferred behind a long prefix someone is storing then costs its hits and one block per step, not the prefix.
+        """
         blocks, catalogue = self.blocks, self.catalogue
         hits = 0
         counting = True
@@ -126,6 +131,8 @@ class OffloadingManager:
             counting = False
             if state in BUSY:
                 busy.append(slot)
+                if not every_busy:
+                    break
         return Lookup(hits, tuple(busy))
 
     def prepare_load(self, hashes: Sequence[int], job_id: int | None = None) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from kvfsm.executor.device import Device
 from kvfsm.executor.transfer import TransferError
 from kvfsm.invariants import check_all
 from kvfsm.machines import Backend, MachineSet
+from kvfsm.states import CpuBlockState
 from kvfsm.testing.mutants import MUTANTS
 from kvfsm.testing.oracle import BlockOracle, expected_tokens, poisoned
 from kvfsm.testing.trace import TraceRecorder
@@ -133,7 +134,7 @@ class Harness:
         found = []
         pool = self.connector.worker.pool
         for block in self.connector.scheduler.manager.blocks:
-            if block.state in ("ready", "loading") and block.block_hash is not None:
+            if block.state in (CpuBlockState.READY, CpuBlockState.LOADING) and block.block_hash is not None:
                 actual = pool.slot(block.slot).cpu()
                 if not torch.equal(actual, self.oracle.cpu_block_bytes(block.block_hash)):
                     found.append(f"ready-means-written: CPU slot {block.slot} does not hold the bytes of its prefix")

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine
 from kvfsm.manager.catalogue import Lookup
+from kvfsm.states import CpuBlockState
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,11 @@ def _no_load_dedup(engine: Engine, connector: Connector) -> None:
     manager = connector.scheduler.manager
     pin = manager._machine
 
-    def lookup(hashes: Sequence[int]) -> Lookup:
+    def lookup(hashes: Sequence[int], every_busy: bool = True) -> Lookup:
         hits = 0
         for block_hash in hashes:
             slot = manager.catalogue.get(block_hash)
-            if slot is None or manager.blocks[slot].state not in ("ready", "loading"):
+            if slot is None or manager.blocks[slot].state not in (CpuBlockState.READY, CpuBlockState.LOADING):
                 break
             hits += 1
         return Lookup(hits, ())

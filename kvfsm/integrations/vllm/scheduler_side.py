@@ -30,6 +30,7 @@ from kvfsm.integrations.vllm.convert import (
 )
 from kvfsm.integrations.vllm.telemetry import StatsDelta
 from kvfsm.manager.events import BlockStored as KvfsmBlockStored
+from kvfsm.states import RequestState
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -56,7 +57,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         record = self.kvfsm.requests.get(request.request_id)
-        if record is not None and record.state == "running":
+        if record is not None and record.state == RequestState.RUNNING:
             return 0, False
         view = RequestView(request, self.codec)
         match = self.kvfsm.get_num_new_matched_tokens(view, num_computed_tokens)
