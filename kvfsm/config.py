@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
-Mechanism = Literal["auto", "copy-per-block", "staged-gather", "cross-layer"]
+Mechanism = Literal["auto", "copy-per-block", "staged-gather", "cross-layer", "staged-copy"]
 
 
 class OffloadConfig(BaseModel):
@@ -26,6 +26,14 @@ class OffloadConfig(BaseModel):
     mechanism: Mechanism = "auto"
     num_workers: PositiveInt = 1
     """A job completes when this many workers (tensor-parallel ranks) reported it."""
+    layer_loads: bool = False
+    """With an engine that calls `wait_for_layer_load` before each layer reads KV: a CPU hit is computed in the step
+    that loads it (the lookup says the load is not asynchronous), each layer waiting on the GPU for its own
+    segment of the load. Off: the engine computes a hit once its load is reported, as without per-layer hooks."""
+    layer_stores: bool = False
+    """With an engine that calls `save_kv_layer`: start each layer's stores as soon as that layer's KV is written,
+    instead of at the start of the next step. Off by default: see docs/benchmarks.md for what it costs the
+    sampled-token copy."""
     checksum: bool = False
     """Checksum each CPU block when its store completes and verify it before loading it; a mismatch fails the
     load loudly (the engine recomputes) instead of loading corrupted KV. Costs a host CRC pass per block."""

@@ -3,17 +3,19 @@
 Each predicate takes a `World` (a snapshot of the connector, the pool and, on `SimDevice`, the log of every
 access the device executed) and returns the violations it finds, one readable line each; `[]` means it holds.
 
-The four ordering invariants share one rule: two accesses to the same block, at least one of them a write, must
-execute in the order the host issued them. Each invariant owns the pairs of actors its hazard is about, so a
+The ordering invariants share one rule: two accesses to the same block and layer, at least one of them a write,
+must execute in the order the host issued them. Each invariant owns the pairs of actors its hazard is about, so a
 violation names the hazard (a store that read before compute wrote is `store-after-compute`; a load that wrote
-while a store still read is `load-after-readers`).
+while a store still read is `load-after-readers`). An access names one layer segment or every layer of its
+blocks; the per-layer invariants own the pairs where the engine's side of the hazard is a per-layer access
+(compute waiting on one layer's load, a store of one layer).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from kvfsm.executor.access import Access, Actor, Mode, Space
 from kvfsm.records import FLUSHABLE_JOB_STATES, CpuBlock, GpuBlock, RequestRecord, TransferJob
@@ -44,7 +46,20 @@ class World(Protocol):
     idle: bool
 
 
-def _ordering(world: World, pairs: set[tuple[tuple[Actor, Mode], tuple[Actor, Mode]]], space: Space) -> list[str]:
+Pair = tuple[tuple[Actor, Mode], tuple[Actor, Mode]]
+Which = Callable[[Access, Access], bool]
+"""Whether an (earlier-issued, later-issued) conflicting pair belongs to the invariant asking."""
+
+
+def _any_pair(early: Access, late: Access) -> bool:
+    return True
+
+
+def _overlap(a: Access, b: Access) -> bool:
+    return a.layer is None or b.layer is None or a.layer == b.layer
+
+
+def _ordering(world: World, pairs: set[Pair], space: Space, which: Which = _any_pair) -> list[str]:
     """Conflicting accesses in `pairs` (earlier-issued, later-issued) that executed out of issue order."""
     by_block: dict[int, list[Access]] = defaultdict(list)
     for access in world.accesses:
@@ -56,22 +71,40 @@ def _ordering(world: World, pairs: set[tuple[tuple[Actor, Mode], tuple[Actor, Mo
         for i, late in enumerate(accesses):
             for early in accesses[i + 1:]:
                 # `early` was issued before `late` but executed after it.
-                if early.issued < late.issued and ((early.actor, early.mode), (late.actor, late.mode)) in pairs:
+                if (early.issued < late.issued and ((early.actor, early.mode), (late.actor, late.mode)) in pairs
+                        and _overlap(early, late) and which(early, late)):
+                    named = early.layer if early.layer is not None else late.layer
+                    layer = "" if named is None else f" layer {named}"
                     found.append(
-                        f"{space} block {block}: {late.label} ({late.mode}) ran before {early.label} "
+                        f"{space} block {block}{layer}: {late.label} ({late.mode}) ran before {early.label} "
                         f"({early.mode}), which was issued first"
                     )
     return found
 
 
+USE_AFTER_LOAD: set[Pair] = {(("load", "write"), ("compute", "read")), (("load", "write"), ("compute", "write"))}
+
+
 @REGISTRY.invariant("store-after-compute")
 def store_after_compute(world: World) -> list[str]:
-    return _ordering(world, {(("compute", "write"), ("store", "read"))}, "gpu")
+    return _ordering(world, {(("compute", "write"), ("store", "read"))}, "gpu", lambda _, store: store.layer is None)
+
+
+@REGISTRY.invariant("layer-store-after-compute")
+def layer_store_after_compute(world: World) -> list[str]:
+    return _ordering(world, {(("compute", "write"), ("store", "read"))}, "gpu",
+                     lambda _, store: store.layer is not None)
 
 
 @REGISTRY.invariant("fence")
 def fence(world: World) -> list[str]:
-    return _ordering(world, {(("store", "read"), ("compute", "write"))}, "gpu")
+    return _ordering(world, {(("store", "read"), ("compute", "write"))}, "gpu", lambda store, _: store.layer is None)
+
+
+@REGISTRY.invariant("layer-stores-flushed")
+def layer_stores_flushed(world: World) -> list[str]:
+    return _ordering(world, {(("store", "read"), ("compute", "write"))}, "gpu",
+                     lambda store, _: store.layer is not None)
 
 
 @REGISTRY.invariant("load-after-readers")
@@ -82,7 +115,12 @@ def load_after_readers(world: World) -> list[str]:
 
 @REGISTRY.invariant("load-before-use")
 def load_before_use(world: World) -> list[str]:
-    return _ordering(world, {(("load", "write"), ("compute", "read")), (("load", "write"), ("compute", "write"))}, "gpu")
+    return _ordering(world, USE_AFTER_LOAD, "gpu", lambda _, compute: compute.layer is None)
+
+
+@REGISTRY.invariant("layer-load-before-use")
+def layer_load_before_use(world: World) -> list[str]:
+    return _ordering(world, USE_AFTER_LOAD, "gpu", lambda _, compute: compute.layer is not None)
 
 
 @REGISTRY.invariant("readers-pin")

@@ -49,6 +49,9 @@ class TransferJob:
     finished_step: int | None = None
     submitted_at: float = 0.0
     """`time.perf_counter()` when it was submitted: how long it spent in flight is a statistic operators want."""
+    segments: int = 0
+    """Layer segments the worker moves this job in (0: the scheduler's view, which tracks no segments)."""
+    landed_segments: int = 0
 
     @property
     def in_flight(self) -> bool:
@@ -128,6 +131,21 @@ def _is_store(job: TransferJob, **_: object) -> bool:
 @REGISTRY.guard("transfer-job", "is-load")
 def _is_load(job: TransferJob, **_: object) -> bool:
     return job.kind == "load"
+
+
+@REGISTRY.guard("transfer-job", "has-segments-in-flight")
+def _has_segments_in_flight(job: TransferJob, **_: object) -> bool:
+    return job.landed_segments < job.segments
+
+
+@REGISTRY.guard("transfer-job", "all-segments-landed")
+def _all_segments_landed(job: TransferJob, **_: object) -> bool:
+    return job.landed_segments == job.segments
+
+
+@REGISTRY.effect("transfer-job", "count-landed-segment")
+def _count_landed_segment(job: TransferJob, **_: object) -> None:
+    job.landed_segments += 1
 
 
 @REGISTRY.effect("transfer-job", "record-submit-step")

@@ -17,9 +17,10 @@ from kvfsm.connector.scheduler import StepResult
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import Deferral
 from kvfsm.machines import IllegalTrigger, MachineSet
-from kvfsm.testing.harness import Harness
+from kvfsm.testing.harness import SHAPE, Harness
 from kvfsm.testing.mutants import MUTANTS
 
+SHAPE_LAYERS = SHAPE.num_layers
 PREFIX = tuple(range(10, 28))
 """18 tokens: nine 2-token GPU blocks."""
 
@@ -347,3 +348,40 @@ def test_a_pool_firing_through_machines_of_its_own_is_caught() -> None:
     finish(h)
     assert "cpu-block" not in {edge[0] for edge in h.trace.edges}
     h.close()
+
+
+def per_layer_harness(layer_loads: bool = True, layer_stores: bool = False) -> Harness:
+    return Harness(SimDevice(), num_gpu_blocks=24, cpu_blocks=16, per_layer=True, layer_loads=layer_loads,
+                   layer_stores=layer_stores)
+
+
+@pytest.mark.parametrize("poll_lag", [0, 1000], ids=["load reported later", "load landed within its step"])
+def test_a_cpu_hit_is_computed_in_the_step_that_loads_it_layer_by_layer(poll_lag: int) -> None:
+    h = per_layer_harness()
+    offload(h)
+    h.poll_lag = poll_lag
+    h.add_request(PREFIX + (1,), 1)
+    h.engine.step()
+    assert h.engine.cpu_hit_tokens == 18 and h.engine.computed_tokens == len(PREFIX) + 1, "the tail ran this step"
+    assert finish(h) == []
+    labels = {a.label for a in h.device.accesses}
+    assert {f"load job 1 layer {i}" for i in range(SHAPE_LAYERS)} <= labels
+
+
+def test_control_the_same_step_without_layer_loads_waits_for_the_report() -> None:
+    h = per_layer_harness(layer_loads=False)
+    offload(h)
+    h.add_request(PREFIX + (1,), 1)
+    h.engine.step()
+    assert h.engine.computed_tokens == len(PREFIX), "only the first prompt was computed: the reload waits"
+    assert finish(h) == []
+
+
+def test_per_layer_stores_start_behind_each_layers_write_and_store_the_right_bytes() -> None:
+    h = per_layer_harness(layer_stores=True)
+    h.add_request(PREFIX, 1)
+    h.engine.step()
+    queued = [op.label for op in h.device._queues["store"]]
+    assert [label for label in queued if label.startswith("store job")] == [
+        f"store job 0 layer {i}" for i in range(SHAPE_LAYERS)]
+    assert finish(h) == []

@@ -14,6 +14,7 @@ from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, W
 from kvfsm.connector.worker import NotRegistered, WorkerConnector
 from kvfsm.executor.layouts import LayoutError
 from kvfsm.executor.sim import SimDevice
+from kvfsm.executor.transfer import UnknownLayer
 
 NUM_BLOCKS = 8
 SHAPE = (2, NUM_BLOCKS, 4, 1, 8)
@@ -154,3 +155,25 @@ def test_shutdown_waits_for_transfers_and_releases_the_host_pool() -> None:
     worker.shutdown()
     assert device.idle and device.host_bytes == 0
     worker.shutdown()  # twice is harmless
+
+
+def test_a_layer_hook_naming_an_unregistered_layer_is_refused_before_anything_changes() -> None:
+    worker, _, _ = make_worker()
+    worker.bind_connector_metadata(ConnectorMetadata(step=1, stores=(store(0, (1,), (0,)),)))
+    with pytest.raises(UnknownLayer, match="layer.9"):
+        worker.wait_for_layer_load("layer.9")
+    with pytest.raises(UnknownLayer, match="layer.9"):
+        worker.save_kv_layer("layer.9")
+    assert worker.jobs == {}
+
+
+def test_a_load_lands_one_segment_per_layer_and_completes_only_after_the_last() -> None:
+    worker, device, _ = make_worker()
+    worker.bind_connector_metadata(ConnectorMetadata(step=1, loads=(LoadOrder(
+        job_id=0, req_id="r", gpu_blocks=(3,), cpu_slots=(0,)),)))
+    worker.start_load_kv()
+    while [op.label for op in device._queues["load"]][:1] != ["load job 0 layer 1"]:
+        device.run_one(device.runnable()[0])  # compute's barrier, then the load up to its second layer
+    assert worker.get_finished() == WorkerOutput() and worker.jobs[0].landed_segments == 1
+    device.run_until_idle()
+    assert worker.get_finished() == WorkerOutput(done=(0,))

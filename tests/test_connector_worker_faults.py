@@ -23,13 +23,14 @@ FAULTS: dict[str, Callable[[], BaseException]] = {
 
 
 def fail_next(worker: WorkerConnector, method: str, fault: BaseException, enqueue_first: bool = False) -> None:
-    """Make the next `method` call of the worker's transfers raise `fault` (after enqueueing its copies, if asked)."""
+    """Make the next `method` call of the worker's transfers raise `fault` (after enqueueing its first layer
+    segment, if asked: `method` is then "load_segments")."""
     real = getattr(worker.transfers, method)
 
     def broken(*args: object, **kwargs: object) -> None:
         setattr(worker.transfers, method, real)
         if enqueue_first:
-            real(*args, **kwargs)
+            real(*args, **kwargs).enqueue(0, "a layer enqueued before the failure")
         raise fault
 
     setattr(worker.transfers, method, broken)
@@ -56,7 +57,7 @@ def test_a_store_that_raises_ends_as_a_failed_job_and_the_worker_serves_on(fault
 @pytest.mark.parametrize("fault", FAULTS, ids=list(FAULTS))
 def test_a_load_that_raises_ends_as_a_failed_job_and_the_worker_serves_on(fault: str) -> None:
     worker, device, _ = make_worker()
-    fail_next(worker, "load", FAULTS[fault]())
+    fail_next(worker, "load_segments", FAULTS[fault]())
     step(worker, ConnectorMetadata(step=1, loads=(load(0, (3,), (0,)),)))
     device.run_until_idle()
     assert worker.get_finished() == WorkerOutput(failed=(0,))
@@ -70,7 +71,7 @@ def test_a_failed_job_is_reported_only_after_the_copies_it_enqueued_ran() -> Non
     """A load that raised after enqueueing copies may still write its GPU blocks: the engine must not recompute
     them (on the compute stream) before those copies ended, so the failure is reported only then."""
     worker, device, _ = make_worker()
-    fail_next(worker, "load", RuntimeError("injected after enqueue"), enqueue_first=True)
+    fail_next(worker, "load_segments", RuntimeError("injected after enqueue"), enqueue_first=True)
     assert step(worker, ConnectorMetadata(step=1, loads=(load(0, (3,), (0,)),))) == WorkerOutput()
     device.run_until_idle()
     assert worker.get_finished() == WorkerOutput(failed=(0,))

@@ -13,7 +13,7 @@ from kvfsm.executor import (
     Transfers, register_kv_caches,
 )
 from kvfsm.executor.layouts import allocate_kv_caches
-from kvfsm.executor.mechanisms import word_dtype
+from kvfsm.executor.mechanisms import BLOCK_CONTIGUOUS_ONLY, word_dtype
 
 NUM_BLOCKS = 12
 
@@ -39,7 +39,7 @@ def block(caches: KVCaches, b: int) -> torch.Tensor:
 
 
 def applicable(layout: str) -> list[str]:
-    return [m for m in MECHANISMS if m != "cross-layer" or layout == "cross-layer"]
+    return [m for m in MECHANISMS if m not in BLOCK_CONTIGUOUS_ONLY or layout != "kv-first"]
 
 
 CASES = [(layout, m) for layout in LAYOUTS for m in applicable(layout)]
@@ -143,10 +143,21 @@ def test_unknown_mechanism_is_refused() -> None:
         Transfers(device, caches, pool, 1, "memcpy-magic")
 
 
-def test_cross_layer_mechanism_needs_block_contiguous_caches() -> None:
+@pytest.mark.parametrize("mechanism", sorted(BLOCK_CONTIGUOUS_ONLY))
+def test_block_contiguous_mechanisms_refuse_kv_first_caches(mechanism: str) -> None:
     device, caches, pool, _ = make("kv-first", 1)
     with pytest.raises(MechanismError, match="contiguous"):
-        Transfers(device, caches, pool, 1, "cross-layer")
+        Transfers(device, caches, pool, 1, mechanism)
+
+
+def test_auto_gathers_with_copy_engines_only_where_every_block_piece_is_large() -> None:
+    kv_first = make("kv-first", 1)[3]
+    small_cross_layer = make("cross-layer", 1)[3]
+    assert kv_first.mechanism == small_cross_layer.mechanism == "staged-gather"
+    device = SimDevice()
+    tensors, groups = allocate_kv_caches("cross-layer", 32, 4, 16, 8, 128, torch.bfloat16, "cpu")  # 2 MiB blocks
+    caches = register_kv_caches(tensors, "cross-layer", groups)
+    assert Transfers(device, caches, HostPool(device, 2, caches.gpu_block_bytes), 1).mechanism == "staged-copy"
 
 
 def test_store_declares_gpu_reads_and_cpu_writes_and_load_the_reverse() -> None:

@@ -39,9 +39,13 @@ class SlowCopies:
         self._sleep("store")
         self._transfers.store(*args, **kwargs)
 
-    def load(self, *args: object, **kwargs: object) -> None:
+    def load_segments(self, *args: object, **kwargs: object) -> object:
         self._sleep("load")
-        self._transfers.load(*args, **kwargs)
+        return self._transfers.load_segments(*args, **kwargs)
+
+    def store_segments(self, *args: object, **kwargs: object) -> object:
+        self._sleep("store")
+        return self._transfers.store_segments(*args, **kwargs)
 
 
 def _trial(mutant: str | None, workload: str, slow: str) -> list[str]:
@@ -52,7 +56,8 @@ def _trial(mutant: str | None, workload: str, slow: str) -> list[str]:
     w = SMALL_WORKLOADS[workload]
     harness = Harness(CudaDevice(), num_gpu_blocks=w.num_gpu_blocks, cpu_blocks=w.cpu_blocks,
                       block_size_factor=w.block_size_factor, mutant=mutant,
-                      compute_delay_cycles=DELAY if slow == "compute" else 0)
+                      compute_delay_cycles=DELAY if slow == "compute" else 0, per_layer=w.per_layer,
+                      layer_loads=w.layer_loads, layer_stores=w.layer_stores)
     if slow == "copies":
         harness.connector.worker._transfers = SlowCopies(harness)  # type: ignore[assignment]
     try:
@@ -94,12 +99,15 @@ class CudaInterleavings(OffloadInterleavings):
     """The generated interleavings on the GPU: the hardware picks the schedule; a rule delays compute."""
 
     @initialize(gpu_blocks=st.integers(6, 12), cpu_blocks=st.integers(2, 6), factor=st.sampled_from([1, 2]),
-                prompts=st.lists(PROMPTS, min_size=1, max_size=3))
-    def setup(self, gpu_blocks: int, cpu_blocks: int, factor: int, prompts: list[tuple[tuple[int, ...], int]]) -> None:
+                prompts=st.lists(PROMPTS, min_size=1, max_size=3), per_layer=st.booleans(),
+                layer_loads=st.booleans(), layer_stores=st.booleans())
+    def setup(self, gpu_blocks: int, cpu_blocks: int, factor: int, prompts: list[tuple[tuple[int, ...], int]],
+              per_layer: bool, layer_loads: bool, layer_stores: bool) -> None:
         from kvfsm.executor.cuda import CudaDevice
 
         self.harness = Harness(CudaDevice(), num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
-                               block_size_factor=factor, mutant=self.mutant)
+                               block_size_factor=factor, mutant=self.mutant, per_layer=per_layer,
+                               layer_loads=per_layer and layer_loads, layer_stores=per_layer and layer_stores)
         for prompt, max_new in prompts:
             self.h.add_request(prompt, max_new)
 

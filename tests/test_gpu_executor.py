@@ -9,6 +9,7 @@ import torch
 from kvfsm.executor import LAYOUTS, MECHANISMS, POISON_BYTE, CudaDevice, HostPool, KVCaches, Transfers
 from kvfsm.executor import register_kv_caches
 from kvfsm.executor.layouts import allocate_kv_caches
+from kvfsm.executor.mechanisms import BLOCK_CONTIGUOUS_ONLY
 
 pytestmark = pytest.mark.gpu
 TRIALS = 50
@@ -38,7 +39,8 @@ def settle(device: CudaDevice, stream: str) -> None:
 
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize(("layout", "mechanism"),
-                         [(lay, m) for lay in LAYOUTS for m in MECHANISMS if m != "cross-layer" or lay == "cross-layer"])
+                         [(lay, m) for lay in LAYOUTS for m in MECHANISMS
+                          if m not in BLOCK_CONTIGUOUS_ONLY or lay != "kv-first"])
 def test_cuda_round_trip_is_byte_exact(layout: str, mechanism: str, k: int) -> None:
     device, caches, pool, transfers = rig(layout, k, mechanism)
     shift = 1 if k > 1 else 0  # with several blocks per slot, start the load inside the first one

@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder  # noqa: E402
+from kvfsm.executor.transfer import Segments  # noqa: E402
 from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, WrongRole  # noqa: E402
 from kvfsm.integrations.vllm.convert import KvfsmMetadata  # noqa: E402
 from kvfsm.integrations.vllm.harness import (  # noqa: E402
@@ -53,6 +54,35 @@ def test_reloaded_blocks_hold_the_bytes_the_writer_computed(config) -> None:
     for i, block in enumerate(load.gpu_blocks):
         assert worker.block_tokens(block) == [t % 251 for t in PREFIX[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
     assert d.cpu_pool_drained()
+
+
+def test_per_layer_stores_go_out_layer_by_layer_and_reload_the_right_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `layer_stores`, vLLM's `save_kv_layer` after each attention layer sends that layer's share of the
+    step's stores at once; the bytes that come back are still the writer's."""
+    sent: list[str] = []
+    enqueue = Segments.enqueue
+
+    def spy(self: Segments, segment: int, label: str) -> None:
+        sent.append(label)
+        enqueue(self, segment, label)
+
+    monkeypatch.setattr(Segments, "enqueue", spy)
+    config = vllm_config(model_config(tmp_path), {"cpu_blocks": 16, "layer_stores": True}, 32)
+    worker = AdapterWorker(config)
+    d = Driver(config, worker)
+    d.add("writer", PREFIX + [1])
+    d.run()
+    stores = sorted({label.split(" layer ")[0] for label in sent if label.startswith("store")})
+    assert stores and all(f"{job} layer {i}" in sent for job in stores for i in range(len(worker.caches)))
+    d.reset_gpu_prefix_cache()
+    for cache in worker.caches.values():
+        cache.zero_()
+    d.add("reader", PREFIX + [2])
+    d.run()
+    (load,) = [o for log in d.log for o in log.orders.loads if o.req_id == "reader"]
+    for i, block in enumerate(load.gpu_blocks):
+        assert worker.block_tokens(block) == [t % 251 for t in PREFIX[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
 
 
 def test_control_a_zeroed_cache_without_the_load_holds_no_prefix(config) -> None:

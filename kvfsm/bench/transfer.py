@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfsm.executor import MECHANISMS, CudaDevice, HostPool, KVCaches, Transfers, register_kv_caches
+from kvfsm.executor.mechanisms import BLOCK_CONTIGUOUS_ONLY
 from kvfsm.executor.layouts import allocate_kv_caches
 
 GIB = 1 << 30
@@ -100,7 +101,7 @@ def mechanisms(device: CudaDevice, layout: str, num_blocks: int, peaks: dict[str
     stored, loaded = order[:half], order[half:]
     moved = half * caches.gpu_block_bytes
     results: dict[str, dict[str, float | str]] = {}
-    for name in [m for m in MECHANISMS if m != "cross-layer" or caches.block_contiguous] + ["auto"]:
+    for name in [m for m in MECHANISMS if m not in BLOCK_CONTIGUOUS_ONLY or caches.block_contiguous] + ["auto"]:
         transfers = Transfers(device, caches, pool, 1, name)
         per_piece = transfers.mechanism == "copy-per-block" and not caches.block_contiguous
         repeat = 1 if per_piece else reps

@@ -1,15 +1,16 @@
-"""Time to first token on a CPU prefix hit: recomputing the prompt vs kvfsm reloading its KV and prefilling the tail.
+"""Time to first token on a CPU prefix hit: recomputing the prompt vs kvfsm reloading its KV layer by layer.
 
 The model is a real Llama-architecture `transformers.LlamaForCausalLM` with Llama-3-8B's shape and random weights
-(built from its config on the device, nothing downloaded). Recompute is one prefill of the whole prompt. Reload is
-what a user sees on a CPU hit: the connector loads the prompt's stored blocks (all but the last, which the
-engine always computes for its logits) from the pinned pool into scattered blocks of a paged kv-first cache,
-through the scheduler and worker halves, then the model prefills the last block against that prefix.
+(built from its config on the device, nothing downloaded), with the attention an engine runs (`kvfsm.bench.llama`).
+Recompute is one prefill of the whole prompt. Reload is what a user sees on a CPU hit with an engine that calls the
+per-layer hooks: the connector loads the prompt's stored blocks (all but the last, which the engine always computes
+for its logits) from the pinned pool into scattered blocks of a paged kv-first cache, one segment per layer, and the
+model prefills the last block in the same step, each layer waiting (on the GPU) for that layer's segment only.
 
 The KV that is stored is the KV the recompute produced, and the reload's logits are compared with the recompute's,
-so the bytes really went GPU -> CPU -> GPU. `transformers` attends over a contiguous cache, not a paged one, so the
-reload also gathers the loaded blocks into one: a paged-attention engine skips that step, which makes this figure
-slightly pessimistic for reload.
+so the bytes really went GPU -> CPU -> GPU. `transformers` attends over a contiguous cache, not a paged one, so
+each layer also gathers its loaded blocks into one after its wait: a paged-attention engine skips that step.
+The physical floor of a reload is the prefix's bytes over the host-to-device ceiling measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from kvfsm.bench.connector import Prompt
+from kvfsm.bench.llama import ATTENTION, PrefixCache, register_attention
 from kvfsm.config import OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
@@ -58,11 +60,12 @@ def build_model(shape: Shape, max_tokens: int, device: torch.device) -> Any:
     """A randomly initialised Llama in bf16, built directly on `device`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    register_attention()
     config = LlamaConfig(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
                          num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
                          num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
                          vocab_size=shape.vocab_size, max_position_embeddings=max_tokens,
-                         attn_implementation="sdpa")
+                         attn_implementation=ATTENTION)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
     return model.eval()
@@ -71,6 +74,14 @@ def build_model(shape: Shape, max_tokens: int, device: torch.device) -> Any:
 def _sync(device: Device) -> None:
     if device.kind == "cuda":
         torch.cuda.synchronize()
+
+
+def _settle_simulated(device: Device) -> None:
+    """On the simulator the host's reads happen now, so its streams must have run first; on CUDA the compute
+    stream's wait does that."""
+    run = getattr(device, "run_until_idle", None)
+    if run is not None:
+        run()
 
 
 class PrefixReload:
@@ -83,8 +94,10 @@ class PrefixReload:
         tensors, _ = allocate_kv_caches("kv-first", shape.num_layers, self.num_blocks, block_tokens,
                                         shape.num_key_value_heads, shape.head_dim, torch.bfloat16,
                                         device.tensor_device())
+        self.names = list(tensors)
         self.layers = list(tensors.values())
-        self.connector = Connector(OffloadConfig(cpu_blocks=self.num_blocks, gpu_block_size=block_tokens), device)
+        self.connector = Connector(OffloadConfig(cpu_blocks=self.num_blocks, gpu_block_size=block_tokens,
+                                                 layer_loads=True), device)
         self.connector.register_kv_caches(tensors, "kv-first")
         self._rng = random.Random(seed)
         self._serial = 0
@@ -125,24 +138,48 @@ class PrefixReload:
         for cache in self.layers:  # whatever a load fails to write shows in the logits
             cache.zero_()
 
-    def load(self, hashes: tuple[int, ...], tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A returning request's CPU hit: load its prefix into fresh scattered blocks; per layer (K, V) as
-        transformers wants them (batch, heads, tokens, dim)."""
+    def reload(self, model: Any, ids: torch.Tensor, hashes: tuple[int, ...], tokens: int) -> tuple[Prompt, Any]:
+        """A returning request's CPU hit, computed in the step that loads it: the connector orders the load, the
+        worker sends it out one segment per layer, and the model prefills the tail with each layer waiting for its
+        own segment, then gathering it into the contiguous cache `transformers` attends over. Returns the request
+        (for `finish`) and the logits, still being computed."""
         n = len(hashes)
         prompt = self._request(hashes, tokens)
         blocks = self._scattered(n + 1)
-        if self.connector.get_num_new_matched_tokens(prompt, 0) != (n * self.block_tokens, True):
-            raise ReloadMismatch("the stored prefix is not all in the pool")
-        self.connector.update_state_after_alloc(prompt, blocks, n * self.block_tokens)
-        if self._step() != {prompt.request_id}:
+        connector, worker = self.connector, self.connector.worker
+        if connector.get_num_new_matched_tokens(prompt, 0) != (n * self.block_tokens, False):
+            raise ReloadMismatch("the stored prefix is not all in the pool (or its load would not be computed now)")
+        connector.update_state_after_alloc(prompt, blocks, n * self.block_tokens)
+        scheduled = ScheduledRequest(req_id=prompt.request_id, block_ids=tuple(blocks), num_computed_tokens=tokens)
+        worker.bind_connector_metadata(connector.build_connector_meta(SchedulerOutput(scheduled=(scheduled,))))
+        worker.handle_preemptions()
+        worker.start_load_kv()
+        index = torch.tensor(blocks[:n], device=self.device.tensor_device())
+
+        def fill(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            worker.wait_for_layer_load(self.names[layer])
+            _settle_simulated(self.device)
+            for plane, out in ((0, keys), (1, values)):
+                gathered = self.layers[layer][plane].index_select(0, index)  # (blocks, block tokens, heads, dim)
+                out[0].view(out.shape[1], n, self.block_tokens, -1).copy_(gathered.permute(2, 0, 1, 3))
+
+        prefix = PrefixCache(model, n * self.block_tokens, tokens - n * self.block_tokens, fill)
+        try:
+            logits = model(ids[:, n * self.block_tokens:], past_key_values=prefix.cache, use_cache=True,
+                           logits_to_keep=1).logits
+        finally:
+            prefix.close()
+        worker.wait_for_save()
+        return prompt, logits
+
+    def finish(self, prompt: Prompt) -> None:
+        """After a reload: its load is reported, then the request ends."""
+        worker = self.connector.worker
+        worker.wait(list(worker.jobs))
+        loaded = self.connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),))).loaded
+        if loaded != {prompt.request_id}:
             raise ReloadMismatch("the load did not finish in its step")
         self.connector.request_finished(prompt.request_id)
-        index = torch.tensor(blocks[:n], device=self.device.tensor_device())
-        out = []
-        for cache in self.layers:
-            k, v = (cache[plane].index_select(0, index).flatten(0, 1).transpose(0, 1).unsqueeze(0) for plane in (0, 1))
-            out.append((k, v))
-        return out
 
     def close(self) -> None:
         self.connector.worker.shutdown()
@@ -167,10 +204,9 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def run(device: Device, prompt_tokens: tuple[int, ...] = (2048, 8192, 32768), shape: Shape = Shape(),
-        reps: int = 3, block_tokens: int = 16, seed: int = 0) -> dict[str, Any]:
-    """Recompute and reload milliseconds for each prompt length, and the speedup of reload."""
-    from transformers import DynamicCache
-
+        reps: int = 3, block_tokens: int = 16, seed: int = 0, h2d_gbps: float | None = None) -> dict[str, Any]:
+    """Recompute and reload milliseconds for each prompt length, the speedup of reload, and reload against its
+    physical floor (prefix bytes over `h2d_gbps`, the host-to-device ceiling of the same run) where given."""
     torch.manual_seed(seed)
     model = build_model(shape, max(prompt_tokens), device.tensor_device())
     reload = PrefixReload(device, shape, max(prompt_tokens), block_tokens, seed)
@@ -185,38 +221,30 @@ def run(device: Device, prompt_tokens: tuple[int, ...] = (2048, 8192, 32768), sh
             recompute_logits = full.logits
             del full
 
-            def reloaded() -> tuple[torch.Tensor, dict[str, float]]:
-                phases: dict[str, float] = {}
+            def reloaded() -> tuple[torch.Tensor, float]:
                 _sync(device)
                 start = time.perf_counter()
-                layers = reload.load(hashes, tokens)
+                prompt, logits = reload.reload(model, ids, hashes, tokens)
                 _sync(device)
-                phases["load_and_gather_ms"] = (time.perf_counter() - start) * 1e3
-                past = DynamicCache(config=model.config)
-                for i, (k, v) in enumerate(layers):
-                    past.update(k, v, i)
-                del layers
-                start = time.perf_counter()
-                logits = model(ids[:, n * block_tokens:], past_key_values=past, use_cache=True,
-                               logits_to_keep=1).logits
-                _sync(device)
-                phases["tail_prefill_ms"] = (time.perf_counter() - start) * 1e3
-                return logits, phases
+                elapsed = (time.perf_counter() - start) * 1e3
+                reload.finish(prompt)
+                return logits, elapsed
 
             samples = [reloaded() for _ in range(reps + 1)][1:]
             error = _relative_error(recompute_logits, samples[-1][0])
             if not error < MAX_LOGITS_ERROR:
                 raise ReloadMismatch(f"{tokens} tokens: reload logits differ from recompute's by {error:.3g}")
-            load_ms = statistics.median(s[1]["load_and_gather_ms"] for s in samples)
-            tail_ms = statistics.median(s[1]["tail_prefill_ms"] for s in samples)
-            reload_ms = statistics.median(sum(s[1].values()) for s in samples)
-            rows.append({"prompt_tokens": tokens, "recompute_ms": recompute_ms, "reload_ms": reload_ms,
-                         "load_and_gather_ms": load_ms, "tail_prefill_ms": tail_ms,
-                         "tail_tokens": tokens - n * block_tokens, "loaded_blocks": n,
-                         "loaded_gbps": n * reload.connector.scheduler.gpu_block_bytes / load_ms / 1e6,
-                         "speedup": recompute_ms / reload_ms, "logits_relative_error": error})
+            reload_ms = statistics.median(s[1] for s in samples)
+            prefix_bytes = n * reload.connector.scheduler.gpu_block_bytes
+            row = {"prompt_tokens": tokens, "recompute_ms": recompute_ms, "reload_ms": reload_ms,
+                   "tail_tokens": tokens - n * block_tokens, "loaded_blocks": n, "prefix_bytes": prefix_bytes,
+                   "speedup": recompute_ms / reload_ms, "logits_relative_error": error}
+            if h2d_gbps is not None:
+                row["floor_ms"] = prefix_bytes / h2d_gbps / 1e6
+                row["reload_over_floor"] = reload_ms / row["floor_ms"]
+            rows.append(row)
             del samples
     finally:
         reload.close()
     return {"num_layers": shape.num_layers, "model": "Llama-3-8B shape, random bf16 weights (transformers)",
-            "reps": reps, "rows": rows}
+            "reps": reps, "h2d_gbps": h2d_gbps, "rows": rows}

@@ -133,7 +133,7 @@ class SchedulerConnector:
         self.stats.cpu_hit_blocks += count
         if count == 0:
             self.stats.cpu_misses += 1
-        return count * block_size, count > 0
+        return count * block_size, count > 0 and not self.config.layer_loads
 
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:

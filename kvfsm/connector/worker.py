@@ -8,6 +8,15 @@ rules live here and nowhere else:
   destination blocks (write-after-read);
 - `handle_preemptions` submits and waits for every flushed store before the engine reuses its GPU blocks;
 - a load is reported by `get_finished` only once its event is done, so compute never reads it early.
+
+Per-layer path (optional: an engine that never calls these hooks gets the behaviour above). A load goes out as one
+segment per layer, in layer order, each followed by its own event, and lands segment by segment; it completes
+once every segment landed. `wait_for_layer_load(layer)` makes the compute stream wait on that layer's segment of
+this step's loads, so an engine that computes in the step that loads overlaps its forward with the load.
+`save_kv_layer(layer)` (with `OffloadConfig.layer_stores`) starts that layer's share of this step's stores behind
+an event recorded right after the layer's write, instead of after the whole forward; `wait_for_save` sends the
+layers the engine did not save. Such a store is reported from the next step on, once the scheduler has moved it
+to submitted.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, W
 from kvfsm.executor.device import Device, Event
 from kvfsm.executor.layouts import KVCaches, register_kv_caches
 from kvfsm.executor.pool import HostPool
-from kvfsm.executor.transfer import TransferError, Transfers
+from kvfsm.executor.transfer import Segments, Transfers
 from kvfsm.machines import MachineSet
 from kvfsm.records import TransferJob
 from kvfsm.states import TransferJobState
@@ -50,6 +59,11 @@ class WorkerConnector:
         self._meta = ConnectorMetadata(step=0)
         self._events: dict[int, Event] = {}
         self._compute_done: dict[int, Event] = {}
+        self._segment_events: dict[int, list[Event]] = {}
+        """Per segmented job, its segments' events in the order they were enqueued on the job's stream."""
+        self._step_loads: list[int] = []
+        self._layer_stores: dict[int, tuple[Segments, set[int]]] | None = None
+        """This step's stores begun by `save_kv_layer`: their segments and which segments went out."""
         self._pending: list[TransferJob] = []
         self._failed: list[int] = []
         self._caches: KVCaches | None = None
@@ -112,16 +126,87 @@ class WorkerConnector:
                 self._job.fire(job, "submit", step=self._meta.step)
                 self._submit_store(job)
         self._pending = []
+        self._step_loads = []
+        self._layer_stores = None
         for order in self._meta.loads:
             self._submit_load(order)
 
+    def wait_for_layer_load(self, layer: str) -> None:
+        """Before `layer` reads KV: the compute stream waits on that layer's segment of this step's loads only.
+        Without `layer_loads` nothing this step computes reads them (loads are asynchronous), so nothing waits."""
+        segment = self.transfers.segment_of(layer)  # an unknown layer is an error whatever the configuration
+        if not self.config.layer_loads:
+            return
+        for job_id in self._step_loads:
+            event = self._layer_event(job_id, segment)
+            if event is not None:
+                self.device.wait("compute", event)
+
+    def _layer_event(self, job_id: int, segment: int) -> Event | None:
+        """The event after `segment` of a load; for a load that failed before sending it, the job's end event."""
+        events = self._segment_events[job_id]
+        return events[segment] if segment < len(events) else self._events.get(job_id)
+
+    def save_kv_layer(self, layer: str) -> None:
+        """Right after `layer` wrote this step's KV: with `layer_stores`, that layer's share of this step's stores
+        goes out behind an event recorded now; otherwise stores wait for the end of the forward as usual."""
+        segment = self.transfers.segment_of(layer)  # an unknown layer is an error whatever the configuration
+        if not self.config.layer_stores or not self._meta.stores:
+            return
+        if self._layer_stores is None:
+            self._layer_stores = {}
+            for order in self._meta.stores:
+                job = self._new_job(order, "store")
+                self._job.fire(job, "prepare")
+                self._job.fire(job, "submit", step=self._meta.step)
+                try:
+                    segments = self.transfers.store_segments(job.gpu_blocks, job.cpu_slots)
+                except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+                    self._fail(job, "store", err)
+                    continue
+                job.segments = self.transfers.num_segments
+                self._segment_events[job.job_id] = []
+                self._layer_stores[job.job_id] = (segments, set())
+        written = self._record_layer_written()
+        for job_id, (segments, saved) in self._layer_stores.items():
+            self._store_segment(job_id, segments, saved, segment, written)
+
+    def _record_layer_written(self) -> Event:
+        """layer-store-after-compute: the event a layer's store segments wait on, recorded after its write."""
+        written = self.device.new_event()
+        self.device.record("compute", written)
+        return written
+
+    def _store_segment(self, job_id: int, segments: Segments, saved: set[int], segment: int, written: Event) -> None:
+        job = self.jobs[job_id]
+        if segment in saved or job.state == TransferJobState.FAILED:
+            return
+        saved.add(segment)
+        self.device.wait("store", written)
+        try:
+            segments.enqueue(segment, f"store job {job_id} layer {segment}")
+        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+            self._fail(job, "store", err)
+            return
+        event = self.device.new_event()
+        self.device.record("store", event)
+        self._segment_events[job_id].append(event)
+        self._events[job_id] = event
+
     def wait_for_save(self) -> None:
-        """After the forward pass: mark where compute ends and queue this step's stores behind that mark."""
+        """After the forward pass: mark where compute ends and queue this step's stores behind that mark (the
+        layers `save_kv_layer` already sent are not sent again)."""
         if not self._meta.stores:
             return
         _ = self.transfers  # NotRegistered before any job exists, not a job stuck in pending-store
         compute_done = self.device.new_event()
         self.device.record("compute", compute_done)
+        if self._layer_stores is not None:
+            for job_id, (segments, saved) in self._layer_stores.items():
+                for segment in range(self.transfers.num_segments):
+                    self._store_segment(job_id, segments, saved, segment, compute_done)
+            self._layer_stores = None
+            return
         for order in self._meta.stores:
             job = self._new_job(order, "store")
             self._job.fire(job, "prepare")
@@ -132,16 +217,38 @@ class WorkerConnector:
         """Jobs whose copies completed (or failed) since the last call, each reported once."""
         done = []
         for job in self.jobs.values():
-            if job.state in _RUNNING and self.device.query(self._events[job.job_id]):
+            if job.state not in _RUNNING:
+                continue
+            if self._ordered_this_step(job):
+                continue
+            if job.segments:
+                self._land_segments(job)
+                finished = job.landed_segments == job.segments
+            else:
+                finished = self.device.query(self._events[job.job_id])
+            if finished:
                 self._job.fire(job, "complete", step=self._meta.step)
                 done.append(job.job_id)
                 if self._checksums is not None and job.kind == "store":
                     self._checksums.record(job.cpu_slots)
-        failed = [j for j in self._failed if j not in self._events or self.device.query(self._events[j])]
+        failed = [j for j in self._failed if not self._ordered_this_step(self.jobs[j])
+                  and (j not in self._events or self.device.query(self._events[j]))]
         self._failed = [j for j in self._failed if j not in failed]
         for job_id in (*done, *failed):
             self._drop(job_id)
         return WorkerOutput(worker=self.worker, done=tuple(done), failed=tuple(failed))
+
+    def _ordered_this_step(self, job: TransferJob) -> bool:
+        """A per-layer store of this very step: the scheduler moves it to submitted only as the next step starts,
+        so it is reported (done or failed) from then on."""
+        return job.kind == "store" and job.ordered_step == self._meta.step
+
+    def _land_segments(self, job: TransferJob) -> None:
+        """Segments land in the order they were enqueued on one stream: fire `land-segment` for each done one."""
+        for event in self._segment_events[job.job_id][job.landed_segments:]:
+            if not self.device.query(event):
+                return
+            self._job.fire(job, "land-segment")
 
     def wait(self, job_ids: Sequence[int]) -> None:
         """Block until these jobs' copies are done (they are still reported by `get_finished`)."""
@@ -166,12 +273,21 @@ class WorkerConnector:
         job = self._new_job(order, "load")
         self._job.fire(job, "submit", step=self._meta.step)
         self._wait_for_readers(job)
-        self._enqueue(job, "load", lambda: self._load(job))
+        self._segment_events[job.job_id] = []
+        self._step_loads.append(job.job_id)
+        self._enqueue(job, "load", lambda: self._load_segments(job))
 
-    def _load(self, job: TransferJob) -> None:
+    def _load_segments(self, job: TransferJob) -> None:
+        """One segment per layer, in layer order, each followed by its own event."""
         if self._checksums is not None:
             self._checksums.verify(job.cpu_slots)
-        self.transfers.load(job.cpu_slots, job.gpu_blocks, job.gpu_offset, label=f"load job {job.job_id}")
+        segments = self.transfers.load_segments(job.cpu_slots, job.gpu_blocks, job.gpu_offset)
+        job.segments = self.transfers.num_segments
+        events = self._segment_events[job.job_id]
+        for segment in range(job.segments):
+            segments.enqueue(segment, f"load job {job.job_id} layer {segment}")
+            events.append(self.device.new_event())
+            self.device.record("load", events[-1])
 
     def _wait_for_readers(self, job: TransferJob) -> None:
         """load-after-readers: wait for all compute enqueued so far and for stores still reading the blocks."""
@@ -193,11 +309,15 @@ class WorkerConnector:
         try:
             copy()
         except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-            log.warning("%s job %d failed at submission: %s: %s", job.kind, job.job_id, type(err).__name__, err)
-            self._job.fire(job, "fail", step=self._meta.step)
-            self._failed.append(job.job_id)
-            self._record_end(job, stream)
+            self._fail(job, stream, err)
             return
+        self._record_end(job, stream)
+
+    def _fail(self, job: TransferJob, stream: Any, err: Exception) -> None:
+        """A failure at submission fails the job visibly, reported once what it enqueued has run."""
+        log.warning("%s job %d failed at submission: %s: %s", job.kind, job.job_id, type(err).__name__, err)
+        self._job.fire(job, "fail", step=self._meta.step)
+        self._failed.append(job.job_id)
         self._record_end(job, stream)
 
     def _record_end(self, job: TransferJob, stream: Any) -> None:
@@ -223,3 +343,4 @@ class WorkerConnector:
         del self.jobs[job_id]
         self._events.pop(job_id, None)
         self._compute_done.pop(job_id, None)
+        self._segment_events.pop(job_id, None)

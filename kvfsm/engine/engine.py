@@ -6,6 +6,13 @@ N+1 while step N's GPU work may still be pending — nothing here waits for comp
 compute stream and whose tokens depend on the bytes actually in the cache. The connector is called at vLLM's
 points: lookup, after-allocation, metadata, preemption hook before reused blocks are written, start of step,
 after forward, finished transfers, request finished. Without a connector it is the no-offloading baseline.
+
+With `per_layer`, the forward runs layer by layer on the compute stream and calls the connector's per-layer hooks
+(`wait_for_layer_load` before a layer reads KV, `save_kv_layer` after it wrote); when the connector says a load is
+not asynchronous (its `layer_loads`), a request with a CPU hit is computed in the very step its load goes out, each
+layer behind that layer's segment of the load. Until the load is
+reported it computes nothing more, is neither preempted nor finished; a failed load rolls back that step's sample
+and recomputes from the first block that did not land.
 """
 
 from __future__ import annotations
@@ -86,6 +93,8 @@ class EngineConfig:
     model: ModelShape = ModelShape()
     compute_delay_cycles: int = 0
     """CUDA only: the compute stream sleeps this long before each forward (`torch.cuda._sleep`)."""
+    per_layer: bool = False
+    """Compute layer by layer, calling the per-layer hooks, and compute a CPU hit in the step that loads it."""
 
 
 @dataclass(frozen=True)
@@ -110,13 +119,16 @@ class Engine:
             for _ in range(shape.num_layers)
         ]
         self.model = ToyModel(shape, self.caches)
+        self.layer_names = [f"layer.{i}" for i in range(shape.num_layers)]
         self.pool = BlockPool(config.num_gpu_blocks)
         self.connector = connector
         if connector is not None:
+            if connector.config.layer_loads and not config.per_layer:
+                raise ValueError("a connector with layer_loads needs an engine that calls the per-layer hooks")
             if connector.config.gpu_block_size != shape.block_size:
                 raise ValueError(f"the connector pages {connector.config.gpu_block_size}-token blocks, "
                                  f"the engine {shape.block_size}-token blocks")
-            connector.register_kv_caches({f"layer.{i}": c for i, c in enumerate(self.caches)}, "kv-first")
+            connector.register_kv_caches(dict(zip(self.layer_names, self.caches)), "kv-first")
         self.step_count = 0
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -160,7 +172,7 @@ class Engine:
     def preempt(self, request_id: str) -> None:
         """Preempt a running request at the next step, as memory pressure would (tests and demos force it)."""
         request = self.live.get(request_id)
-        if request is not None and request.phase is Phase.RUNNING:
+        if request is not None and request.phase is Phase.RUNNING and request_id not in self.loading:
             self._forced.add(request_id)
 
     def reset_prefix_cache(self) -> None:
@@ -195,9 +207,10 @@ class Engine:
             result = conn.update_connector_output(ConnectorOutput(workers=(conn.worker.get_finished(),)))
             self._after_transfers(result.loaded, result.released, result.load_errors)
         for w in work:
-            if w.sample and w.request.finished:
+            if w.sample and w.request.finished and w.request in self.running:
                 self.running.remove(w.request)
-                self._finish(w.request, aborted=False)
+                if w.request.request_id not in self.loading:  # else it finishes once its load is reported
+                    self._finish(w.request, aborted=False)
 
     def _schedule(self) -> tuple[list[_Work], list[str]]:
         budget = self.config.max_batched_tokens
@@ -208,16 +221,18 @@ class Engine:
             preempted.append(request.request_id)
         self._forced.clear()
         for request in list(self.running):  # running first: decode (or finish a prefill after a load)
-            if request not in self.running:
-                continue  # preempted below to make room for an earlier one
+            if request not in self.running or request.request_id in self.loading:
+                continue  # preempted below to make room for an earlier one, or its inline load is unreported
             need = -(-request.num_tokens // self.config.model.block_size) - len(request.blocks)
             while need > 0 and (fresh := self.pool.allocate(need)) is None:
-                victim = self.running[-1]
+                victim = self._victim()
+                if victim is None:
+                    break
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
-            if request not in self.running:
+            if request not in self.running or (need > 0 and fresh is None):
                 continue
             if need > 0:
                 request.blocks.extend(fresh)  # type: ignore[arg-type]
@@ -229,6 +244,11 @@ class Engine:
                 break
             budget = self.config.max_batched_tokens - sum(w.end - w.start for w in work)
         return work, preempted
+
+    def _victim(self) -> EngineRequest | None:
+        """The running request preempted first: the latest, skipping any whose inline load is unreported."""
+        candidates = [r for r in self.running if r.request_id not in self.loading]
+        return candidates[-1] if candidates else None
 
     def _admit(self, request: EngineRequest, budget: int, work: list[_Work]) -> _Admission:
         """Try to schedule a waiting request in queue order; STOP keeps later ones waiting behind it (FCFS)."""
@@ -257,21 +277,24 @@ class Engine:
         if self.connector is not None:
             self.connector.update_state_after_alloc(request, request.blocks, external)
         if external:
-            request.phase = Phase.LOADING
             request.num_computed = num_computed + external
             self.cpu_hit_tokens += external
             self.loading[request.request_id] = request
-            return _Admission.ADMITTED
+            if match is not None and match[1]:  # asynchronous: computed once the load is reported
+                request.phase = Phase.LOADING
+                return _Admission.ADMITTED
+            num_computed += external
         request.phase = Phase.RUNNING
         self.running.append(request)
         work.append(self._compute(request, num_computed, request.num_tokens))
         return _Admission.ADMITTED
 
     def _compute(self, request: EngineRequest, start: int, end: int) -> _Work:
-        """Schedule KV for [start, end) and a sample; full prompt blocks become prefix-cache hits."""
+        """Schedule KV for [start, end) and a sample; the full prompt blocks it computes become prefix-cache hits
+        (blocks before `start` are hits already, or loaded ones, cached once their load is reported)."""
         self.computed_tokens += end - start
         block_size = self.config.model.block_size
-        for index in range(min(end, len(request.prompt)) // block_size):
+        for index in range(start // block_size, min(end, len(request.prompt)) // block_size):
             self.pool.cache(request.blocks[index], request.block_hashes[index])
         request.num_computed = end
         request.num_sampled += 1
@@ -305,6 +328,9 @@ class Engine:
             if request is None:
                 continue  # aborted while loading: it is held until released
             bad = errors.get(req_id, ())
+            if request.phase is Phase.RUNNING:  # computed in its load step (per-layer)
+                self._inline_load_reported(request, bad)
+                continue
             if bad:
                 request.num_computed = min(request.blocks.index(b) for b in bad) * block_size
             for index in range(request.num_computed // block_size):
@@ -315,6 +341,24 @@ class Engine:
             request = self.held.pop(req_id, None)
             if request is not None:
                 self._release(request)
+
+    def _inline_load_reported(self, request: EngineRequest, bad: tuple[int, ...]) -> None:
+        """A per-layer load reported after its step computed on it: cache what landed; if some blocks did not,
+        drop that step's sample and recompute from the first of them."""
+        block_size = self.config.model.block_size
+        landed = min(request.blocks.index(b) for b in bad) if bad else (request.num_computed // block_size)
+        for index in range(min(landed, len(request.prompt) // block_size)):
+            self.pool.cache(request.blocks[index], request.block_hashes[index])
+        if bad:
+            request.sampled.pop()
+            request.num_sampled -= 1
+            request.num_computed = landed * block_size
+        if request.finished:  # its last sample was this load's step (the load may land within that step)
+            if request in self.running:
+                self.running.remove(request)
+            self._finish(request, aborted=False)
+        elif request not in self.running:
+            self.running.append(request)
 
     # --- device work ---------------------------------------------------------------------------------------
 
@@ -333,6 +377,9 @@ class Engine:
     def _forward(self, work: list[_Work]) -> None:
         if not work:
             return
+        if self.config.per_layer:
+            self._forward_layers(work)
+            return
         block_size = self.config.model.block_size
         device = self.device.tensor_device()
         delay = self.compute_delay_cycles
@@ -347,10 +394,62 @@ class Engine:
                 if w.sample:
                     w.request.sampled.append(self.model.next_token(blocks, w.end))
 
+        reads, writes = self._touched(work)
+        self.device.enqueue("compute", "compute", f"compute step {self.step_count}", forward,
+                            [Touch("write", "gpu", writes), Touch("read", "gpu", reads)])
+
+    def _touched(self, work: list[_Work]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The blocks a forward reads (every position up to the end) and writes (the new positions)."""
+        block_size = self.config.model.block_size
         reads = {b for w in work for b in w.blocks[: -(-w.end // block_size)]}
         writes = {b for w in work for b in w.blocks[w.start // block_size: -(-w.end // block_size)]}
-        self.device.enqueue("compute", "compute", f"compute step {self.step_count}", forward,
-                            [Touch("write", "gpu", tuple(sorted(writes))), Touch("read", "gpu", tuple(sorted(reads)))])
+        return tuple(sorted(reads)), tuple(sorted(writes))
+
+    def _forward_layers(self, work: list[_Work]) -> None:
+        """One compute operation per layer, each behind `wait_for_layer_load` and followed by `save_kv_layer`."""
+        device = self.device.tensor_device()
+        delay = self.compute_delay_cycles
+        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per work: blocks, tokens, running sum
+        worker = self.connector.worker if self.connector is not None else None
+
+        def prepare() -> None:
+            if delay:
+                torch.cuda._sleep(delay)
+            for w in work:
+                inputs.append((device_index(w.blocks, device), self._tokens(w.request, w.start, w.end, device),
+                               torch.zeros((), dtype=torch.float64, device=device)))
+
+        def layer_op(layer: int) -> None:
+            for i, w in enumerate(work):
+                blocks, tokens, total = inputs[i]
+                self.model.write_layer(layer, blocks, tokens, w.start)
+                if w.sample:
+                    total += self.model.read_layer(layer, blocks, w.end)
+
+        # Each sample's tensor is in the request's list from now on (the sample writes into it in place), so a
+        # rolled-back step drops its sample whether or not the device has run it yet.
+        samples = {id(w): torch.empty((), dtype=torch.int64, device=device) for w in work if w.sample}
+
+        def sample() -> None:
+            for w, (_, _, total) in zip(work, inputs):
+                if w.sample:
+                    samples[id(w)].copy_(self.model.token(total))
+
+        step = self.step_count
+        reads, writes = self._touched(work)
+        self.device.enqueue("compute", "compute", f"compute step {step} inputs", prepare)
+        for layer, name in enumerate(self.layer_names):
+            if worker is not None:
+                worker.wait_for_layer_load(name)
+            self.device.enqueue("compute", "compute", f"compute step {step} layer {layer}",
+                                lambda layer=layer: layer_op(layer),  # type: ignore[misc]
+                                [Touch("write", "gpu", writes, layer), Touch("read", "gpu", reads, layer)])
+            if worker is not None:
+                worker.save_kv_layer(name)
+        self.device.enqueue("compute", "compute", f"compute step {step} sample", sample)
+        for w in work:
+            if w.sample:
+                w.request.sampled.append(samples[id(w)])
 
     @staticmethod
     def _tokens(request: EngineRequest, start: int, end: int, device: torch.device) -> torch.Tensor:

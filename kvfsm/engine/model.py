@@ -46,20 +46,30 @@ class ToyModel:
 
     def write(self, block_ids: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
         """Write KV for `tokens` occupying positions start, start+1, ... of a request whose blocks are `block_ids`."""
+        for layer in range(len(self.caches)):
+            self.write_layer(layer, block_ids, tokens, start)
+
+    def write_layer(self, layer: int, block_ids: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+        """`write` for one layer: what a layer-by-layer forward does before that layer's attention."""
         positions = torch.arange(start, start + tokens.numel(), device=tokens.device)
         blocks = block_ids[positions // self.shape.block_size]
         offsets = positions % self.shape.block_size
-        for layer, cache in enumerate(self.caches):
-            cache[:, blocks, offsets] = self.kv_values(tokens, positions, layer)
+        self.caches[layer][:, blocks, offsets] = self.kv_values(tokens, positions, layer)
 
-    def next_token(self, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-        """The token after `length` positions, read from the cache: NaN (poison) propagates to a negative token."""
+    def read_layer(self, layer: int, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+        """Layer `layer`'s share of the next token's sum over the first `length` positions (float64, exact)."""
         positions = torch.arange(length, device=block_ids.device)
         blocks = block_ids[positions // self.shape.block_size]
         offsets = positions % self.shape.block_size
         weights = (positions + 1).to(torch.float64).view(1, -1, 1, 1)
-        total = torch.zeros((), dtype=torch.float64, device=block_ids.device)
-        for layer, cache in enumerate(self.caches):
-            total = total + (cache[:, blocks, offsets].to(torch.float64) * weights).sum() * (layer + 1)
+        return (self.caches[layer][:, blocks, offsets].to(torch.float64) * weights).sum() * (layer + 1)
+
+    def token(self, total: torch.Tensor) -> torch.Tensor:
+        """The token a summed read picks: NaN (poison) propagates to a negative token."""
         poisoned = torch.full((), float(POISONED_TOKEN), dtype=torch.float64, device=total.device)
         return torch.where(torch.isnan(total), poisoned, torch.remainder(total, self.shape.vocab)).to(torch.int64)
+
+    def next_token(self, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+        """The token after `length` positions, read from the cache."""
+        return self.token(sum((self.read_layer(layer, block_ids, length) for layer in range(len(self.caches))),
+                              torch.zeros((), dtype=torch.float64, device=block_ids.device)))

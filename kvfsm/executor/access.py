@@ -25,3 +25,4 @@ class Access:
     space: Space
     block: int
     label: str  # e.g. "compute step 3", "store job 7"
+    layer: int | None = None  # the layer segment touched; None: every layer of the block

@@ -20,11 +20,13 @@ STREAMS: tuple[StreamName, ...] = ("compute", "store", "load")
 
 @dataclass(frozen=True, slots=True)
 class Touch:
-    """Blocks an operation reads or writes: the unit the spec's ordering invariants speak of."""
+    """Blocks an operation reads or writes: the unit the spec's ordering invariants speak of. `layer` narrows a
+    GPU touch to one layer segment (one registered tensor) of those blocks; None means every layer."""
 
     mode: Mode
     space: Space
     blocks: tuple[int, ...]
+    layer: int | None = None
 
 
 class Event(Protocol):

@@ -19,39 +19,45 @@ SLOTS = 2
 
 
 class Lanes(Protocol):
-    def run(self, steps: Sequence[Step]) -> None:
-        """Run every step's produce then consume, in step order, slot `i % SLOTS` for step i."""
+    def run(self, steps: Sequence[Step], join: bool = True) -> None:
+        """Run every step's produce then consume, in step order, taking turns over the `SLOTS` slots. `join=False`
+        continues the previous run on the same stream without waiting for that stream again first (the next
+        layer of a job whose first layer already waited)."""
 
 
 class InlineLanes:
     """Steps run one after another on the calling thread (the simulator's view of a transfer)."""
 
-    def run(self, steps: Sequence[Step]) -> None:
+    def run(self, steps: Sequence[Step], join: bool = True) -> None:
         for i, (produce, consume) in enumerate(steps):
             produce(i % SLOTS)
             consume(i % SLOTS)
 
 
 class CudaLanes:
-    """Producers on a side stream, consumers on the current stream, handing slots over through events."""
+    """Producers on a side stream, consumers on the current stream, handing slots over through events that
+    persist from run to run, so consecutive runs (a job's layers) keep the pipeline full."""
 
     def __init__(self, device: torch.device) -> None:
         self._side = torch.cuda.Stream(device)
+        self._filled = [torch.cuda.Event() for _ in range(SLOTS)]
+        self._freed = [torch.cuda.Event() for _ in range(SLOTS)]
+        self._turn = 0
 
-    def run(self, steps: Sequence[Step]) -> None:
+    def run(self, steps: Sequence[Step], join: bool = True) -> None:
         main = torch.cuda.current_stream()
-        self._side.wait_stream(main)
-        filled = [torch.cuda.Event() for _ in range(SLOTS)]
-        freed = [torch.cuda.Event() for _ in range(SLOTS)]
-        for i, (produce, consume) in enumerate(steps):
-            slot = i % SLOTS
+        if join:
+            self._side.wait_stream(main)
+        for produce, consume in steps:
+            slot = self._turn % SLOTS
+            self._turn += 1
             with torch.cuda.stream(self._side):
-                self._side.wait_event(freed[slot])  # no-op until the slot's first consumer recorded it
+                self._side.wait_event(self._freed[slot])  # no-op until the slot's first consumer recorded it
                 produce(slot)
-                filled[slot].record(self._side)
-            main.wait_event(filled[slot])
+                self._filled[slot].record(self._side)
+            main.wait_event(self._filled[slot])
             consume(slot)
-            freed[slot].record(main)
+            self._freed[slot].record(main)
         main.wait_stream(self._side)
 
 

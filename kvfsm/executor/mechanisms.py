@@ -9,11 +9,16 @@ moves exactly those bytes; they differ only in how many copies they issue and wh
   copy per run of blocks (per tensor).
 - "staged-gather": gather a chunk of scattered blocks on the device into a staging slot (one kernel pair per
   tensor), then one DMA per contiguous host run; two slots pipelined so gathering overlaps the DMA.
+
+Every mechanism also moves one layer segment (one registered tensor) of a job on its own (`run_segment`), which is
+what per-layer loads and stores issue. A segment's bytes in a run of consecutive CPU blocks are rows a GPU block
+apart, so staged-gather moves them with one 2-D DMA per run (`kvfsm.executor.rows`).
 """
 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Iterator, Literal, Protocol, Sequence
 
@@ -21,9 +26,12 @@ import torch
 
 from kvfsm.executor.lanes import SLOTS, Lanes, Step, lanes_for
 from kvfsm.executor.layouts import KVCaches, Plane
+from kvfsm.executor.rows import copy_rows
 
 Direction = Literal["store", "load"]
-MECHANISMS = ("copy-per-block", "cross-layer", "staged-gather")
+MECHANISMS = ("copy-per-block", "cross-layer", "staged-gather", "staged-copy")
+BLOCK_CONTIGUOUS_ONLY = frozenset({"cross-layer", "staged-copy"})
+"""Mechanisms that refuse caches where a block is several pieces of one tensor (kv-first)."""
 DEFAULT_STAGING_BYTES = 128 << 20  # per slot; 2 slots per direction
 
 
@@ -52,6 +60,15 @@ def runs(starts: Sequence[int], offsets: Sequence[int], stride: int) -> Iterator
         i += n
 
 
+@lru_cache(maxsize=16)
+def chunk_runs(offsets: tuple[int, ...], chunk: int, stride: int) -> tuple[tuple[int, tuple], ...]:
+    """Per chunk of `chunk` blocks, its first index and the `runs` of its host offsets. Every layer segment of a
+    job has the same plan, so it is worked out once per job rather than once per layer (for a 32k-token prompt
+    that loop was most of the host time of a segment)."""
+    return tuple((i, tuple(runs(range(len(offsets[i:i + chunk])), offsets[i:i + chunk], stride)))
+                 for i in range(0, len(offsets), chunk))
+
+
 def _move(direction: Direction, gpu: torch.Tensor, host: torch.Tensor) -> None:
     if direction == "store":
         host.copy_(gpu, non_blocking=True)
@@ -70,6 +87,11 @@ def device_index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
 class Mechanism(Protocol):
     def run(self, direction: Direction, placement: Placement, host: torch.Tensor) -> None:
         """Issue the copies of one job on the current stream."""
+
+    def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
+                    index: torch.Tensor, join: bool) -> None:
+        """Issue the copies of plane `segment` of one job on the current stream; `index` is the job's GPU blocks
+        on the device; `join=False` continues the job's previous segment on the same stream (see `Lanes`)."""
 
 
 class DirectCopy:
@@ -91,9 +113,16 @@ class DirectCopy:
                 yield plane.rows[p, gpu_start + i], host_start + i * block_bytes + plane.offset + p * plane.piece_bytes
 
     def run(self, direction: Direction, placement: Placement, host: torch.Tensor) -> None:
+        self._copy(direction, placement, host, self._caches.planes)
+
+    def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
+                    index: torch.Tensor, join: bool) -> None:
+        self._copy(direction, placement, host, self._caches.planes[segment:segment + 1])
+
+    def _copy(self, direction: Direction, placement: Placement, host: torch.Tensor, planes: Sequence[Plane]) -> None:
         stride = self._caches.gpu_block_bytes
         for _, gpu_start, host_start, n in runs(placement.gpu_blocks, placement.host_offsets, stride):
-            for plane in self._caches.planes:
+            for plane in planes:
                 for gpu, offset in self._pieces(plane, gpu_start, host_start, n):
                     _move(direction, gpu, host[offset:offset + gpu.numel()])
 
@@ -122,11 +151,21 @@ class StagedGather:
         # Each plane's place in each slot, built once: per-chunk Python work is what bounds host submission.
         self._views = {d: [[self._staged(p, slot.view(word)) for p in caches.planes] for slot in slots]
                        for d, slots in self._staging.items()}
+        # A segment's chunk: as many blocks of one plane as a slot holds.
+        self._segment_chunk = [max(1, min(size // p.block_bytes, caches.num_blocks)) for p in caches.planes]
+        self._segment_views = {
+            d: [[self._staged(p, slot.view(word), c) for p, c in zip(caches.planes, self._segment_chunk)]
+                for slot in slots]
+            for d, slots in self._staging.items()}
         self._lanes: dict[Direction, Lanes] = {d: lanes_for(caches.device) for d in ("store", "load")}
 
-    def _staged(self, plane: Plane, slot: torch.Tensor) -> torch.Tensor:
-        """Where `plane`'s pieces of a chunk sit in a staging slot (in words), shaped like its rows[:, :chunk]."""
+    def _staged(self, plane: Plane, slot: torch.Tensor, segment_chunk: int | None = None) -> torch.Tensor:
+        """Where `plane`'s pieces of a chunk sit in a staging slot (in words), shaped like its rows[:, :chunk]:
+        inside each whole block of a job's chunk, or packed block after block for a segment's chunk."""
         size = slot.element_size()
+        if segment_chunk is not None:
+            packed = slot[:segment_chunk * plane.block_bytes // size]
+            return packed.view(segment_chunk, plane.pieces, plane.piece_bytes // size).transpose(0, 1)
         rows = slot.view(self._chunk, -1)[:, plane.offset // size:(plane.offset + plane.block_bytes) // size]
         return rows.view(self._chunk, plane.pieces, plane.piece_bytes // size).transpose(0, 1)
 
@@ -136,39 +175,126 @@ class StagedGather:
             _move(direction, slot[first * block_bytes:(first + n) * block_bytes],
                   host[host_start:host_start + n * block_bytes])
 
-    def _gather(self, index: torch.Tensor, views: list[torch.Tensor]) -> None:
-        for rows, view in zip(self._rows, views):
+    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+        """Blocks `blocks` (on the device: `index`) of every plane into staging slot `slot` of the stores."""
+        for rows, view in zip(self._rows, self._views["store"][slot]):
             torch.index_select(rows, 1, index, out=view[:, :len(index)])
 
-    def _scatter(self, index: torch.Tensor, views: list[torch.Tensor]) -> None:
-        for rows, view in zip(self._rows, views):
+    def _scatter(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+        """Staging slot `slot` of the loads into blocks `blocks` of every plane."""
+        for rows, view in zip(self._rows, self._views["load"][slot]):
             rows.index_copy_(1, index, view[:, :len(index)])
 
-    def _step(self, direction: Direction, index: torch.Tensor, offsets: Sequence[int], host: torch.Tensor) -> Step:
-        slots, views = self._staging[direction], self._views[direction]
+    def _segment_gather(self, segment: int, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+        """One plane's share of blocks `blocks`, packed block after block into staging slot `slot`."""
+        view = self._segment_views["store"][slot][segment]
+        torch.index_select(self._rows[segment], 1, index, out=view[:, :len(index)])
+
+    def _segment_scatter(self, segment: int, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+        view = self._segment_views["load"][slot][segment]
+        self._rows[segment].index_copy_(1, index, view[:, :len(index)])
+
+    def _step(self, direction: Direction, blocks: Sequence[int], index: torch.Tensor, offsets: Sequence[int],
+              host: torch.Tensor) -> Step:
+        slots = self._staging[direction]
         if direction == "store":
-            return (lambda s: self._gather(index, views[s]),
+            return (lambda s: self._gather(blocks, index, s),
                     lambda s: self._dma("store", slots[s], offsets, host))
         return (lambda s: self._dma("load", slots[s], offsets, host),
-                lambda s: self._scatter(index, views[s]))
+                lambda s: self._scatter(blocks, index, s))
+
+    def _segment_dma(self, direction: Direction, slot: torch.Tensor, plane: Plane,
+                     host_runs: tuple[tuple[int, int, int, int], ...], host: torch.Tensor) -> None:
+        """One 2-D DMA per run of consecutive host blocks: row i is block i's share of `plane`."""
+        width, pitch = plane.block_bytes, self._caches.gpu_block_bytes
+        for first, _, host_start, n in host_runs:
+            staged = slot[first * width:(first + n) * width].view(n, width)
+            hosted = host[host_start + plane.offset:].as_strided((n, width), (pitch, 1))
+            if direction == "store":
+                copy_rows(hosted, staged)
+            else:
+                copy_rows(staged, hosted)
+
+    def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
+                    index: torch.Tensor, join: bool) -> None:
+        plane, c = self._caches.planes[segment], self._segment_chunk[segment]
+        slots = self._staging[direction]
+
+        def step(i: int, host_runs: tuple[tuple[int, int, int, int], ...]) -> Step:
+            blocks, chunk = placement.gpu_blocks[i:i + c], index[i:i + c]
+            dma = lambda s: self._segment_dma(direction, slots[s], plane, host_runs, host)  # noqa: E731
+            if direction == "store":
+                return lambda s: self._segment_gather(segment, blocks, chunk, s), dma
+            return dma, lambda s: self._segment_scatter(segment, blocks, chunk, s)
+
+        plan = chunk_runs(placement.host_offsets, c, self._caches.gpu_block_bytes)
+        self._lanes[direction].run([step(i, host_runs) for i, host_runs in plan], join)
 
     def run(self, direction: Direction, placement: Placement, host: torch.Tensor) -> None:
         # One index for the whole job, on the enqueuing stream, which every lane starts behind.
         index = device_index(placement.gpu_blocks, self._caches.device)
         c = self._chunk
         steps = [
-            self._step(direction, index[i:i + c], placement.host_offsets[i:i + c], host)
+            self._step(direction, placement.gpu_blocks[i:i + c], index[i:i + c], placement.host_offsets[i:i + c],
+                       host)
             for i in range(0, len(placement.gpu_blocks), c)
         ]
         self._lanes[direction].run(steps)
 
 
-def resolve(name: str) -> str:
-    """The mechanism `name` stands for. "auto" is staged-gather for every layout: on an H100 it was the fastest
-    each way and both ways at once for per-layer and cross-layer caches alike (kvfsm.bench.transfer), and the
-    DMA-only mechanisms showed no smaller slowdown of concurrent compute."""
+class StagedCopy(StagedGather):
+    """staged-gather with the gathering done by the copy engines instead of kernels: one device-to-device 2-D copy
+    per plane per run of consecutive GPU blocks. Only where each block is one piece per tensor (cross-layer
+    caches), where those copies are large; it leaves the SMs to compute while keeping one big DMA per host run."""
+
+    def __init__(self, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        if not caches.block_contiguous:
+            raise MechanismError(
+                f"'staged-copy' needs each block contiguous in every tensor; layouts are {dict(caches.layouts)}")
+        super().__init__(caches, staging_bytes)
+
+    def _copy(self, to_staging: bool, slot: torch.Tensor, planes: Sequence[Plane], blocks: Sequence[int],
+              packed: bool) -> None:
+        """Each plane's rows of `blocks` to or from the slot: inside whole blocks, or packed for one segment."""
+        for plane in planes:
+            pitch, offset = (plane.block_bytes, 0) if packed else (self._caches.gpu_block_bytes, plane.offset)
+            for first, start, _, n in runs(blocks, range(len(blocks)), 1):
+                staged = slot[first * pitch + offset:].as_strided((n, plane.block_bytes), (pitch, 1))
+                cached = plane.rows[0, start:start + n]
+                if to_staging:
+                    copy_rows(staged, cached)
+                else:
+                    copy_rows(cached, staged)
+
+    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+        self._copy(True, self._staging["store"][slot], self._caches.planes, blocks, packed=False)
+
+    def _scatter(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+        self._copy(False, self._staging["load"][slot], self._caches.planes, blocks, packed=False)
+
+    def _segment_gather(self, segment: int, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+        self._copy(True, self._staging["store"][slot], self._caches.planes[segment:segment + 1], blocks, packed=True)
+
+    def _segment_scatter(self, segment: int, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+        self._copy(False, self._staging["load"][slot], self._caches.planes[segment:segment + 1], blocks, packed=True)
+
+
+COPY_ENGINE_MIN_PIECE = 1 << 20
+"""The smallest contiguous piece per block for which "auto" gathers with the copy engines (one copy per piece)."""
+
+
+def resolve(name: str, caches: KVCaches) -> str:
+    """The mechanism `name` stands for with these caches. "auto" weighs bandwidth against what the copies take
+    from compute (kvfsm.bench.transfer, H100). Where every block is a few contiguous pieces of at least
+    `COPY_ENGINE_MIN_PIECE` (a cross-layer cache) it is "staged-copy": copy engines gather into staging and one
+    DMA per host run moves it, so no kernel competes with compute (staged-gather's gather kernels slowed a
+    concurrent matmul ~4%, DMA-only copies ~1%) and both ways at once keeps large DMAs (2 MiB DMA-only copies
+    reached 0.75 of the both-ways ceiling against staged-gather's 0.82-1.0). Elsewhere (per-layer tensors: 64 KiB
+    pieces for a Llama-3-8B 16-token block) it is "staged-gather": a copy per piece runs at a few percent of the
+    ceiling."""
     if name == "auto":
-        return "staged-gather"
+        large = caches.block_contiguous and min(p.block_bytes for p in caches.planes) >= COPY_ENGINE_MIN_PIECE
+        return "staged-copy" if large else "staged-gather"
     if name not in MECHANISMS:
         raise MechanismError(f"unknown transfer mechanism {name!r}; choose one of {MECHANISMS} or 'auto'")
     return name
@@ -178,4 +304,6 @@ def build(name: str, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTE
     """The mechanism `name` (already resolved) for `caches`."""
     if name == "staged-gather":
         return StagedGather(caches, staging_bytes)
+    if name == "staged-copy":
+        return StagedCopy(caches, staging_bytes)
     return DirectCopy(caches, require_block_contiguous=(name == "cross-layer"))

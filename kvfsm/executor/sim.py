@@ -126,7 +126,7 @@ class SimDevice:
             self._executed += 1
             op.done = True
         self.accesses.extend(
-            Access(op.issued, self._executed, op.actor, touch.mode, touch.space, block, op.label)
+            Access(op.issued, self._executed, op.actor, touch.mode, touch.space, block, op.label, touch.layer)
             for touch in op.touches
             for block in touch.blocks
         )

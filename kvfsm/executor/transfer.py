@@ -15,7 +15,7 @@ import torch
 
 from kvfsm.executor.device import Device, StreamName, Touch
 from kvfsm.executor.layouts import KVCaches
-from kvfsm.executor.mechanisms import DEFAULT_STAGING_BYTES, Placement, build, device_index, resolve
+from kvfsm.executor.mechanisms import DEFAULT_STAGING_BYTES, Direction, Placement, build, device_index, resolve
 from kvfsm.executor.pool import HostPool
 
 POISON_BYTE = 0xA5
@@ -27,6 +27,10 @@ class TransferError(ValueError):
 
 class IdOutOfRange(TransferError, IndexError):
     """A GPU block id or CPU slot outside the registered caches or the pool."""
+
+
+class UnknownLayer(KeyError):
+    """A per-layer hook named a layer that is not a registered KV cache."""
 
 
 def _ids(values: Sequence[int], limit: int, what: str) -> tuple[int, ...]:
@@ -62,29 +66,36 @@ class Transfers:
         self._caches = caches
         self._pool = pool
         self.block_size_factor = block_size_factor
-        self.mechanism = resolve(mechanism)
+        self.mechanism = resolve(mechanism, caches)
         self._mechanism = build(self.mechanism, caches, staging_bytes)
+        self._segments = {plane.name: i for i, plane in enumerate(caches.planes)}
 
     def _host_offset(self, slot: int, sub_block: int) -> int:
         return slot * self._pool.slot_bytes + sub_block * self._caches.gpu_block_bytes
 
-    def store(self, gpu_blocks: Sequence[int], cpu_slots: Sequence[int], label: str = "store") -> None:
-        """Copy k consecutive GPU blocks into each CPU slot, filling every slot."""
+    @property
+    def num_segments(self) -> int:
+        """Layer segments of a job: one per registered tensor (a cross-layer tensor is one segment of all its
+        layers, since a block's layers are one copy there)."""
+        return len(self._caches.planes)
+
+    def segment_of(self, name: str) -> int:
+        """The segment holding the registered tensor `name`."""
+        segment = self._segments.get(name)
+        if segment is None:
+            raise UnknownLayer(f"{name!r} is not a registered KV cache; registered: {list(self._segments)}")
+        return segment
+
+    def _store_placement(self, gpu_blocks: Sequence[int], cpu_slots: Sequence[int]) -> Placement:
         k = self.block_size_factor
         blocks = _ids(gpu_blocks, self._caches.num_blocks, "GPU blocks")
         slots = _ids(cpu_slots, self._pool.num_slots, "CPU slots")
         if len(blocks) != k * len(slots):
             raise TransferError(f"a store of {len(slots)} CPU slots needs {k * len(slots)} GPU blocks, got {len(blocks)}")
         _distinct(slots, "CPU slots")
-        placement = Placement(blocks, tuple(self._host_offset(slots[i // k], i % k) for i in range(len(blocks))))
-        self._device.enqueue(
-            "store", "store", label, lambda: self._mechanism.run("store", placement, self._pool.buffer),
-            (Touch("read", "gpu", blocks), Touch("write", "cpu", slots)))
+        return Placement(blocks, tuple(self._host_offset(slots[i // k], i % k) for i in range(len(blocks))))
 
-    def load(self, cpu_slots: Sequence[int], gpu_blocks: Sequence[int], gpu_offset: int = 0,
-             label: str = "load") -> None:
-        """Copy CPU sub-blocks, starting at sub-block `gpu_offset` of the first slot, into consecutive GPU blocks;
-        the last slot may be used only in part, every other slot from the offset on."""
+    def _load_placement(self, cpu_slots: Sequence[int], gpu_blocks: Sequence[int], gpu_offset: int) -> Placement:
         k = self.block_size_factor
         slots = _ids(cpu_slots, self._pool.num_slots, "CPU slots")
         blocks = _ids(gpu_blocks, self._caches.num_blocks, "GPU blocks")
@@ -97,11 +108,32 @@ class Transfers:
                 f"a load of {len(slots)} CPU slots from sub-block {gpu_offset} fills {fewest} to {most} GPU blocks, "
                 f"got {len(blocks)}")
         _distinct(blocks, "GPU blocks")
-        placement = Placement(
+        return Placement(
             blocks, tuple(self._host_offset(slots[(i + gpu_offset) // k], (i + gpu_offset) % k) for i in range(len(blocks))))
+
+    def store(self, gpu_blocks: Sequence[int], cpu_slots: Sequence[int], label: str = "store") -> None:
+        """Copy k consecutive GPU blocks into each CPU slot, filling every slot."""
+        placement = self._store_placement(gpu_blocks, cpu_slots)
+        self._device.enqueue(
+            "store", "store", label, lambda: self._mechanism.run("store", placement, self._pool.buffer),
+            (Touch("read", "gpu", placement.gpu_blocks), Touch("write", "cpu", tuple(cpu_slots))))
+
+    def load(self, cpu_slots: Sequence[int], gpu_blocks: Sequence[int], gpu_offset: int = 0,
+             label: str = "load") -> None:
+        """Copy CPU sub-blocks, starting at sub-block `gpu_offset` of the first slot, into consecutive GPU blocks;
+        the last slot may be used only in part, every other slot from the offset on."""
+        placement = self._load_placement(cpu_slots, gpu_blocks, gpu_offset)
         self._device.enqueue(
             "load", "load", label, lambda: self._mechanism.run("load", placement, self._pool.buffer),
-            (Touch("read", "cpu", slots), Touch("write", "gpu", blocks)))
+            (Touch("read", "cpu", tuple(cpu_slots)), Touch("write", "gpu", placement.gpu_blocks)))
+
+    def store_segments(self, gpu_blocks: Sequence[int], cpu_slots: Sequence[int]) -> Segments:
+        """A store checked now, whose layer segments are enqueued one at a time (`Segments.enqueue`)."""
+        return Segments(self, "store", self._store_placement(gpu_blocks, cpu_slots), tuple(cpu_slots))
+
+    def load_segments(self, cpu_slots: Sequence[int], gpu_blocks: Sequence[int], gpu_offset: int = 0) -> Segments:
+        """A load checked now, whose layer segments are enqueued one at a time (`Segments.enqueue`)."""
+        return Segments(self, "load", self._load_placement(cpu_slots, gpu_blocks, gpu_offset), tuple(cpu_slots))
 
     def poison_gpu(self, gpu_blocks: Sequence[int], stream: StreamName, label: str = "poison GPU blocks") -> None:
         """Fill every byte of these GPU blocks with `POISON_BYTE`, so a copy that never landed shows."""
@@ -124,3 +156,36 @@ class Transfers:
                 self._pool.slot(slot).copy_(poison, non_blocking=True)
 
         self._device.enqueue(stream, stream, label, fill, (Touch("write", "cpu", slots),))
+
+
+class Segments:
+    """One job's placement, checked once, whose layer segments go out one at a time on the job's stream.
+
+    Each segment is its own device operation touching only its layer, so a per-layer wait can follow it alone. The
+    job's GPU block index is built by the first segment that runs and shared by the rest."""
+
+    def __init__(self, transfers: Transfers, direction: Direction, placement: Placement,
+                 cpu_slots: tuple[int, ...]) -> None:
+        self._transfers = transfers
+        self._direction = direction
+        self._placement = placement
+        self._cpu_slots = cpu_slots
+        self._index: torch.Tensor | None = None
+        self._joined = False
+
+    def enqueue(self, segment: int, label: str) -> None:
+        """Enqueue segment `segment` on the job's stream (behind whatever that stream waits on by now)."""
+        t, direction, placement = self._transfers, self._direction, self._placement
+        # Loads go out back to back: only the first waits for the stream. Stores go out a layer at a time, each
+        # behind its own compute event, so every one waits.
+        join = direction == "store" or not self._joined
+        self._joined = True
+
+        def run() -> None:
+            if self._index is None:
+                self._index = device_index(placement.gpu_blocks, t._caches.device)
+            t._mechanism.run_segment(direction, placement, t._pool.buffer, segment, self._index, join)
+
+        gpu = Touch("read" if direction == "store" else "write", "gpu", placement.gpu_blocks, layer=segment)
+        cpu = Touch("write" if direction == "store" else "read", "cpu", self._cpu_slots)
+        t._device.enqueue(direction, direction, label, run, (gpu, cpu))

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 from kvfsm.executor.sim import SimDevice
 from kvfsm.testing.harness import Harness
+from kvfsm.testing.mutants import MUTANTS
 
 HostAction = Callable[[Harness], None]
 Choice = str  # "host" or a stream name
@@ -32,6 +33,10 @@ class Workload:
     block_size_factor: int = 1
     max_extra_steps: int = 12
     """Engine steps the host may still take after its scripted actions, to finish the requests."""
+    per_layer: bool = False
+    """The engine computes layer by layer and calls the per-layer hooks."""
+    layer_loads: bool = False
+    layer_stores: bool = False
 
 
 @dataclass
@@ -74,7 +79,9 @@ class _Replay:
     def __init__(self, workload: Workload, mutant: str | None) -> None:
         self.workload = workload
         self.harness = Harness(SimDevice(), num_gpu_blocks=workload.num_gpu_blocks, cpu_blocks=workload.cpu_blocks,
-                               block_size_factor=workload.block_size_factor, mutant=mutant)
+                               block_size_factor=workload.block_size_factor, mutant=mutant,
+                               per_layer=workload.per_layer, layer_loads=workload.layer_loads,
+                               layer_stores=workload.layer_stores)
         self.host_index = 0
 
     def host_can_act(self) -> bool:
@@ -124,6 +131,13 @@ def _visit(workload: Workload, mutant: str | None, path: tuple[Choice, ...]) -> 
     return key, found, options
 
 
+def fits(workload: Workload, mutant: str) -> bool:
+    """Whether the mutant's bug can show in this workload's engine (a per-layer bug needs per-layer hooks)."""
+    needs = MUTANTS[mutant]
+    return ((needs.per_layer is None or needs.per_layer == workload.per_layer)
+            and (not needs.layer_loads or workload.layer_loads) and (not needs.layer_stores or workload.layer_stores))
+
+
 def explore(workload: Workload, mutant: str | None = None, max_states: int = 5000) -> Exploration:
     """Breadth-first search over schedules; stops at the first violation (a shortest counterexample)."""
     result = Exploration()
@@ -162,7 +176,16 @@ SMALL_WORKLOADS: dict[str, Workload] = {
         actions=(add(_Q + (5,), 3), step, add(_P + (1, 2), 2), step, step, step),
         num_gpu_blocks=6, cpu_blocks=5,
     ),
+    "reload-per-layer": Workload(
+        actions=(add(_P + (1,), 1), step, step, step, forget_gpu_prefixes, add(_P + (2,), 1), step, step),
+        num_gpu_blocks=6, cpu_blocks=3, per_layer=True, layer_loads=True,
+    ),
+    "preempt-per-layer-store": Workload(
+        actions=(add(_P + (1,), 2), step, preempt_first, step, forget_gpu_prefixes, step, step),
+        num_gpu_blocks=6, cpu_blocks=3, per_layer=True, layer_stores=True,
+    ),
 }
 """Small workloads that between them reach every hazard: a stored prefix reloaded by two requests at once after
 the GPU forgot it; three requests sharing a prefix with a forced preemption; and a running request that preempts
-another mid-store to grow."""
+another mid-store to grow; and, with an engine that computes layer by layer and calls the per-layer hooks, a
+reload computed in the step that loads it, and a request preempted while its per-layer stores are in flight."""

@@ -54,9 +54,13 @@ class FaultInjector:
         self._maybe_fail("store")
         self._transfers.store(*args, **kwargs)  # type: ignore[attr-defined]
 
-    def load(self, *args: object, **kwargs: object) -> None:
+    def load_segments(self, *args: object, **kwargs: object) -> object:
         self._maybe_fail("load")
-        self._transfers.load(*args, **kwargs)  # type: ignore[attr-defined]
+        return self._transfers.load_segments(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def store_segments(self, *args: object, **kwargs: object) -> object:
+        self._maybe_fail("store")
+        return self._transfers.store_segments(*args, **kwargs)  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -69,16 +73,23 @@ class Submitted:
 class Harness:
     def __init__(self, device: Device, num_gpu_blocks: int, cpu_blocks: int, block_size_factor: int = 1,
                  mutant: str | None = None, max_batched_tokens: int = 32, shape: ModelShape = SHAPE,
-                 compute_delay_cycles: int = 0, checksum: bool = False, backend: Backend = "table") -> None:
+                 compute_delay_cycles: int = 0, checksum: bool = False, backend: Backend = "table",
+                 per_layer: bool = False, layer_loads: bool = False, layer_stores: bool = False) -> None:
         self.device = device
         self.shape = shape
         config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=block_size_factor,
-                               gpu_block_size=shape.block_size, checksum=checksum)
+                               gpu_block_size=shape.block_size, checksum=checksum, layer_loads=layer_loads,
+                               layer_stores=layer_stores)
         self.connector = Connector(config, device, keep_history=True,
                                    machines=MachineSet(default_spec(), backend=backend))
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
-                                          model=shape, compute_delay_cycles=compute_delay_cycles),
+                                          model=shape, compute_delay_cycles=compute_delay_cycles,
+                                          per_layer=per_layer),
                              device, self.connector)
+        self.poll_lag = 0
+        """SimDevice only: device operations run inside a step, just before the worker polls for finished jobs
+        (on a GPU a job may finish before its own step ends)."""
+        self._wrap_poll()
         self.faults = FaultInjector(self.connector.worker._transfers)
         self.connector.worker._transfers = self.faults  # type: ignore[assignment]
         if mutant is not None:
@@ -88,6 +99,20 @@ class Harness:
         self.trace = TraceRecorder(self.connector.machines)
         self.submitted: dict[int, Submitted] = {}
         self._next_id = 0
+
+    def _wrap_poll(self) -> None:
+        worker, device = self.connector.worker, self.device
+        poll = worker.get_finished
+
+        def get_finished() -> object:
+            for _ in range(self.poll_lag):
+                options = getattr(device, "runnable", lambda: [])()
+                if not options:
+                    break
+                device.run_one(device.scheduler(options))  # type: ignore[attr-defined]
+            return poll()
+
+        worker.get_finished = get_finished  # type: ignore[method-assign]
 
     # --- driving -------------------------------------------------------------------------------------------
 

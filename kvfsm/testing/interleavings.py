@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvfsm.executor.sim import SimDevice, first_runnable
 from kvfsm.testing.harness import Harness
+from kvfsm.testing.mutants import MUTANTS
 
 Trigger = tuple[str, str]
 
@@ -23,7 +24,7 @@ STEP_DRIVEN: frozenset[Trigger] = frozenset({
     ("request", "lookup"), ("request", "allocate"), ("request", "load-done"), ("request", "load-failed"),
     ("request", "finish"), ("request", "job-done"),
     ("transfer-job", "prepare"), ("transfer-job", "submit"), ("transfer-job", "flush"),
-    ("transfer-job", "complete"),
+    ("transfer-job", "complete"), ("transfer-job", "land-segment"),
     ("cpu-block", "allocate"), ("cpu-block", "submit"), ("cpu-block", "store-done"), ("cpu-block", "store-failed"),
     ("cpu-block", "pin"), ("cpu-block", "unpin"), ("cpu-block", "evict"),
     ("gpu-block", "fence"), ("gpu-block", "unfence"),
@@ -82,10 +83,20 @@ class OffloadInterleavings(RuleBasedStateMachine):
         self.harness: Harness | None = None
 
     @initialize(gpu_blocks=st.integers(6, 12), cpu_blocks=st.integers(2, 6), factor=st.sampled_from([1, 2]),
-                prompts=st.lists(PROMPTS, min_size=1, max_size=3))
-    def setup(self, gpu_blocks: int, cpu_blocks: int, factor: int, prompts: list[tuple[tuple[int, ...], int]]) -> None:
+                prompts=st.lists(PROMPTS, min_size=1, max_size=3), per_layer=st.booleans(),
+                layer_loads=st.booleans(), layer_stores=st.booleans())
+    def setup(self, gpu_blocks: int, cpu_blocks: int, factor: int, prompts: list[tuple[tuple[int, ...], int]],
+              per_layer: bool, layer_loads: bool, layer_stores: bool) -> None:
+        """The engine computes whole forwards or layer by layer (calling the per-layer hooks, with or without
+        loads computed in their own step and per-layer stores), unless the mutant under test needs one of them."""
+        needs = MUTANTS[self.mutant] if self.mutant is not None else None
+        if needs is not None and needs.per_layer is not None:
+            per_layer = needs.per_layer
+        layer_loads = per_layer and (layer_loads or (needs is not None and needs.layer_loads))
+        layer_stores = per_layer and (layer_stores or (needs is not None and needs.layer_stores))
         self.harness = Harness(SimDevice(), num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
-                               block_size_factor=factor, mutant=self.mutant)
+                               block_size_factor=factor, mutant=self.mutant, per_layer=per_layer,
+                               layer_loads=layer_loads, layer_stores=layer_stores)
         for prompt, max_new in prompts:
             self.h.add_request(prompt, max_new)
 
@@ -97,10 +108,15 @@ class OffloadInterleavings(RuleBasedStateMachine):
     def _choose_with(self, data: st.DataObject) -> None:
         self.h.device.scheduler = lambda options: data.draw(st.sampled_from(options), label="stream")
 
-    @rule(data=st.data(), arrivals=st.lists(PROMPTS, max_size=2), lag=st.integers(0, 6), forget=st.booleans())
-    def step(self, data: st.DataObject, arrivals: list[tuple[tuple[int, ...], int]], lag: int, forget: bool) -> None:
+    @rule(data=st.data(), arrivals=st.lists(PROMPTS, max_size=2), lag=st.integers(0, 6), forget=st.booleans(),
+          poll_lag=st.sampled_from([0, 0, 3, 100]))
+    def step(self, data: st.DataObject, arrivals: list[tuple[tuple[int, ...], int]], lag: int, forget: bool,
+             poll_lag: int) -> None:
         """New requests arrive (after the GPU prefix cache is dropped if `forget`, so they reload from CPU), one
-        engine step runs, then `lag` device operations: the host runs ahead of the GPU by a chosen amount."""
+        engine step runs (the device running `poll_lag` operations inside it, before the worker polls: a job may
+        finish within its own step), then `lag` device operations: the host runs ahead of the GPU by a chosen
+        amount."""
+        self.h.poll_lag = poll_lag
         if forget:
             self.h.engine.reset_prefix_cache()
         for prompt, max_new in arrivals:

@@ -14,6 +14,7 @@ from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine
 from kvfsm.manager.catalogue import Lookup
 from kvfsm.states import CpuBlockState
+from kvfsm.records import TransferJob
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,12 @@ class Mutant:
     breaks: str
     """The spec invariant (and the public bug) the mutant reintroduces."""
     apply: Callable[[Engine, Connector], None]
+    per_layer: bool | None = None
+    """The engine the bug needs: True, one that calls the per-layer hooks; False, one that does not; None, any."""
+    layer_loads: bool = False
+    """Whether the bug needs loads computed in their own step (the connector's `layer_loads`)."""
+    layer_stores: bool = False
+    """Whether the bug needs stores started by `save_kv_layer`."""
 
 
 def _no_compute_barrier(engine: Engine, connector: Connector) -> None:
@@ -83,6 +90,48 @@ def _unpinned_load(engine: Engine, connector: Connector) -> None:
     manager.complete_load = lambda slots: None  # type: ignore[method-assign]
 
 
+def _wait_on_wrong_layer(engine: Engine, connector: Connector) -> None:
+    worker = connector.worker
+    worker._layer_event = lambda job_id, segment: worker._segment_events[job_id][0]  # type: ignore[method-assign]
+
+
+def _store_event_before_write(engine: Engine, connector: Connector) -> None:
+    worker = connector.worker
+    record, wait = worker._record_layer_written, worker.wait_for_layer_load
+    marks: list = []
+
+    def wait_for_layer_load(layer: str) -> None:
+        wait(layer)
+        marks.append(record())  # recorded before the layer's compute is enqueued
+
+    worker.wait_for_layer_load = wait_for_layer_load  # type: ignore[method-assign]
+    worker._record_layer_written = lambda: marks[-1]  # type: ignore[method-assign]
+
+
+def _partial_load_report(engine: Engine, connector: Connector) -> None:
+    worker = connector.worker
+
+    def land_segments(job: TransferJob) -> None:
+        events = worker._segment_events[job.job_id]
+        if job.landed_segments < job.segments and worker.device.query(events[job.landed_segments]):
+            while job.landed_segments < job.segments:  # the first landed segment taken for all of them
+                worker._job.fire(job, "land-segment")
+
+    worker._land_segments = land_segments  # type: ignore[method-assign]
+
+
+def _flush_first_segment(engine: Engine, connector: Connector) -> None:
+    worker = connector.worker
+
+    def wait(job_ids: Sequence[int]) -> None:
+        for job_id in job_ids:
+            events = worker._segment_events.get(job_id) or [worker._events.get(job_id)]
+            if events[0] is not None:
+                worker.device.synchronize(events[0])
+
+    worker.wait = wait  # type: ignore[method-assign]
+
+
 MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (
@@ -92,5 +141,13 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("no-write-after-read-wait", "load-after-readers (vLLM 47282)", _no_write_after_read_wait),
         Mutant("no-fence", "fence (finished request's blocks reused mid-store)", _no_fence),
         Mutant("unpinned-load", "readers-pin (TRT-LLM two writers of one host block)", _unpinned_load),
+        Mutant("wait-on-wrong-layer", "layer-load-before-use (every layer waits on layer 0's segment)",
+               _wait_on_wrong_layer, per_layer=True, layer_loads=True),
+        Mutant("store-event-before-write", "layer-store-after-compute (the store event recorded before the write)",
+               _store_event_before_write, per_layer=True, layer_stores=True),
+        Mutant("partial-load-report", "load-before-use (a load reported when only its first segment landed)",
+               _partial_load_report, per_layer=False),
+        Mutant("flush-first-segment", "layer-stores-flushed (a flush waits for a store's first layer only)",
+               _flush_first_segment, per_layer=True, layer_stores=True),
     )
 }

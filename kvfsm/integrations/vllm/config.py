@@ -38,9 +38,15 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
             raise InvalidExtraConfig(f"kv_connector_extra_config sets {key}={extra[key]!r}, but vLLM runs with {value}")
         extra[key] = value
     try:
-        return OffloadConfig(**extra)
+        config = OffloadConfig(**extra)
     except ValidationError as error:
         raise InvalidExtraConfig(f"kv_connector_extra_config is not a valid kvfsm OffloadConfig:\n{error}") from None
+    if config.layer_loads:
+        raise InvalidExtraConfig(
+            "layer_loads is not supported under vLLM: its scheduler may preempt or finish a request computed in the "
+            "step that loads it while that load is in flight, which kvfsm's request lifecycle does not allow; "
+            "loads stay asynchronous (layer_stores is supported)")
+    return config
 
 
 def gpu_block_bytes(kv_cache_config: "KVCacheConfig") -> int:

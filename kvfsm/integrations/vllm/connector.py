@@ -2,8 +2,9 @@
 
 vLLM builds one instance per role: in the scheduler process it delegates to `SchedulerSide`, in each worker to
 `WorkerSide`. Calls that belong to the other role are refused with `WrongRole` rather than ignored, so a wiring
-mistake shows at once. Loads are whole-request and asynchronous, stores follow the forward pass, so the per-layer
-hooks have nothing to do.
+mistake shows at once. Loads are asynchronous under vLLM (a request is computed once its load is reported), so
+`wait_for_layer_load` has nothing to wait for; `save_kv_layer` starts each layer's stores right after that layer's
+KV write when `layer_stores` is set (otherwise stores follow the forward pass).
 """
 
 from __future__ import annotations
@@ -82,11 +83,11 @@ class KvfsmConnector(KVConnectorBase_V1):
         self.worker_side.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
-        return
+        self.worker_side.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         self.worker_side.wait_for_save()

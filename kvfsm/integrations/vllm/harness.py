@@ -175,14 +175,16 @@ class AdapterWorker:
         return result
 
     def _forward(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
+        """Layer by layer, as vLLM's attention layers run: wait for the layer's load, write it, save it."""
         before = computed_before(output)
-        for req_id, count in output.num_scheduled_tokens.items():
-            blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-            tokens = scheduler.requests[req_id].all_token_ids
-            for position in range(before[req_id], before[req_id] + count):
-                value = float(tokens[position] % 251)
-                for cache in self.caches.values():
-                    cache[:, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = value
+        for name, cache in self.caches.items():
+            self.connector.wait_for_layer_load(name)
+            for req_id, count in output.num_scheduled_tokens.items():
+                blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+                tokens = scheduler.requests[req_id].all_token_ids
+                for position in range(before[req_id], before[req_id] + count):
+                    cache[:, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = float(tokens[position] % 251)
+            self.connector.save_kv_layer(name, cache, None)  # type: ignore[arg-type]
 
     def block_tokens(self, block_id: int) -> list[int]:
         """The token ids a block's bytes say it holds (read from the first layer's K plane)."""

@@ -67,6 +67,12 @@ class WorkerSide:
     def start_load_kv(self) -> None:
         self.kvfsm.start_load_kv()
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.kvfsm.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        self.kvfsm.save_kv_layer(layer_name)
+
     def wait_for_save(self) -> None:
         self.kvfsm.wait_for_save()
 
