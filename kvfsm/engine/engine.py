@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -27,21 +27,10 @@ import torch
 from kvfsm.connector import Connector
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvfsm.engine.blocks import BlockPool
-from kvfsm.engine.model import POISON_BYTE, ModelShape, ToyModel
-from kvfsm.executor.device import Device, Touch
-from kvfsm.executor.mechanisms import device_index
-
-_HASH_MASK = (1 << 63) - 1
-
-
-class Phase(enum.Enum):
-    WAITING = "waiting"
-    LOADING = "loading"
-    RUNNING = "running"
-    HELD = "held"
-    """Finished or aborted; the engine keeps its blocks until the connector releases them."""
-    DONE = "done"
-
+from kvfsm.engine.forward import Forward
+from kvfsm.engine.model import ModelShape, ToyModel
+from kvfsm.engine.requests import EngineRequest, Phase, Work
+from kvfsm.executor.device import Device
 
 class _Admission(enum.Enum):
     ADMITTED = "admitted"
@@ -53,39 +42,6 @@ class RequestIdInUse(ValueError):
     """A request id was reused while the earlier request with that id is still in the engine."""
 
 
-@dataclass(eq=False)
-class EngineRequest:
-    """One request: its host-known prompt, and the tokens the device samples (read only when it finishes)."""
-
-    request_id: str
-    prompt: tuple[int, ...]
-    max_new_tokens: int
-    block_size: int
-    handle: int
-    phase: Phase = Phase.WAITING
-    blocks: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    sampled: list[torch.Tensor] = field(default_factory=list)
-    num_sampled: int = 0
-    block_hashes: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        hashes, parent = [], 0
-        for start in range(0, len(self.prompt) - self.block_size + 1, self.block_size):
-            parent = hash((parent, self.prompt[start:start + self.block_size])) & _HASH_MASK
-            hashes.append(parent)
-        self.block_hashes = tuple(hashes)
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus the tokens sampled so far: the positions its KV must cover before the next sample."""
-        return len(self.prompt) + self.num_sampled
-
-    @property
-    def finished(self) -> bool:
-        return self.num_sampled >= self.max_new_tokens
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     num_gpu_blocks: int = 16
@@ -95,17 +51,6 @@ class EngineConfig:
     """CUDA only: the compute stream sleeps this long before each forward (`torch.cuda._sleep`)."""
     per_layer: bool = False
     """Compute layer by layer, calling the per-layer hooks, and compute a CPU hit in the step that loads it."""
-
-
-@dataclass(frozen=True)
-class _Work:
-    """One request's part of a forward pass: KV for positions [start, end), then maybe a sample."""
-
-    request: EngineRequest
-    blocks: tuple[int, ...]
-    start: int
-    end: int
-    sample: bool
 
 
 class Engine:
@@ -120,6 +65,7 @@ class Engine:
         ]
         self.model = ToyModel(shape, self.caches)
         self.layer_names = [f"layer.{i}" for i in range(shape.num_layers)]
+        self.forward = Forward(device, self.model, self.caches, self.layer_names, shape.block_size)
         self.pool = BlockPool(config.num_gpu_blocks)
         self.connector = connector
         if connector is not None:
@@ -198,10 +144,14 @@ class Engine:
             meta = conn.build_connector_meta(SchedulerOutput(scheduled=scheduled, preempted=tuple(preempted)))
             conn.worker.bind_connector_metadata(meta)
             conn.worker.handle_preemptions()
-        self._poison(self.pool.take_poison())
+        self.forward.poison(self.pool.take_poison(), self.step_count)
         if conn is not None:
             conn.worker.start_load_kv()
-        self._forward(work)
+        if work and self.config.per_layer:
+            self.forward.layers(work, self.step_count, self.compute_delay_cycles,
+                                self.connector.worker if self.connector is not None else None)
+        elif work:
+            self.forward.whole(work, self.step_count, self.compute_delay_cycles)
         if conn is not None:
             conn.worker.wait_for_save()
             result = conn.update_connector_output(ConnectorOutput(workers=(conn.worker.get_finished(),)))
@@ -212,9 +162,9 @@ class Engine:
                 if w.request.request_id not in self.loading:  # else it finishes once its load is reported
                     self._finish(w.request, aborted=False)
 
-    def _schedule(self) -> tuple[list[_Work], list[str]]:
+    def _schedule(self) -> tuple[list[Work], list[str]]:
         budget = self.config.max_batched_tokens
-        work: list[_Work] = []
+        work: list[Work] = []
         preempted: list[str] = []
         for request in [r for r in self.running if r.request_id in self._forced]:
             self._preempt(request)
@@ -250,7 +200,7 @@ class Engine:
         candidates = [r for r in self.running if r.request_id not in self.loading]
         return candidates[-1] if candidates else None
 
-    def _admit(self, request: EngineRequest, budget: int, work: list[_Work]) -> _Admission:
+    def _admit(self, request: EngineRequest, budget: int, work: list[Work]) -> _Admission:
         """Try to schedule a waiting request in queue order; STOP keeps later ones waiting behind it (FCFS)."""
         block_size = self.config.model.block_size
         if request.num_tokens > budget:
@@ -289,7 +239,7 @@ class Engine:
         work.append(self._compute(request, num_computed, request.num_tokens))
         return _Admission.ADMITTED
 
-    def _compute(self, request: EngineRequest, start: int, end: int) -> _Work:
+    def _compute(self, request: EngineRequest, start: int, end: int) -> Work:
         """Schedule KV for [start, end) and a sample; the full prompt blocks it computes become prefix-cache hits
         (blocks before `start` are hits already, or loaded ones, cached once their load is reported)."""
         self.computed_tokens += end - start
@@ -298,7 +248,7 @@ class Engine:
             self.pool.cache(request.blocks[index], request.block_hashes[index])
         request.num_computed = end
         request.num_sampled += 1
-        return _Work(request, tuple(request.blocks), start, end, sample=True)
+        return Work(request, tuple(request.blocks), start, end, sample=True)
 
     def _preempt(self, request: EngineRequest) -> None:
         self.running.remove(request)
@@ -359,104 +309,6 @@ class Engine:
             self._finish(request, aborted=False)
         elif request not in self.running:
             self.running.append(request)
-
-    # --- device work ---------------------------------------------------------------------------------------
-
-    def _poison(self, blocks: list[int]) -> None:
-        if not blocks:
-            return
-        index = device_index(blocks, self.device.tensor_device())
-
-        def fill() -> None:
-            for cache in self.caches:
-                cache.view(torch.uint8)[:, index] = POISON_BYTE
-
-        self.device.enqueue("compute", "compute", f"poison step {self.step_count}", fill,
-                            [Touch("write", "gpu", tuple(blocks))])
-
-    def _forward(self, work: list[_Work]) -> None:
-        if not work:
-            return
-        if self.config.per_layer:
-            self._forward_layers(work)
-            return
-        block_size = self.config.model.block_size
-        device = self.device.tensor_device()
-        delay = self.compute_delay_cycles
-
-        def forward() -> None:
-            if delay:
-                torch.cuda._sleep(delay)
-            for w in work:
-                blocks = device_index(w.blocks, device)
-                tokens = self._tokens(w.request, w.start, w.end, device)
-                self.model.write(blocks, tokens, w.start)
-                if w.sample:
-                    w.request.sampled.append(self.model.next_token(blocks, w.end))
-
-        reads, writes = self._touched(work)
-        self.device.enqueue("compute", "compute", f"compute step {self.step_count}", forward,
-                            [Touch("write", "gpu", writes), Touch("read", "gpu", reads)])
-
-    def _touched(self, work: list[_Work]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The blocks a forward reads (every position up to the end) and writes (the new positions)."""
-        block_size = self.config.model.block_size
-        reads = {b for w in work for b in w.blocks[: -(-w.end // block_size)]}
-        writes = {b for w in work for b in w.blocks[w.start // block_size: -(-w.end // block_size)]}
-        return tuple(sorted(reads)), tuple(sorted(writes))
-
-    def _forward_layers(self, work: list[_Work]) -> None:
-        """One compute operation per layer, each behind `wait_for_layer_load` and followed by `save_kv_layer`."""
-        device = self.device.tensor_device()
-        delay = self.compute_delay_cycles
-        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per work: blocks, tokens, running sum
-        worker = self.connector.worker if self.connector is not None else None
-
-        def prepare() -> None:
-            if delay:
-                torch.cuda._sleep(delay)
-            for w in work:
-                inputs.append((device_index(w.blocks, device), self._tokens(w.request, w.start, w.end, device),
-                               torch.zeros((), dtype=torch.float64, device=device)))
-
-        def layer_op(layer: int) -> None:
-            for i, w in enumerate(work):
-                blocks, tokens, total = inputs[i]
-                self.model.write_layer(layer, blocks, tokens, w.start)
-                if w.sample:
-                    total += self.model.read_layer(layer, blocks, w.end)
-
-        # Each sample's tensor is in the request's list from now on (the sample writes into it in place), so a
-        # rolled-back step drops its sample whether or not the device has run it yet.
-        samples = {id(w): torch.empty((), dtype=torch.int64, device=device) for w in work if w.sample}
-
-        def sample() -> None:
-            for w, (_, _, total) in zip(work, inputs):
-                if w.sample:
-                    samples[id(w)].copy_(self.model.token(total))
-
-        step = self.step_count
-        reads, writes = self._touched(work)
-        self.device.enqueue("compute", "compute", f"compute step {step} inputs", prepare)
-        for layer, name in enumerate(self.layer_names):
-            if worker is not None:
-                worker.wait_for_layer_load(name)
-            self.device.enqueue("compute", "compute", f"compute step {step} layer {layer}",
-                                lambda layer=layer: layer_op(layer),  # type: ignore[misc]
-                                [Touch("write", "gpu", writes, layer), Touch("read", "gpu", reads, layer)])
-            if worker is not None:
-                worker.save_kv_layer(name)
-        self.device.enqueue("compute", "compute", f"compute step {step} sample", sample)
-        for w in work:
-            if w.sample:
-                w.request.sampled.append(samples[id(w)])
-
-    @staticmethod
-    def _tokens(request: EngineRequest, start: int, end: int, device: torch.device) -> torch.Tensor:
-        """Tokens at positions [start, end): prompt from the host, sampled ones from the device."""
-        prompt = device_index(request.prompt[start:end], device)
-        sampled = request.sampled[max(0, start - len(request.prompt)): end - len(request.prompt)]
-        return torch.cat([prompt, *(t.view(1) for t in sampled)]) if sampled else prompt
 
     # --- results -------------------------------------------------------------------------------------------
 
