@@ -81,6 +81,10 @@ def _connector(result: dict[str, Any], quick: bool) -> None:
                                       moved_bytes=(1 << 28) if quick else (1 << 30), reps=2 if quick else 9))
             _free_gpu()
     result["connector"] = rows
+    from kvfsm.bench import token_copy
+
+    result["token_copy"] = token_copy.run(stored_blocks=64 if quick else 512, trials=3 if quick else 15)
+    _free_gpu()
 
 
 def layers_that_fit(free_bytes: int, max_tokens: int) -> int:
@@ -175,6 +179,14 @@ def _print(result: dict[str, Any]) -> None:
             table.add_row(r["layout"], str(r["block_tokens"]), r["mechanism"], f"{r['store_gbps']:.1f}",
                           f"{r['store_share']:.3f}", f"{r['load_gbps']:.1f}", f"{r['load_share']:.3f}",
                           f"{r['both_gbps']:.1f}", f"{r['both_share']:.3f}")
+        console.print(table)
+    if "token_copy" in result:
+        tc = result["token_copy"]
+        table = Table(title=f"Sampled-token copy after a forward that stores {tc['stored_bytes'] >> 20} MiB")
+        for column in ("stores", "median ms", "p90 ms"):
+            table.add_column(column, justify="right")
+        for mode in ("deferred", "per-layer"):
+            table.add_row(mode, f"{tc[mode]['median_ms']:.3f}", f"{tc[mode]['p90_ms']:.3f}")
         console.print(table)
     if "scheduler" in result:
         s = result["scheduler"]
