@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 Mechanism = Literal["auto", "copy-per-block", "staged-gather", "cross-layer", "staged-copy"]
 
 
+class PoolTooSmall(ValueError):
+    """`cpu_bytes` does not hold one CPU block of the registered KV cache."""
+
+
 class OffloadConfig(BaseModel):
     """kvfsm's configuration; also what vLLM's `kv_connector_extra_config` is validated against."""
 
@@ -52,10 +56,11 @@ class OffloadConfig(BaseModel):
         """Pool size in CPU blocks, given the bytes one GPU block occupies across all layers."""
         if self.cpu_blocks is not None:
             return self.cpu_blocks
-        assert self.cpu_bytes is not None
+        assert self.cpu_bytes is not None  # the validator demands cpu_blocks or cpu_bytes
         blocks = self.cpu_bytes // (gpu_block_bytes * self.block_size_factor)
         if blocks == 0:
-            raise ValueError(
-                f"cpu_bytes={self.cpu_bytes} holds no CPU block of {gpu_block_bytes * self.block_size_factor} bytes"
+            raise PoolTooSmall(
+                f"cpu_bytes={self.cpu_bytes} holds no CPU block of {gpu_block_bytes * self.block_size_factor} bytes; "
+                f"legal: at least {gpu_block_bytes * self.block_size_factor}"
             )
         return blocks

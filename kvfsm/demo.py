@@ -350,12 +350,13 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n")[0])
 
 @app.command()
 def main(
-    conversations: int = typer.Option(WorkloadShape.conversations, help="Multi-turn conversations."),
-    turns: int = typer.Option(WorkloadShape.turns, help="Turns per conversation and calls per agent."),
-    agents: int = typer.Option(WorkloadShape.agents, help="Agents sharing one long prefix."),
-    gpu_blocks: int = typer.Option(DemoConfig.gpu_blocks, help=f"GPU KV cache size in blocks of {SIM_SHAPE.block_size} tokens."),
-    cpu_blocks: int = typer.Option(DemoConfig.cpu_blocks, help="Pinned CPU pool size in CPU blocks."),
-    block_size_factor: int = typer.Option(DemoConfig.block_size_factor, help="GPU blocks per CPU block."),
+    conversations: int = typer.Option(WorkloadShape.conversations, min=0, help="Multi-turn conversations."),
+    turns: int = typer.Option(WorkloadShape.turns, min=1, help="Turns per conversation and calls per agent."),
+    agents: int = typer.Option(WorkloadShape.agents, min=0, help="Agents sharing one long prefix."),
+    gpu_blocks: int = typer.Option(DemoConfig.gpu_blocks, min=1,
+                                   help=f"GPU KV cache size in blocks of {SIM_SHAPE.block_size} tokens."),
+    cpu_blocks: int = typer.Option(DemoConfig.cpu_blocks, min=1, help="Pinned CPU pool size in CPU blocks."),
+    block_size_factor: int = typer.Option(DemoConfig.block_size_factor, min=1, help="GPU blocks per CPU block."),
     eviction: Eviction = typer.Option(DemoConfig.eviction, help="CPU pool eviction policy."),
     device: DeviceKind = typer.Option(DemoConfig.device, help="cuda: CudaDevice; cpu: SimDevice; auto: cuda if "
                                                               "torch sees a GPU."),

@@ -394,14 +394,18 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n")[0])
 
 @app.command()
 def main(
-    spec_dir: Path = typer.Option(DEFAULT_SPEC_DIR, "--spec", help="Spec folder to load (and so validate)."),
-    out: Path | None = typer.Option(None, "--out", help="Folder for one diagram per lifecycle."),
+    spec_dir: Path = typer.Option(DEFAULT_SPEC_DIR, "--spec", exists=True, file_okay=False,
+                                  help="Spec folder to load (and so validate)."),
+    out: Path | None = typer.Option(None, "--out", file_okay=False, help="Folder for one diagram per lifecycle."),
     fmt: Format = typer.Option(Format.svg, "--format", help="Picture format; mermaid text is written in every case."),
     docs: bool = typer.Option(False, "--docs", help="Regenerate docs/spec.md, docs/diagrams/*.svg, kvfsm/states.py."),
 ) -> None:
     """Draw one diagram per lifecycle of the spec, and/or regenerate the docs."""
     if out is None and not docs:
         raise typer.BadParameter("name a folder with --out DIR, or pass --docs to regenerate docs/", param_hint="--out")
+    if docs and not (DOCS_DIR / "spec.md").is_file():
+        raise typer.BadParameter(f"--docs regenerates a source checkout's docs/, and {DOCS_DIR} is not one; "
+                                 "use --out DIR", param_hint="--docs")
     try:
         spec = load_spec(spec_dir, registry=default_registry())
     except SpecError as err:

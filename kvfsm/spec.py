@@ -161,6 +161,11 @@ def load_spec(directory: Path | str = DEFAULT_SPEC_DIR, *, registry: Registry) -
     is the shipped spec checked against the bindings kvfsm ships.
     """
     directory = Path(directory)
+    if not directory.is_dir():
+        raise SpecError(directory, None, "directory", "does not exist or is not a folder; legal: a folder of *.yaml")
+    for name in ("has_guard", "has_effect", "has_invariant"):
+        if not callable(getattr(registry, name, None)):
+            raise TypeError(f"load_spec: registry must provide {name}() (see kvfsm.registry.Registry)")
     paths = sorted(directory.glob("*.yaml"))
     if not paths:
         raise SpecError(directory, None, "directory", "holds no *.yaml lifecycle file")

@@ -21,7 +21,8 @@ from kvfsm.connector.metadata import (
     StoreOrder,
     WorkerOutput,
 )
-from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult, UnknownJob
+from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult
+from kvfsm.connector.validation import UnknownJob
 from kvfsm.machines import IllegalTrigger
 from kvfsm.manager import BlockRemoved, BlockStored
 
@@ -284,9 +285,9 @@ def two_worker_store(sched: SchedulerConnector) -> int:
 
 def check_waits_for_every_worker(sched: SchedulerConnector) -> None:
     job_id = two_worker_store(sched)
-    report(sched, done=[job_id], worker=1)
-    assert sched.jobs[job_id].state == "submitted", "a job completed before every worker reported it"
     report(sched, done=[job_id], worker=0)
+    assert sched.jobs[job_id].state == "submitted", "a job completed before every worker reported it"
+    report(sched, done=[job_id], worker=1)
     assert sched.jobs[job_id].state == "done"
 
 

@@ -11,7 +11,8 @@ import torch
 
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
-from kvfsm.connector.worker import NotRegistered, WorkerConnector
+from kvfsm.connector.validation import NotRegistered
+from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.layouts import LayoutError
 from kvfsm.executor.sim import SimDevice
 from kvfsm.executor.transfer import UnknownLayer
@@ -68,10 +69,9 @@ def test_registering_caches_of_a_bad_layout_or_shape_raises_layout_error(tensors
 
 def test_orders_before_registration_raise_not_registered() -> None:
     worker = WorkerConnector(OffloadConfig(cpu_blocks=2, gpu_block_size=4), SimDevice())
-    worker.bind_connector_metadata(ConnectorMetadata(step=1, loads=(
-        LoadOrder(job_id=0, req_id="r", gpu_blocks=(0,), cpu_slots=(0,)),)))
     with pytest.raises(NotRegistered):
-        worker.start_load_kv()
+        worker.bind_connector_metadata(ConnectorMetadata(step=1, loads=(
+            LoadOrder(job_id=0, req_id="r", gpu_blocks=(0,), cpu_slots=(0,)),)))
     with pytest.raises(NotRegistered):
         _ = worker.pool
 

@@ -8,6 +8,7 @@ import pytest
 
 from kvfsm.machines import IllegalTrigger
 from kvfsm.manager import (
+    BadPoolSize,
     BadSlots,
     BlockRemoved,
     BlockStored,
@@ -17,6 +18,7 @@ from kvfsm.manager import (
     OffloadingManager,
     StorePlan,
     UnknownPolicy,
+    make_policy,
 )
 from test_manager_properties import (
     CountsSubmitted,
@@ -334,8 +336,10 @@ def test_a_hash_named_twice_in_one_call_raises() -> None:
 def test_bad_construction_raises() -> None:
     with pytest.raises(UnknownPolicy):
         OffloadingManager(2, "mru")  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
+    with pytest.raises(BadPoolSize, match="at least one slot"):
         OffloadingManager(0)
+    with pytest.raises(BadPoolSize, match="policy capacity 3 != pool size 2"):
+        OffloadingManager(2, make_policy("lru", 3))
 
 
 def test_usage_counts_every_state_and_sums_to_capacity() -> None:

@@ -123,6 +123,16 @@ def test_invariant_declared_by_two_lifecycles_is_refused(tmp_path: Path) -> None
     refusal(spec_dir, "transfer-job", "invariant 'fence'", "already declared by lifecycle 'gpu-block'")
 
 
+def test_missing_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="does not exist or is not a folder"):
+        load_spec(tmp_path / "nowhere", registry=default_registry())
+
+
+def test_a_registry_without_the_lookups_is_refused() -> None:
+    with pytest.raises(TypeError, match="registry must provide has_guard"):
+        load_spec(DEFAULT_SPEC_DIR, registry=object())  # type: ignore[arg-type]
+
+
 def test_empty_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="no \\*.yaml lifecycle file"):
         load_spec(tmp_path, registry=default_registry())

@@ -266,7 +266,7 @@ def collect(parts: tuple[str, ...], out: Path, quick: bool) -> dict[str, Any]:
     return result
 
 
-OUT = typer.Option(Path("bench-out"), "--out", help="directory for bench.json and bench.png")
+OUT = typer.Option(Path("bench-out"), "--out", file_okay=False, help="directory for bench.json and bench.png")
 QUICK = typer.Option(False, "--quick", help="small sizes: checks the plumbing, not the hardware")
 
 

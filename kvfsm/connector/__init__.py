@@ -12,7 +12,8 @@ from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
 from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult
-from kvfsm.connector.worker import NotRegistered, WorkerConnector
+from kvfsm.connector.validation import NotRegistered, check_halves
+from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.machines import MachineSet
@@ -25,6 +26,7 @@ class Connector:
 
     def __init__(self, config: OffloadConfig, device: Device, keep_history: bool = False,
                  machines: MachineSet | None = None) -> None:
+        check_halves("Connector", config, device)
         self.config = config
         self.machines = machines or MachineSet(default_spec())
         """This connector's machines, shared by both halves: observe them to trace this connector alone."""
@@ -36,7 +38,7 @@ class Connector:
                            groups: dict[str, list[str]] | None = None) -> KVCaches:
         caches = self.worker.register_kv_caches(kv_caches, layout, groups)
         self._scheduler = SchedulerConnector(self.config, caches.gpu_block_bytes, self.machines,
-                                             keep_history=self.keep_history)
+                                             keep_history=self.keep_history, num_gpu_blocks=caches.num_blocks)
         return caches
 
     @property

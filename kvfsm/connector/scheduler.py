@@ -29,6 +29,16 @@ from kvfsm.connector.metadata import (
     StoreOrder,
 )
 from kvfsm.connector.stats import ConnectorStats
+from kvfsm.connector.validation import (
+    UnknownJob,
+    UnknownRequest,
+    check_alloc,
+    check_finished,
+    check_lookup,
+    check_reports,
+    check_scheduler,
+    check_step,
+)
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
@@ -54,21 +64,16 @@ class RequestView(Protocol):
     def num_tokens(self) -> int: ...
 
 
-class UnknownRequest(KeyError):
-    """The engine named a request the connector never saw (or already released)."""
-
-
-class UnknownJob(KeyError):
-    """A worker reported a job the scheduler does not track, or reported it twice."""
-
-
 class SchedulerConnector:
     def __init__(self, config: OffloadConfig, gpu_block_bytes: int, machines: MachineSet | None = None,
-                 keep_history: bool = False, kv_events: bool = False) -> None:
+                 keep_history: bool = False, kv_events: bool = False, num_gpu_blocks: int | None = None) -> None:
         """`keep_history`: keep ended jobs and released requests (for invariant checks); `kv_events`: record the
-        pool's KV-cache events for an engine that drains them (`manager.take_events()`) every step."""
+        pool's KV-cache events for an engine that drains them (`manager.take_events()`) every step;
+        `num_gpu_blocks`: the engine's KV-cache size, so block ids beyond it are refused (None: not checked)."""
+        check_scheduler(config, gpu_block_bytes, num_gpu_blocks)
         self.config = config
         self.gpu_block_bytes = gpu_block_bytes
+        self.num_gpu_blocks = num_gpu_blocks
         self.machines = machines or MachineSet(default_spec())
         self.manager = OffloadingManager(config.num_cpu_blocks(gpu_block_bytes), config.eviction, self.machines,
                                          events=kv_events)
@@ -113,6 +118,7 @@ class SchedulerConnector:
         A request is deferred while any block it would load is being stored or loaded by someone else: once that
         load lands, the engine's GPU prefix cache serves those blocks and this request loads only the rest.
         """
+        check_lookup(self, request, num_computed_tokens)
         record = self._track(request)
         block_size, k = self.config.gpu_block_size, self.config.block_size_factor
         first_gpu = num_computed_tokens // block_size
@@ -138,6 +144,7 @@ class SchedulerConnector:
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
         """The engine allocated `block_ids` (all of the request's GPU blocks); start the load it accepted."""
+        check_alloc(self, request, block_ids, num_external_tokens)
         record = self._get(request.request_id)
         record.block_ids = tuple(block_ids)
         record.stored_cpu_blocks = 0
@@ -147,7 +154,7 @@ class SchedulerConnector:
         self.ledger.fire_request(record, "allocate", external_tokens=count)
         if count == 0:
             return
-        assert match is not None and count <= match[1], "engine accepted more than the lookup offered"
+        assert match is not None  # check_alloc refused more tokens than the lookup offered
         k = self.config.block_size_factor
         first_gpu = match[0]
         first_cpu, offset = divmod(first_gpu, k)
@@ -163,6 +170,7 @@ class SchedulerConnector:
 
     def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
         """This step's loads, the stores to prepare after its forward pass, and the stores to flush first."""
+        check_step(self, output)
         self.step += 1
         ledger = self.ledger
         for req_id in output.preempted:
@@ -181,9 +189,7 @@ class SchedulerConnector:
         stores = []
         requests = ledger.requests
         for scheduled in output.scheduled:
-            record = requests.get(scheduled.req_id)
-            if record is None:
-                raise UnknownRequest(f"request {scheduled.req_id!r} is not tracked by the connector")
+            record = requests[scheduled.req_id]  # check_step refused requests it does not track
             if scheduled.num_computed_tokens < record.store_due:
                 continue  # no CPU block completed since the last store: nothing to do for it
             order = self._order_store(record, scheduled.block_ids, scheduled.num_computed_tokens)
@@ -199,8 +205,6 @@ class SchedulerConnector:
                      num_computed_tokens: int) -> StoreOrder | None:
         """Store the request's newly completed whole CPU blocks that the pool does not hold yet."""
         if record.state != RequestState.RUNNING:
-            if record.state == RequestState.RELEASED:  # kept as history; its `store_due` is 0, so it lands here
-                raise UnknownRequest(f"request {record.req_id!r} is not tracked by the connector")
             return None
         k = self.config.block_size_factor
         cpu_hashes = self._cpu_hashes(record.view)
@@ -232,13 +236,12 @@ class SchedulerConnector:
 
     def update_connector_output(self, output: ConnectorOutput) -> StepResult:
         """Complete the jobs every worker reported; a job fails if any worker failed it."""
+        check_reports(self, output)
         self._load_errors = set()
         for worker in output.workers:
             for job_id, ok in [*((j, True) for j in worker.done), *((j, False) for j in worker.failed)]:
-                job = self.ledger.jobs.get(job_id)
+                job = self.ledger.jobs[job_id]
                 reports = self._reports.get(job_id)
-                if job is None or not job.in_flight or (reports is not None and worker.worker in reports):
-                    raise UnknownJob(f"worker {worker.worker} reported job {job_id}, which is not in flight for it")
                 if reports is None:
                     reports = self._reports[job_id] = {}
                 reports[worker.worker] = ok
@@ -264,6 +267,7 @@ class SchedulerConnector:
         """Whether the engine must keep the request's GPU blocks until `update_connector_output` releases it.
 
         Engines call this for every request that ends, including ones the connector never looked up."""
+        check_finished(self, request_id, aborted)
         record = self.ledger.requests.get(request_id)
         if record is None or record.state == RequestState.RELEASED:
             return False

@@ -30,6 +30,13 @@ from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.checksums import SlotChecksums
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
+from kvfsm.connector.validation import (
+    NotRegistered,
+    check_halves,
+    check_metadata,
+    check_registered_caches,
+    check_registration,
+)
 from kvfsm.executor.device import Device, Event
 from kvfsm.executor.layouts import KVCaches, register_kv_caches
 from kvfsm.executor.pool import HostPool
@@ -44,13 +51,10 @@ _RUNNING = frozenset({TransferJobState.SUBMITTED, TransferJobState.FLUSHED_ON_PR
 log = logging.getLogger(__name__)
 
 
-class NotRegistered(RuntimeError):
-    """A transfer was ordered before `register_kv_caches`."""
-
-
 class WorkerConnector:
     def __init__(self, config: OffloadConfig, device: Device, worker: int = 0,
                  machines: MachineSet | None = None) -> None:
+        check_halves("WorkerConnector", config, device, worker)
         self.config = config
         self.device = device
         self.worker = worker
@@ -76,7 +80,9 @@ class WorkerConnector:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout: str,
                            groups: dict[str, list[str]] | None = None) -> KVCaches:
         """Validate the engine's caches and pin a host pool of exactly the configured size for them."""
+        check_registration(self, kv_caches)
         caches = register_kv_caches(kv_caches, layout, groups)
+        check_registered_caches(self.config, caches)
         k = self.config.block_size_factor
         self._pool = HostPool(self.device, self.config.num_cpu_blocks(caches.gpu_block_bytes),
                               k * caches.gpu_block_bytes)
@@ -107,6 +113,7 @@ class WorkerConnector:
     # --- one engine step ---------------------------------------------------------------------------------
 
     def bind_connector_metadata(self, meta: ConnectorMetadata) -> None:
+        check_metadata(self, meta)
         self._meta = meta
 
     def handle_preemptions(self) -> None:

@@ -58,6 +58,7 @@ class KVCaches:
     num_blocks: int
     gpu_block_bytes: int
     device: torch.device
+    block_tokens: int  # tokens one GPU block pages, read from the shape (every tensor agrees)
 
     @property
     def block_contiguous(self) -> bool:
@@ -75,6 +76,15 @@ def _block_axis(layout: str, shape: tuple[int, ...]) -> int | None:
         return 0 if len(shape) == 3 else None
     # cross-layer: (blocks, layers, 2, block_size, heads, dim) or MLA's (blocks, layers, block_size, dim)
     return 0 if len(shape) == 6 and shape[2] == 2 or len(shape) == 4 else None
+
+
+def _token_axis(layout: str, shape: tuple[int, ...]) -> int:
+    """Which axis counts a block's tokens, for a shape `_block_axis` accepted."""
+    if layout == "mla":
+        return 1
+    if layout == "cross-layer":
+        return 3 if len(shape) == 6 else 2
+    return 2
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, layout: str) -> int:
@@ -136,20 +146,24 @@ def register_kv_caches(kv_caches: Mapping[str, torch.Tensor], layout: str | Mapp
         raise LayoutError(f"KV caches are spread over several devices: {sorted(map(str, devices))}")
     planes: list[Plane] = []
     num_blocks: int | None = None
+    block_tokens: int | None = None
     offset = 0
     for group, members in by_group.items():
         for name in members:
             tensor = kv_caches[name]
             blocks = _check_tensor(name, tensor, layouts[group])
+            tokens = tensor.shape[_token_axis(layouts[group], tuple(tensor.shape))]
             if num_blocks is None:
-                num_blocks = blocks
+                num_blocks, block_tokens = blocks, tokens
             elif blocks != num_blocks:
                 raise LayoutError(f"{name}: {blocks} blocks, but other KV caches have {num_blocks}")
+            elif tokens != block_tokens:
+                raise LayoutError(f"{name}: {tokens} tokens per block, but other KV caches have {block_tokens}")
             plane = Plane(name, _rows(tensor, layouts[group], blocks), offset)
             planes.append(plane)
             offset += plane.block_bytes
-    assert num_blocks is not None
-    return KVCaches(tuple(planes), {g: layouts[g] for g in by_group}, num_blocks, offset, devices.pop())
+    assert num_blocks is not None and block_tokens is not None
+    return KVCaches(tuple(planes), {g: layouts[g] for g in by_group}, num_blocks, offset, devices.pop(), block_tokens)
 
 
 def allocate_kv_caches(layout: str, num_layers: int, num_blocks: int, block_size: int, num_heads: int,

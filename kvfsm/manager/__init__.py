@@ -1,6 +1,7 @@
 """The host pool's catalogue (`OffloadingManager`) and the eviction policies behind it."""
 
 from kvfsm.manager.catalogue import (
+    BadPoolSize,
     BadSlots,
     DuplicateHashes,
     Lookup,
@@ -14,6 +15,7 @@ from kvfsm.manager.policies import ArcPolicy, EvictionPolicy, LruPolicy, PolicyN
 
 __all__ = [
     "ArcPolicy",
+    "BadPoolSize",
     "BadSlots",
     "BlockRemoved",
     "BlockStored",

@@ -51,6 +51,10 @@ class BadSlots(ManagerError, ValueError):
     """A batch named a slot outside the pool, named one twice, or named one whose state refuses the trigger."""
 
 
+class BadPoolSize(ManagerError, ValueError):
+    """A pool of no slots, or an eviction policy sized for another pool."""
+
+
 class DuplicateHashes(ManagerError, ValueError):
     """One call named the same prefix hash twice; a hash chain never repeats, so the caller is confused."""
 
@@ -79,12 +83,12 @@ class OffloadingManager:
         """`events`: keep `BlockStored`/`BlockRemoved` for `take_events`; off for an engine that never takes them,
         whose buffer would otherwise grow for as long as it runs."""
         if num_slots <= 0:
-            raise ValueError(f"the pool needs at least one slot, got {num_slots}")
+            raise BadPoolSize(f"the pool needs at least one slot, got {num_slots}")
         self.blocks: list[CpuBlock] = [CpuBlock(slot) for slot in range(num_slots)]
         self.catalogue: dict[int, int] = {}
         self.policy: EvictionPolicy = make_policy(policy, num_slots) if isinstance(policy, str) else policy
         if self.policy.capacity != num_slots:
-            raise ValueError(f"policy capacity {self.policy.capacity} != pool size {num_slots}")
+            raise BadPoolSize(f"policy capacity {self.policy.capacity} != pool size {num_slots}; legal: equal sizes")
         self._machine: LifecycleMachine = (machines or MachineSet(default_spec()))["cpu-block"]
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot is handed out first
         self._events: list[KVCacheEvent] = []
