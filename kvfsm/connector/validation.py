@@ -25,7 +25,6 @@ DEVICE_METHODS = ("tensor_device", "new_event", "record", "wait", "query", "sync
 """What the halves call on a device (`kvfsm.executor.device.Device`)."""
 
 
-
 class SchedulerHalf(Protocol):
     """What the checks read of a `SchedulerConnector` (named here, not imported: that module imports this one)."""
 
