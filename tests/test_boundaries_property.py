@@ -58,8 +58,7 @@ Malformed = Callable[[Harness, int], "Call | None"]
 
 
 def _in_state(h: Harness, *states: str) -> list[str]:
-    sched = h.connector.scheduler
-    return sorted(r for r, t in sched._tracked.items() if t.record.state in states)
+    return sorted(r for r, record in h.connector.scheduler.requests.items() if record.state in states)
 
 
 def _pick(ids: list[str], n: int) -> str | None:
@@ -123,8 +122,8 @@ MALFORMED: dict[str, tuple[type[Exception], Malformed]] = {
     "step-preempts-and-schedules": (ContradictoryStep, lambda h, n: _running_step(h, n, lambda r: SchedulerOutput(
         scheduled=(ScheduledRequest(req_id=r, block_ids=(), num_computed_tokens=0),), preempted=(r,)))),
     "step-block-beyond-the-cache": (BlockIdOutOfRange, lambda h, n: _running_step(h, n, lambda r: SchedulerOutput(
-        scheduled=(ScheduledRequest(req_id=r, block_ids=(*h.connector.scheduler._tracked[r].block_ids, GPU_BLOCKS + n),
-                                    num_computed_tokens=0),)))),
+        scheduled=(ScheduledRequest(req_id=r, block_ids=(*h.connector.scheduler.requests[r].block_ids, GPU_BLOCKS + n),
+                                    num_computed_tokens=h.connector.scheduler.requests[r].store_due),)))),
     "step-negative-computed": (NegativeTokenCount, lambda h, n: _running_step(h, n, lambda r: SchedulerOutput(
         scheduled=(ScheduledRequest(req_id=r, block_ids=(), num_computed_tokens=-1 - n),)))),
     "report-unknown-job": (UnknownJob, lambda h, n: _report(h, WorkerOutput(done=(10_000 + n,)))),

@@ -188,14 +188,26 @@ def _tracked(sched: SchedulerHalf, req_id: str) -> Any:
     return None if record is None or record.state == RequestState.RELEASED else record
 
 
+_SOURCES: dict[tuple[int, str], tuple[Any, frozenset[str]]] = {}
+"""(id of a lifecycle, trigger) -> (the lifecycle, kept alive so its id stays its own; the states it leaves)."""
+
+
+def _sources(lifecycle: Any, trigger: str) -> frozenset[str]:
+    """The states the spec gives `trigger` a transition from; read once per lifecycle, then a dict lookup."""
+    key = (id(lifecycle), trigger)
+    if key not in _SOURCES:
+        states = frozenset(s for t in lifecycle.transitions if t.trigger == trigger for s in t.source)
+        _SOURCES[key] = (lifecycle, states)
+    return _SOURCES[key][1]
+
+
 def _state_allows(call: str, sched: SchedulerHalf, req_id: str, state: str, trigger: str) -> None:
     """Refuse a call whose trigger the spec gives no transition from the request's state."""
-    lifecycle = sched.machines["request"].lifecycle
-    legal = sorted({s for t in lifecycle.transitions if t.trigger == trigger for s in t.source})
+    legal = _sources(sched.machines["request"].lifecycle, trigger)
     if state not in legal:
         raise RequestStateForbids(
             f"{call}: request {req_id!r} is {state}, which has no {trigger!r} transition; "
-            f"legal only for a request that is {' or '.join(legal)}")
+            f"legal only for a request that is {' or '.join(sorted(legal))}")
 
 
 # --- the scheduler half ----------------------------------------------------------------------------------------
@@ -236,7 +248,9 @@ def check_alloc(sched: SchedulerHalf, request: object, block_ids: Sequence[objec
             f"{offered * block_size}; legal: 0 to {offered * block_size} in multiples of {block_size}")
     if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Iterable):
         raise WrongType(f"{call}: block_ids must be a sequence of ints, got {type(block_ids).__name__}")
-    ids = tuple(_int(call, f"a block id of request {req_id!r}", b) for b in block_ids)
+    ids = tuple(block_ids)
+    if not set(map(type, ids)) <= {int}:  # in C; the slow path converts numpy ints and refuses the rest
+        ids = tuple(_int(call, f"a block id of request {req_id!r}", b) for b in ids)
     _in_cache(call, ids, sched.num_gpu_blocks, f"request {req_id!r}")
     _distinct(call, ids, f"request {req_id!r}")
     needed = first_gpu + tokens // block_size if tokens else 0
