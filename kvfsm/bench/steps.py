@@ -133,7 +133,8 @@ def run(steps: int = 48, requests: int = 256, prompt_tokens: int = 2048, lifetim
         documents: int = 512, num_slots: int = 32768, seed: int = 0) -> dict[str, float | int | dict[str, int]]:
     """µs per step and per block transition (CPU-block, and every lifecycle) of the scheduler half."""
     def connector(machines: MachineSet | None = None) -> SchedulerConnector:
-        return SchedulerConnector(OffloadConfig(cpu_blocks=num_slots), GPU_BLOCK_BYTES, machines)
+        return SchedulerConnector(OffloadConfig(cpu_blocks=num_slots), GPU_BLOCK_BYTES, machines,
+                                  num_gpu_blocks=2 * requests * (prompt_tokens // 16 + 1))  # the engine's pool
 
     fired: Counter[str] = Counter()
     machines = MachineSet(default_spec())
@@ -172,7 +173,7 @@ def steady_decode(requests: int = 256, prompt_tokens: int = 2048, num_slots: int
     blocks = prompt_tokens // block
     samples: list[float] = []
     for round_ in range(rounds):
-        connector = SchedulerConnector(config, GPU_BLOCK_BYTES)
+        connector = SchedulerConnector(config, GPU_BLOCK_BYTES, num_gpu_blocks=requests * (blocks + 1))
         running = [_Request(f"r{i}", tuple((seed + round_) << 40 | i << 20 | j for j in range(blocks)),
                             prompt_tokens + 1) for i in range(requests)]
         for i, request in enumerate(running):

@@ -1,9 +1,10 @@
 """The connector's GPU-block fences: one record per engine GPU block a store has read, kept for reuse.
 
 A store fences every GPU block it reads and unfences them when it ends: with 256 running requests, tens of
-thousands of blocks a second. A record is made the first time a block is fenced and kept after it is writable
-again, because the engine's GPU pool is fixed: the same few thousand block ids come back, and a record that lives
-as long as the pool costs the garbage collector nothing per store (making and dropping one per fence did).
+thousands of blocks a second. The engine's GPU pool is fixed, so a record per block id is made once (for the whole
+pool when its size is known, else the first time a block is fenced) and kept after it is writable again: the same
+block ids come back, and a record that lives as long as the pool costs nothing per store (making and dropping one
+per fence cost an allocation and garbage-collector work every time).
 Every change goes through the spec's `gpu-block` machine, in one batch per job.
 """
 
@@ -19,14 +20,18 @@ from kvfsm.states import GpuBlockState
 class GpuFences:
     """The GPU blocks stores of one connector have read, by block id."""
 
-    def __init__(self, machine: LifecycleMachine) -> None:
+    def __init__(self, machine: LifecycleMachine, num_blocks: int = 0) -> None:
+        """`num_blocks`: the engine's GPU pool size, when known, to make every record up front."""
         self.machine = machine
-        self.blocks: dict[int, GpuBlock] = {}
+        self.blocks: dict[int, GpuBlock] = {block_id: GpuBlock(block_id) for block_id in range(num_blocks)}
 
-    def fire(self, trigger: str, block_ids: Iterable[int], **context: Any) -> None:
-        """Fire `trigger` on each block in order, making a block's record the first time it is named."""
+    def fire(self, trigger: str, block_ids: Iterable[int], **_: Any) -> None:
+        """Fire `trigger` on each block in order, making a block's record the first time it is named.
+
+        The coupling's context (the ledger, the job that caused it) is not passed on: a block's guards and effects
+        read only the block, and a batch without context is the machine's cheapest."""
         blocks = self.blocks
-        self.machine.fire_many([blocks.get(b) or self._new(b) for b in block_ids], trigger, **context)
+        self.machine.fire_many([blocks.get(b) or self._new(b) for b in block_ids], trigger)
 
     def fenced(self) -> dict[int, GpuBlock]:
         """The blocks some store still reads: what the engine must not write (and what invariants check)."""

@@ -44,10 +44,11 @@ class StepResult:
 class Ledger:
     """Every CPU block, GPU fence, transfer job and request of one connector, and their machines."""
 
-    def __init__(self, machines: MachineSet, pool: OffloadingManager, keep_history: bool = False) -> None:
+    def __init__(self, machines: MachineSet, pool: OffloadingManager, keep_history: bool = False,
+                 num_gpu_blocks: int = 0) -> None:
         self.machines = machines
         self.pool = pool
-        self.fences = GpuFences(machines["gpu-block"])
+        self.fences = GpuFences(machines["gpu-block"], num_gpu_blocks)
         self.jobs: dict[int, TransferJob] = {}
         """Jobs in flight (every job of the run with `keep_history`)."""
         self.requests: dict[str, RequestRecord] = {}

@@ -69,7 +69,8 @@ class SchedulerConnector:
                  keep_history: bool = False, kv_events: bool = False, num_gpu_blocks: int | None = None) -> None:
         """`keep_history`: keep ended jobs and released requests (for invariant checks); `kv_events`: record the
         pool's KV-cache events for an engine that drains them (`manager.take_events()`) every step;
-        `num_gpu_blocks`: the engine's KV-cache size, so block ids beyond it are refused (None: not checked)."""
+        `num_gpu_blocks`: the engine's KV-cache size, so block ids beyond it are refused (None: not checked) and each
+        block's fence record is made up front."""
         check_scheduler(config, gpu_block_bytes, num_gpu_blocks)
         self.config = config
         self.gpu_block_bytes = gpu_block_bytes
@@ -77,7 +78,7 @@ class SchedulerConnector:
         self.machines = machines or MachineSet(default_spec())
         self.manager = OffloadingManager(config.num_cpu_blocks(gpu_block_bytes), config.eviction, self.machines,
                                          events=kv_events)
-        self.ledger = Ledger(self.machines, self.manager, keep_history)
+        self.ledger = Ledger(self.machines, self.manager, keep_history, num_gpu_blocks or 0)
         self.stats = ConnectorStats()
         self.step = 0
         self.keep_history = keep_history
