@@ -135,6 +135,11 @@ class Pending(Generic[T]):
         return cls(future, None, 0.0, lambda: None, result)
 
     @property
+    def overdue(self) -> bool:
+        """Its deadline passed while the call was running: it may still touch its memory until it returns."""
+        return self._late and not self.settled
+
+    @property
     def settled(self) -> bool:
         """The call returned or will never run: the memory it was handed is no longer touched."""
         return self._future.done() or (self._call is not None and self._call.cancelled)
@@ -219,10 +224,15 @@ class MooncakeClient:
         self.settings = settings
         self._store: Any = None
         self._io: IoExecutor = io if io is not None else IoThread()
+        self._queries = IoThread("kvfsm-mooncake-lookup")
+        """Lookups never touch memory the engine owns, so they run on a thread of their own, answering the
+        scheduler's bounded wait even when `io` is a queue a test runs by hand."""
         self._refuse_until = 0.0
         self._backlog = 0
         self._lock = threading.Lock()
         self._registered = _Registrations()
+        self.verify_value: Callable[[np.ndarray, str, np.ndarray], int] = value.check
+        """How a fetched value is checked against its trailer (an attribute so a test's mutant can drop it)."""
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -268,12 +278,16 @@ class MooncakeClient:
                 store.close()
 
             done = self._io.submit(teardown)
+            if not isinstance(self._io, IoThread):
+                self._io.shutdown(wait=True)  # an executor handed in (a test's queue) runs what it holds now
             try:
                 done.result(timeout=self.settings.connect_timeout_s if timeout_s is None else timeout_s)
             except TimeoutError:
                 log.error("Mooncake client: calls still running at close; its registered memory stays in use")
                 return False
-        self._io.shutdown(wait=False)
+        if isinstance(self._io, IoThread):
+            self._io.shutdown(wait=False)
+        self._queries.shutdown(wait=False)
         return True
 
     @property
@@ -292,7 +306,8 @@ class MooncakeClient:
         return self._store
 
     # -- submission -----------------------------------------------------------------------------------------------
-    def _submit(self, fn: Callable[[], T], fallback: Callable[[TierFault], T]) -> Pending[T]:
+    def _submit(self, fn: Callable[[], T], fallback: Callable[[TierFault], T],
+                executor: IoExecutor | None = None) -> Pending[T]:
         now = time.monotonic()
         if self._store is None:
             return Pending.answered(fallback(StoreUnavailable("the Mooncake client is not connected")))
@@ -317,7 +332,7 @@ class MooncakeClient:
 
         call = _Call(guarded, cancelled)
         self._count(+1)
-        future = self._io.submit(call)
+        future = (executor or self._io).submit(call)
         return Pending(future, call, now + self.settings.op_timeout_s, self._back_off, timed_out)
 
     def _count(self, delta: int) -> None:
@@ -377,7 +392,7 @@ class MooncakeClient:
             if nbytes != expected:
                 return ChecksumMismatch(f"{key}: read {nbytes} bytes, expected {expected}")
             try:
-                return value.check(trailer, key, payload)
+                return self.verify_value(trailer, key, payload)
             except TierFault as fault:
                 return fault
 
@@ -389,6 +404,15 @@ class MooncakeClient:
             faults = self._faults(keys, codes, "fetch of")
             return [fault if fault is not None else verify(k, p, t, code)
                     for k, p, t, code, fault in zip(keys, payloads, trailers, codes, faults)]
+
+        return self._submit(call, fallback=lambda fault: [fault] * len(keys))
+
+    def remove(self, keys: Sequence[str]) -> Pending[list[TierFault | None]]:
+        """Remove objects from the store even if others hold read leases on them (for values found corrupt)."""
+        keys = list(keys)
+
+        def call() -> list[TierFault | None]:
+            return self._faults(keys, self._store.batch_remove(keys, True), "removal of")
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 
@@ -406,4 +430,4 @@ class MooncakeClient:
                     answers.append(code == 1)
             return answers
 
-        return self._submit(call, fallback=lambda fault: [fault] * len(keys))
+        return self._submit(call, fallback=lambda fault: [fault] * len(keys), executor=self._queries)
