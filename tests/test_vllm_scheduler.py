@@ -1,12 +1,12 @@
 """kvfsm's vLLM adapter under vLLM's real Scheduler on the CPU, against a fake worker that completes jobs late.
 
 Each scenario states one rule; each safety rule has a control that breaks the adapter where it keeps the rule, and
-the control is caught. Skipped when vLLM is not installed (the main suite runs without it).
+the control is caught. Every run is traced against the spec and checked with kvfsm's named invariants after each
+step; a run that ends with anything not drained fails (`SpecViolation`). Skipped when vLLM is not installed (the
+main suite runs without it).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -15,42 +15,15 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvfsm.integrations.vllm import InvalidExtraConfig  # noqa: E402
-from kvfsm.integrations.vllm.harness import (  # noqa: E402
-    BLOCK_SIZE,
-    Driver,
-    FakeWorker,
-    HeldBlockReleased,
-    model_config,
-    vllm_config,
-)
+from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
+from kvfsm.integrations.vllm.harness import Driver, FakeWorker, HeldBlockReleased, vllm_config  # noqa: E402
+from vllm_support import PREFIX, loads_of, make_driver, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
-PREFIX = list(range(100, 100 + 4 * BLOCK_SIZE))
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    return model_config(Path(tmp_path_factory.mktemp("tiny-llama")))
-
-
-def driver(model, worker: FakeWorker | None = None, gpu_blocks: int = 64, cpu_blocks: int = 32) -> Driver:
-    return Driver(vllm_config(model, {"cpu_blocks": cpu_blocks}, gpu_blocks), worker or FakeWorker())
-
-
-def store_prefix(d: Driver, prompt: list[int] = PREFIX + [1, 2, 3]) -> None:
-    """One request computes and stores the prompt, then vLLM's GPU prefix cache forgets it."""
-    d.add("writer", prompt)
-    d.run()
-    d.reset_gpu_prefix_cache()
-
-
-def loads_of(d: Driver, req_id: str) -> list:
-    return [order for log in d.log for order in log.orders.loads if order.req_id == req_id]
-
-
-def test_prefix_stored_by_one_request_reloads_for_the_next(model) -> None:
-    d = driver(model)
+def test_prefix_stored_by_one_request_reloads_for_the_next(make_driver) -> None:
+    d = make_driver()
     store_prefix(d)
     d.add("reader", PREFIX + [1, 2, 3])
     d.run()
@@ -70,9 +43,9 @@ def shared_prefix_run(d: Driver, readers: int) -> dict[str, int]:
     return {req: step - start for req, step in d.first_token.items() if req.startswith("reader")}
 
 
-def test_shared_prefix_loads_once_and_every_reader_starts_the_step_after_the_load(model) -> None:
+def test_shared_prefix_loads_once_and_every_reader_starts_the_step_after_the_load(make_driver) -> None:
     worker = FakeWorker(load_steps=3)
-    d = driver(model, worker)
+    d = make_driver(worker)
     steps = shared_prefix_run(d, readers=4)
     (load,) = worker.loads
     assert d.connector.scheduler_side.kvfsm.stats.deferrals == 3 * 3  # three readers, three steps of loading
@@ -81,8 +54,8 @@ def test_shared_prefix_loads_once_and_every_reader_starts_the_step_after_the_loa
     assert d.cpu_pool_drained()
 
 
-def test_control_without_finished_recving_the_loader_never_starts(model, monkeypatch) -> None:
-    d = driver(model, FakeWorker(load_steps=3))
+def test_control_without_finished_recving_the_loader_never_starts(make_driver, monkeypatch) -> None:
+    d = make_driver(FakeWorker(load_steps=3))
     side = d.connector.scheduler_side
     original = side.update_connector_output
 
@@ -102,8 +75,8 @@ def preemption_run(d: Driver) -> None:
     d.run(max_steps=200)
 
 
-def test_preempted_request_flushes_its_stores_and_reloads_from_cpu(model) -> None:
-    d = driver(model, FakeWorker(store_steps=4, load_steps=2), gpu_blocks=11)
+def test_preempted_request_flushes_its_stores_and_reloads_from_cpu(make_driver) -> None:
+    d = make_driver(FakeWorker(store_steps=4, load_steps=2), gpu_blocks=11)
     preemption_run(d)
     preempted = [log for log in d.log if log.orders.flush]
     assert preempted, "no store was in flight when vLLM preempted"
@@ -113,7 +86,7 @@ def test_preempted_request_flushes_its_stores_and_reloads_from_cpu(model) -> Non
     assert d.cpu_pool_drained()
 
 
-def test_control_preemption_not_passed_on_releases_blocks_a_store_reads(model, monkeypatch) -> None:
+def test_control_preemption_not_passed_on_releases_blocks_a_store_reads(make_driver, monkeypatch) -> None:
     import kvfsm.integrations.vllm.scheduler_side as side_module
 
     convert = side_module.scheduler_output
@@ -122,7 +95,7 @@ def test_control_preemption_not_passed_on_releases_blocks_a_store_reads(model, m
         return convert(output).model_copy(update={"preempted": ()})
 
     monkeypatch.setattr(side_module, "scheduler_output", drop_preempted)
-    d = driver(model, FakeWorker(store_steps=4, load_steps=2), gpu_blocks=11)
+    d = make_driver(FakeWorker(store_steps=4, load_steps=2), gpu_blocks=11)
     with pytest.raises(HeldBlockReleased):
         preemption_run(d)
 
@@ -136,21 +109,22 @@ def abort_during_load(d: Driver) -> None:
     d.run()
 
 
-def test_abort_during_load_holds_blocks_until_the_load_lands_then_drains(model) -> None:
-    d = driver(model, FakeWorker(load_steps=4))
+def test_abort_during_load_holds_blocks_until_the_load_lands_then_drains(make_driver) -> None:
+    d = make_driver(FakeWorker(load_steps=4))
     abort_during_load(d)
     assert "reader" not in d.first_token
     assert "reader" not in d.scheduler.requests
     assert d.cpu_pool_drained()
 
 
-def test_control_abort_not_passed_on_leaves_the_pool_undrained(model, monkeypatch) -> None:
-    d = driver(model, FakeWorker(load_steps=4))
+def test_control_abort_not_passed_on_leaves_the_pool_undrained(make_driver, monkeypatch) -> None:
+    d = make_driver(FakeWorker(load_steps=4))
     side = d.connector.scheduler_side
     original = side.request_finished
     monkeypatch.setattr(side, "request_finished",
                         lambda request: (False, None) if request.request_id == "reader" else original(request))
-    abort_during_load(d)
+    with pytest.raises(SpecViolation, match="drained: request reader is running"):
+        abort_during_load(d)
     assert not d.cpu_pool_drained()
 
 
@@ -162,16 +136,16 @@ def failed_load(d: Driver) -> int:
     return next(log.first_computed["reader"] for log in d.log if "reader" in log.first_computed)
 
 
-def test_failed_load_is_recomputed_not_used(model) -> None:
-    d = driver(model, FakeWorker(fail_loads={"reader"}))
+def test_failed_load_is_recomputed_not_used(make_driver) -> None:
+    d = make_driver(FakeWorker(fail_loads={"reader"}))
     assert failed_load(d) == 0
     assert d.first_token.keys() == {"writer", "reader"}
     assert d.connector.scheduler_side.kvfsm.stats.loads_failed == 1
     assert d.cpu_pool_drained()
 
 
-def test_control_failed_load_without_its_blocks_is_computed_on_garbage(model) -> None:
-    d = driver(model, FakeWorker(fail_loads={"reader"}, report_invalid_blocks=False))
+def test_control_failed_load_without_its_blocks_is_computed_on_garbage(make_driver) -> None:
+    d = make_driver(FakeWorker(fail_loads={"reader"}, report_invalid_blocks=False))
     assert failed_load(d) == len(PREFIX)
 
 

@@ -50,6 +50,7 @@ def test_reloaded_blocks_hold_the_bytes_the_writer_computed(config) -> None:
         cache.zero_()  # whatever the reader finds now came from the CPU pool
     d.add("reader", PREFIX + [2])
     d.run()
+    d.close()
     (load,) = [o for log in d.log for o in log.orders.loads if o.req_id == "reader"]
     for i, block in enumerate(load.gpu_blocks):
         assert worker.block_tokens(block) == [t % 251 for t in PREFIX[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]

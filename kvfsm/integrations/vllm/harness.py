@@ -4,7 +4,9 @@ The fake worker reads kvfsm's orders from `scheduler_output.kv_connector_metadat
 number of steps after it was ordered, as a GPU would report it; flushed stores complete in the step that flushes
 them (the real worker waits for them before the forward pass). It reports a failed load's GPU blocks as vLLM's
 `invalid_block_ids`, as `WorkerSide` does. After every scheduling and every output the harness checks the rule the
-adapter exists to keep: no GPU block read or written by an unfinished, unflushed job has left its request.
+adapter exists to keep: no GPU block read or written by an unfinished, unflushed job has left its request; and
+`SpecChecks` traces every transition against the spec, checks kvfsm's named invariants after every step and, once
+idle, that everything drained.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvfsm.connector.metadata import ConnectorMetadata, WorkerOutput  # noqa: E402
+from kvfsm.integrations.vllm.checks import SpecChecks  # noqa: E402
 from kvfsm.integrations.vllm.connector import KvfsmConnector  # noqa: E402
 from kvfsm.integrations.vllm.convert import KvfsmWorkerMetadata, computed_before  # noqa: E402
 
@@ -211,7 +214,11 @@ class Driver:
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.step_no = 0
         self.first_token: dict[str, int] = {}
+        self.arrived: dict[str, int] = {}
+        """The step after which each request was added: it can be scheduled from the next step on."""
         self.log: list[StepLog] = []
+        kvfsm = self.connector.scheduler_side.kvfsm
+        self.checks = SpecChecks(kvfsm, kvfsm.machines)
 
     @property
     def connector(self) -> KvfsmConnector:
@@ -222,6 +229,11 @@ class Driver:
         request = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
                           block_hasher=self.hasher)
         self.scheduler.add_request(request)
+        self.arrived[req_id] = self.step_no
+
+    def steps_to_first_token(self, req_id: str) -> int:
+        """Steps from a request's arrival to the step that sampled its first token (1: the first step it could)."""
+        return self.first_token[req_id] - self.arrived[req_id]
 
     def step(self) -> StepLog:
         self.step_no += 1
@@ -241,16 +253,23 @@ class Driver:
                 if out.new_token_ids:
                     self.first_token.setdefault(out.request_id, self.step_no)
         self.check_held()
+        self.checks.after_step(self.step_no)
         log = StepLog(self.step_no, orders, first)
         self.log.append(log)
         return log
 
     def run(self, max_steps: int = 50) -> None:
-        """Step until the scheduler has nothing left (finished requests' held blocks included)."""
+        """Step until the scheduler has nothing left (finished requests' held blocks included), then require the
+        adapter drained."""
         while self.scheduler.has_requests() or self.worker.pending_jobs:
             if self.step_no >= max_steps:
                 raise AssertionError(f"not idle after {max_steps} steps")
             self.step()
+        self.checks.after_idle(self.step_no)
+
+    def close(self) -> None:
+        """Stop tracing: the machines are shared by every driver of the process."""
+        self.checks.close()
 
     def _prefill_done(self, req_id: str) -> bool:
         request = self.scheduler.requests[req_id]
@@ -270,7 +289,10 @@ class Driver:
             raise AssertionError("vLLM refused to reset its prefix cache (blocks still in use)")
 
     def cpu_pool_drained(self) -> bool:
-        """kvfsm's drained rule, seen from the adapter: no job or request left, every CPU block free or ready."""
+        """kvfsm's drained rule, seen from the adapter: no job in flight, no request unreleased, every CPU block
+        free or ready."""
         kvfsm = self.connector.scheduler_side.kvfsm
         usage = kvfsm.manager.usage()
-        return not kvfsm.jobs and not kvfsm.requests and usage["free"] + usage["ready"] == kvfsm.manager.capacity
+        return (not any(job.in_flight for job in kvfsm.jobs.values())
+                and all(r.state == "released" for r in kvfsm.requests.values())
+                and usage["free"] + usage["ready"] == kvfsm.manager.capacity)

@@ -1,0 +1,47 @@
+"""What the vLLM adapter's scenario tests share: the tiny model, drivers closed after each test, a stored prefix.
+
+Imported only by `test_vllm_*.py` files, after they skip themselves when vLLM is missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from kvfsm.connector.metadata import LoadOrder
+from kvfsm.integrations.vllm.harness import BLOCK_SIZE, Driver, FakeWorker, model_config, vllm_config
+
+PREFIX = list(range(100, 100 + 4 * BLOCK_SIZE))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    return model_config(Path(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture
+def make_driver(model) -> Iterator:
+    """Builds drivers on the tiny model and stops their tracing when the test ends."""
+    opened: list[Driver] = []
+
+    def build(worker: FakeWorker | None = None, gpu_blocks: int = 64, cpu_blocks: int = 32) -> Driver:
+        d = Driver(vllm_config(model, {"cpu_blocks": cpu_blocks}, gpu_blocks), worker or FakeWorker())
+        opened.append(d)
+        return d
+
+    yield build
+    for d in opened:
+        d.close()
+
+
+def store_prefix(d: Driver, prompt: list[int] = PREFIX + [1, 2, 3], req_id: str = "writer") -> None:
+    """One request computes and stores the prompt, then vLLM's GPU prefix cache forgets it."""
+    d.add(req_id, prompt)
+    d.run()
+    d.reset_gpu_prefix_cache()
+
+
+def loads_of(d: Driver, req_id: str) -> list[LoadOrder]:
+    return [order for log in d.log for order in log.orders.loads if order.req_id == req_id]
