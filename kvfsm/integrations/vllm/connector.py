@@ -17,10 +17,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfsm.integrations.vllm.config import offload_config
 from kvfsm.integrations.vllm.convert import KvfsmWorkerMetadata
+from kvfsm.integrations.vllm.prometheus import KvfsmPromMetrics
 from kvfsm.integrations.vllm.scheduler_side import SchedulerSide
 from kvfsm.integrations.vllm.telemetry import KvfsmStats
 from kvfsm.integrations.vllm.worker_side import WorkerSide, default_device, worker_rank
@@ -136,3 +138,9 @@ class KvfsmConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvfsmStats:
         return KvfsmStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVConnectorPromMetrics:
+        return KvfsmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

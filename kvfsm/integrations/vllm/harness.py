@@ -65,14 +65,20 @@ def model_config(folder: Path) -> ModelConfig:
     return ModelConfig(model=str(tiny_model(folder)), skip_tokenizer_init=True)
 
 
+KVFSM_CONNECTOR = "KvfsmConnector"
+
+
 def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
-                connector_module: str = "kvfsm.integrations.vllm", max_batched_tokens: int = 512) -> VllmConfig:
-    transfer = KVTransferConfig(kv_connector="KvfsmConnector", kv_connector_module_path=connector_module,
-                                kv_role="kv_both", kv_connector_extra_config=extra,
-                                kv_load_failure_policy="recompute")
+                connector: str | None = KVFSM_CONNECTOR, max_batched_tokens: int = 512,
+                max_seqs: int = 32) -> VllmConfig:
+    """vLLM's configuration with `connector` (kvfsm's, one of vLLM's own by name, or None for none)."""
+    transfer = None if connector is None else KVTransferConfig(
+        kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra,
+        kv_connector_module_path="kvfsm.integrations.vllm" if connector == KVFSM_CONNECTOR else None,
+        kv_load_failure_policy="recompute")
     config = VllmConfig(
         model_config=model, cache_config=CacheConfig(block_size=BLOCK_SIZE),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_batched_tokens, max_num_seqs=32,
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_batched_tokens, max_num_seqs=max_seqs,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
         kv_transfer_config=transfer)
     config.cache_config.num_gpu_blocks = num_gpu_blocks
@@ -85,6 +91,21 @@ def kv_cache_config(num_gpu_blocks: int) -> KVCacheConfig:
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     return KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+def model_output(scheduler: Scheduler, output: SchedulerOutput,
+                 connector_output: KVConnectorOutput | None) -> ModelRunnerOutput:
+    """What a model runner returns for `output`: one token for each request whose prompt is now computed."""
+    req_ids = list(output.num_scheduled_tokens)
+    requests = scheduler.requests
+    sampled = [[SAMPLED_TOKEN] if requests[r].num_computed_tokens >= requests[r].num_tokens else [] for r in req_ids]
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=sampled, kv_connector_output=connector_output)
+
+
+def sampled_requests(outputs: dict[int, Any]) -> list[str]:
+    """Requests that got a new token in `Scheduler.update_from_output`'s result."""
+    return [out.request_id for engine in outputs.values() for out in engine.outputs if out.new_token_ids]
 
 
 @dataclass
@@ -209,7 +230,9 @@ class Driver:
         init_none_hash(sha256)
         self.blocks = config.cache_config.num_gpu_blocks
         self.scheduler = Scheduler(config, kv_cache_config(self.blocks), StructuredOutputManager(config),
-                                   block_size=BLOCK_SIZE)
+                                   block_size=BLOCK_SIZE, log_stats=True)
+        self.connector_stats: list[dict[str, Any]] = []
+        """The connector-stats payloads vLLM's scheduler put in its stats, step by step (what its loggers get)."""
         self.worker = worker
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.step_no = 0
@@ -243,15 +266,12 @@ class Driver:
         first = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
         first.update((r, n) for r, n in zip(cached.req_ids, cached.num_computed_tokens) if r in cached.resumed_req_ids)
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = [[SAMPLED_TOKEN] if self._prefill_done(r) else [] for r in req_ids]
-        result = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=sampled,
-                                   kv_connector_output=self.worker.step(self.step_no, output, self.scheduler))
-        for outputs in self.scheduler.update_from_output(output, result).values():
-            for out in outputs.outputs:
-                if out.new_token_ids:
-                    self.first_token.setdefault(out.request_id, self.step_no)
+        result = model_output(self.scheduler, output, self.worker.step(self.step_no, output, self.scheduler))
+        outputs = self.scheduler.update_from_output(output, result)
+        for req_id in sampled_requests(outputs):
+            self.first_token.setdefault(req_id, self.step_no)
+        self.connector_stats += [engine.scheduler_stats.kv_connector_stats for engine in outputs.values()
+                                 if engine.scheduler_stats and engine.scheduler_stats.kv_connector_stats]
         self.check_held()
         self.checks.after_step(self.step_no)
         log = StepLog(self.step_no, orders, first)
@@ -270,10 +290,6 @@ class Driver:
     def close(self) -> None:
         """Stop tracing: the machines are shared by every driver of the process."""
         self.checks.close()
-
-    def _prefill_done(self, req_id: str) -> bool:
-        request = self.scheduler.requests[req_id]
-        return request.num_computed_tokens >= request.num_tokens
 
     def check_held(self, flushed: tuple[int, ...] = ()) -> None:
         manager = self.scheduler.kv_cache_manager

@@ -53,7 +53,7 @@ class SchedulerSide:
         self.kvfsm = SchedulerConnector(config, gpu_block_bytes(kv_cache_config), kv_events=True,  # vLLM takes them
                                         num_gpu_blocks=kv_cache_config.num_blocks)
         self.codec = HashCodec()
-        self.stats = StatsDelta(self.kvfsm.stats)
+        self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage)
         self._matched: dict[str, RequestView] = {}
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -1,42 +1,71 @@
-"""kvfsm's counters as vLLM connector stats: what changed since vLLM last asked, summed across reports."""
+"""kvfsm's counters as vLLM connector stats: what changed since vLLM last asked, summed across reports.
+
+`KvfsmStats.data` holds three kinds of entries, told apart by their keys: a `ConnectorStats` counter's increase
+(summed when vLLM aggregates intervals), `transfer_seconds.<direction>` per-job times (concatenated), and
+`pool.<state>` CPU blocks per state (a gauge: the latest report wins).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvfsm.connector.stats import ConnectorStats
 
+SECONDS = "transfer_seconds."
+POOL = "pool."
+
 
 @dataclass
 class KvfsmStats(KVConnectorStats):
-    """`data` maps a `ConnectorStats` counter to its increase over one interval."""
+    """`data` maps counters to their increase over one interval, plus per-job times and the pool's states."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> "KvfsmStats":
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            if key.startswith(POOL):
+                self.data[key] = value
+            elif key.startswith(SECONDS):
+                self.data[key] = [*self.data.get(key, ()), *value]
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """What vLLM's log line shows: counters and pool states as they are, per-job times as count and mean."""
+        reduced: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            if key.startswith(SECONDS):
+                reduced[f"{key}.count"] = len(value)
+                reduced[f"{key}.mean"] = sum(value) / len(value) if value else 0.0
+            else:
+                reduced[key] = value
+        return reduced
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(value for key, value in self.data.items() if not key.startswith(POOL))
 
 
 class StatsDelta:
-    """Turns kvfsm's running totals into per-interval increases."""
+    """Turns kvfsm's running totals into per-interval increases, with the interval's job times and the pool."""
 
-    def __init__(self, source: ConnectorStats) -> None:
+    def __init__(self, source: ConnectorStats, pool_usage: Callable[[], Mapping[str, int]]) -> None:
         self._source = source
+        self._pool_usage = pool_usage
         self._last = source.as_dict()
 
     def take(self) -> KvfsmStats | None:
         now = self._source.as_dict()
-        delta = {key: value - self._last[key] for key, value in now.items() if value != self._last[key]}
+        data: dict[str, Any] = {key: value - self._last[key] for key, value in now.items()
+                                if value != self._last[key]}
         self._last = now
-        return KvfsmStats(data=delta) if delta else None
+        data.update((SECONDS + direction, times) for direction, times in self._source.take_seconds().items()
+                    if times)
+        if not data:
+            return None
+        data.update((POOL + state, count) for state, count in self._pool_usage().items())
+        return KvfsmStats(data=data)

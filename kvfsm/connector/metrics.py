@@ -1,0 +1,67 @@
+"""The metrics kvfsm exports, declared once: each counter names the `ConnectorStats` field it reads.
+
+Two exporters read this catalogue: `kvfsm.connector.prometheus.KvfsmCollector` (prometheus_client, any engine) and
+the vLLM adapter's `KvfsmPromMetrics` (vLLM's own Prometheus registry, fed by its connector-stats hook), so both
+expose the same names, labels and buckets. Nothing here imports prometheus_client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DIRECTIONS = ("store", "load")
+"""store: GPU to CPU; load: CPU to GPU."""
+
+
+@dataclass(frozen=True)
+class CounterFamily:
+    """One Prometheus counter; each sample reads one `ConnectorStats` field under fixed label values."""
+
+    name: str
+    documentation: str
+    samples: tuple[tuple[dict[str, str], str], ...]
+    """(label values, ConnectorStats field) per sample."""
+
+    @property
+    def labelnames(self) -> list[str]:
+        return sorted(self.samples[0][0]) if self.samples else []
+
+
+@dataclass(frozen=True)
+class HistogramFamily:
+    name: str
+    documentation: str
+    buckets: tuple[float, ...] = field(default=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                                                0.5, 1.0, 2.5, 10.0))
+
+
+@dataclass(frozen=True)
+class GaugeFamily:
+    name: str
+    documentation: str
+
+
+COUNTERS: tuple[CounterFamily, ...] = (
+    CounterFamily("kvfsm_lookups", "Prefix lookups answered by the connector (deferred ones included).",
+                  (({}, "lookups"),)),
+    CounterFamily("kvfsm_hit_blocks", "GPU blocks a lookup offered to reload, by the tier that holds them.",
+                  (({"tier": "cpu"}, "cpu_hit_blocks"),)),
+    CounterFamily("kvfsm_lookup_misses", "Lookups that found nothing beyond the GPU prefix, by tier.",
+                  (({"tier": "cpu"}, "cpu_misses"),)),
+    CounterFamily("kvfsm_deferrals", "Lookups deferred because blocks they need were being moved by another job.",
+                  (({}, "deferrals"),)),
+    CounterFamily("kvfsm_store_refusals", "Stores not ordered because no CPU block could be freed for them.",
+                  (({}, "store_refusals"),)),
+    CounterFamily("kvfsm_blocks", "Blocks moved by jobs that completed, by direction (CPU blocks for stores, "
+                  "GPU blocks for loads).", (({"direction": "store"}, "blocks_stored"),
+                                             ({"direction": "load"}, "blocks_loaded"))),
+    CounterFamily("kvfsm_bytes", "Bytes moved by jobs that completed, by direction.",
+                  (({"direction": "store"}, "bytes_stored"), ({"direction": "load"}, "bytes_loaded"))),
+    CounterFamily("kvfsm_failed_jobs", "Transfer jobs that failed (a failed load is recomputed), by direction.",
+                  (({"direction": "store"}, "stores_failed"), ({"direction": "load"}, "loads_failed"))),
+)
+TRANSFER_SECONDS = HistogramFamily(
+    "kvfsm_transfer_seconds", "Each job's time in flight, from the step that submitted it to the report of its end, "
+    "by direction.")
+POOL_BLOCKS = GaugeFamily("kvfsm_pool_blocks", "CPU blocks of the host pool in each state of the cpu-block "
+                          "lifecycle.")

@@ -1,0 +1,65 @@
+"""kvfsm's metrics for any engine through prometheus_client (an optional dependency: `pip install prometheus_client`).
+
+    from prometheus_client import REGISTRY, start_http_server
+    REGISTRY.register(KvfsmCollector.of(connector.scheduler))
+    start_http_server(9400)
+
+The collector reads the scheduler half's running totals at scrape time, so counters need no bookkeeping of their
+own; per-job transfer times are taken from `ConnectorStats` at each scrape and added to cumulative buckets. Under
+vLLM use the adapter's hook instead (docs/vllm.md): vLLM scrapes its own registry.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Iterator, Mapping
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvfsm.connector.metrics import COUNTERS, DIRECTIONS, POOL_BLOCKS, TRANSFER_SECONDS
+from kvfsm.connector.scheduler import SchedulerConnector
+from kvfsm.connector.stats import ConnectorStats
+
+
+class KvfsmCollector(Collector):
+    def __init__(self, stats: ConnectorStats, pool_usage: Callable[[], Mapping[str, int]]) -> None:
+        self._stats = stats
+        self._pool_usage = pool_usage
+        buckets = TRANSFER_SECONDS.buckets
+        self._bucket_counts = {d: [0] * (len(buckets) + 1) for d in DIRECTIONS}  # the last one is +Inf
+        self._sums = dict.fromkeys(DIRECTIONS, 0.0)
+
+    @classmethod
+    def of(cls, scheduler: SchedulerConnector) -> "KvfsmCollector":
+        """The collector of one scheduler half: its stats and its host pool."""
+        return cls(scheduler.stats, scheduler.manager.usage)
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self._stats.as_dict()
+        for counter in COUNTERS:
+            family = CounterMetricFamily(counter.name, counter.documentation, labels=counter.labelnames)
+            for labels, source in counter.samples:
+                family.add_metric([labels[name] for name in counter.labelnames], totals[source])
+            yield family
+        yield self._transfer_seconds()
+        pool = GaugeMetricFamily(POOL_BLOCKS.name, POOL_BLOCKS.documentation, labels=["state"])
+        for state, count in self._pool_usage().items():
+            pool.add_metric([state], count)
+        yield pool
+
+    def _transfer_seconds(self) -> HistogramMetricFamily:
+        buckets = TRANSFER_SECONDS.buckets
+        for direction, times in self._stats.take_seconds().items():
+            counts = self._bucket_counts[direction]
+            for seconds in times:
+                counts[bisect.bisect_left(buckets, seconds)] += 1
+            self._sums[direction] += sum(times)
+        family = HistogramMetricFamily(TRANSFER_SECONDS.name, TRANSFER_SECONDS.documentation, labels=["direction"])
+        for direction in DIRECTIONS:
+            cumulative, running = [], 0
+            for bound, count in zip([*map(str, buckets), "+Inf"], self._bucket_counts[direction]):
+                running += count
+                cumulative.append((bound, running))
+            family.add_metric([direction], cumulative, self._sums[direction])
+        return family

@@ -1,0 +1,49 @@
+"""kvfsm's metrics in vLLM's own Prometheus registry (`/metrics` of `vllm serve`), fed by vLLM's stats hook.
+
+vLLM asks the scheduler-role connector for `get_kv_connector_stats()` every step and hands the intervals to the
+class `build_prom_metrics` returned; this records them on metrics built with vLLM's metric classes (so Ray and
+multiprocess deployments work as for vLLM's own), named and labelled as `kvfsm.connector.metrics` declares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
+
+from kvfsm.connector.metrics import COUNTERS, DIRECTIONS, POOL_BLOCKS, TRANSFER_SECONDS
+from kvfsm.integrations.vllm.telemetry import POOL, SECONDS
+
+
+class KvfsmPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        engines = per_engine_labelvalues.items()
+        self._counters: dict[tuple[int, str], Any] = {}
+        for family in COUNTERS:
+            counter = self._counter_cls(name=family.name, documentation=family.documentation,
+                                        labelnames=labelnames + family.labelnames)
+            for engine, values in engines:
+                for labels, source in family.samples:
+                    self._counters[(engine, source)] = counter.labels(
+                        *values, *(labels[name] for name in family.labelnames))
+        seconds = self._histogram_cls(name=TRANSFER_SECONDS.name, documentation=TRANSFER_SECONDS.documentation,
+                                      buckets=TRANSFER_SECONDS.buckets, labelnames=labelnames + ["direction"])
+        self._seconds = {(engine, SECONDS + d): seconds.labels(*values, d) for engine, values in engines
+                         for d in DIRECTIONS}
+        self._pool = self._gauge_cls(name=POOL_BLOCKS.name, documentation=POOL_BLOCKS.documentation,
+                                     labelnames=labelnames + ["state"], multiprocess_mode="mostrecent")
+        self._engine_labels = dict(engines)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if key.startswith(POOL):
+                self._pool.labels(*self._engine_labels[engine_idx], key[len(POOL):]).set(value)
+            elif key.startswith(SECONDS):
+                histogram = self._seconds[(engine_idx, key)]
+                for seconds in value:
+                    histogram.observe(seconds)
+            elif (engine_idx, key) in self._counters:
+                self._counters[(engine_idx, key)].inc(value)

@@ -1,0 +1,78 @@
+"""kvfsm's counters through vLLM's own stats hook and Prometheus metrics, under vLLM's real Scheduler.
+
+The payloads are the ones vLLM's scheduler put in its `SchedulerStats` (what its loggers receive); they are
+recorded by the class `KvfsmConnector.build_prom_metrics` returns, on a private registry. Skipped without vLLM.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+
+from kvfsm.integrations.vllm import KvfsmConnector  # noqa: E402
+from kvfsm.integrations.vllm.harness import Driver, FakeWorker  # noqa: E402
+from vllm_support import PREFIX, make_driver, model, store_prefix  # noqa: E402,F401
+
+pytestmark = pytest.mark.vllm
+
+
+def scraped_after_a_reload(d: Driver) -> CollectorRegistry:
+    store_prefix(d)
+    d.add("reader", PREFIX + [1, 2, 3])
+    d.run()
+    registry = CollectorRegistry()
+    types = {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    metrics = KvfsmConnector.build_prom_metrics(d.scheduler.vllm_config, types, ["model_name", "engine"],
+                                                {0: ["tiny", "0"]})
+    for payload in d.connector_stats:
+        metrics.observe(payload, engine_idx=0)
+    return registry
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+
+
+def test_vllm_metrics_equal_the_scheduler_halfs_totals(make_driver) -> None:
+    d = make_driver(FakeWorker(load_steps=2))
+    registry = scraped_after_a_reload(d)
+    stats = d.connector.scheduler_side.kvfsm.stats
+    assert stats.blocks_loaded == 4
+    assert sample(registry, "kvfsm_blocks_total", direction="load") == stats.blocks_loaded
+    assert sample(registry, "kvfsm_blocks_total", direction="store") == stats.blocks_stored
+    assert sample(registry, "kvfsm_bytes_total", direction="store") == stats.bytes_stored
+    assert sample(registry, "kvfsm_hit_blocks_total", tier="cpu") == stats.cpu_hit_blocks
+    assert sample(registry, "kvfsm_lookups_total") == stats.lookups
+    assert sample(registry, "kvfsm_failed_jobs_total", direction="load") == 0
+
+
+def test_vllm_histogram_has_one_observation_per_completed_job(make_driver) -> None:
+    d = make_driver(FakeWorker(load_steps=2))
+    registry = scraped_after_a_reload(d)
+    jobs = d.connector.scheduler_side.kvfsm.jobs.values()  # the checks keep every job of the run
+    for direction in ("store", "load"):
+        completed = sum(job.kind == direction and not job.in_flight for job in jobs)
+        assert completed == 1
+        assert sample(registry, "kvfsm_transfer_seconds_count", direction=direction) == completed
+
+
+def test_vllm_pool_gauge_shows_every_cpu_block_in_its_state(make_driver) -> None:
+    d = make_driver(FakeWorker(load_steps=2))
+    registry = scraped_after_a_reload(d)
+    manager = d.connector.scheduler_side.kvfsm.manager
+    shown = {state: sample(registry, "kvfsm_pool_blocks", state=state) for state in manager.usage()}
+    assert shown == manager.usage()
+    assert shown["ready"] > 0
+
+
+def test_control_payloads_lost_between_scheduler_and_logger_show_as_missing_loads(make_driver) -> None:
+    d = make_driver(FakeWorker(load_steps=2))
+    d.connector.scheduler_side.stats.take = lambda: None  # the hook reports nothing
+    registry = scraped_after_a_reload(d)
+    assert sample(registry, "kvfsm_blocks_total", direction="load") == 0
+    assert d.connector.scheduler_side.kvfsm.stats.blocks_loaded == 4
