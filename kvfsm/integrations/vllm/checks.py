@@ -63,7 +63,6 @@ class SpecChecks:
     """Traces the machines from construction on; `after_step` and `after_idle` raise `SpecViolation`."""
 
     def __init__(self, scheduler: SchedulerConnector, machines: MachineSet) -> None:
-        scheduler.keep_history = True  # finished jobs and released requests stay visible to the checks
         self.world = AdapterWorld(scheduler)
         self.trace = TraceRecorder(machines)
 

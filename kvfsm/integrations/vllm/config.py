@@ -50,11 +50,19 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
 
 
 def gpu_block_bytes(kv_cache_config: "KVCacheConfig") -> int:
-    """Bytes of one GPU block across every layer of the single offloaded group, as the workers will register it."""
+    """Bytes of one GPU block across every layer of the single offloaded group, as the workers will register it.
+
+    vLLM gives a connector without hybrid-allocator support (kvfsm's) one group: it promotes sliding-window and
+    chunked-local layers to full attention (every block kept, so every block can be offloaded and reloaded). Only
+    a hand-built or hybrid-allocator configuration reaches here with several groups, and is refused by kind."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise UnsupportedKVCache(f"kvfsm offloads one KV-cache group; this model has {len(groups)} "
-                                 "(run with --disable-hybrid-kv-cache-manager, or a model with one attention type)")
+        kinds = ", ".join(f"{i}: {type(g.kv_cache_spec).__name__}" for i, g in enumerate(groups))
+        raise UnsupportedKVCache(
+            f"kvfsm offloads one KV-cache group; this configuration has {len(groups)} ({kinds}). Run vLLM with "
+            "the hybrid KV-cache manager off (--disable-hybrid-kv-cache-manager, vLLM's default for kvfsm): "
+            "sliding-window layers then keep every block and offload as full attention; state-space (Mamba) "
+            "layers need the hybrid manager and are not supported")
     return groups[0].kv_cache_spec.page_size_bytes * len(groups[0].layer_names)
 
 

@@ -129,6 +129,7 @@ class FakeWorker:
     """False is a control: a failed load is reported as failed but its blocks are not named to vLLM."""
     pending: dict[int, _Job] = field(default_factory=dict)
     loads: list[_Job] = field(default_factory=list)
+    finished: list[_Job] = field(default_factory=list)
 
     def step(self, step: int, output: SchedulerOutput, scheduler: Scheduler) -> KVConnectorOutput:
         orders = output.kv_connector_metadata.orders
@@ -146,6 +147,7 @@ class FakeWorker:
         finished = [j for j in self.pending.values() if j.due <= step]
         for job in finished:
             del self.pending[job.job_id]
+        self.finished += finished
         report = WorkerOutput(worker=0, done=tuple(j.job_id for j in finished if j.ok),
                               failed=tuple(j.job_id for j in finished if not j.ok))
         invalid = {b for j in finished if not j.ok and j.kind == "load" for b in j.gpu_blocks}
@@ -226,10 +228,11 @@ class AdapterWorker:
 class Driver:
     """One vLLM scheduler with the kvfsm adapter, stepped by hand against a `FakeWorker` or an `AdapterWorker`."""
 
-    def __init__(self, config: VllmConfig, worker: "FakeWorker | AdapterWorker") -> None:
+    def __init__(self, config: VllmConfig, worker: "FakeWorker | AdapterWorker",
+                 cache: KVCacheConfig | None = None) -> None:
         init_none_hash(sha256)
         self.blocks = config.cache_config.num_gpu_blocks
-        self.scheduler = Scheduler(config, kv_cache_config(self.blocks), StructuredOutputManager(config),
+        self.scheduler = Scheduler(config, cache or kv_cache_config(self.blocks), StructuredOutputManager(config),
                                    block_size=BLOCK_SIZE, log_stats=True)
         self.connector_stats: list[dict[str, Any]] = []
         """The connector-stats payloads vLLM's scheduler put in its stats, step by step (what its loggers get)."""
