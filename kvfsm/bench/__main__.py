@@ -293,5 +293,16 @@ def _one(part: str) -> None:
 for _part in PARTS:
     _one(_part)
 
+
+@app.command("vllm")
+def vllm_side_by_side(out: Path = OUT, quick: bool = QUICK) -> None:
+    """kvfsm's vLLM connector beside vLLM's OffloadingConnector under vLLM's Scheduler (needs vLLM 0.32)."""
+    try:
+        from kvfsm.integrations.vllm import bench as vllm_bench
+    except ImportError as missing:
+        console.print(f"vllm: skipped ({missing}); run it in the venv with vLLM 0.32")
+        return
+    vllm_bench.main(out, quick)
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,305 @@
+"""kvfsm's connector beside vLLM's own `OffloadingConnector`, through vLLM 0.32's real `Scheduler` on the CPU.
+
+One request stream per workload runs three times — no connector, vLLM's `OffloadingConnector`, kvfsm's
+`KvfsmConnector` — with a fake worker that completes every transfer job a fixed number of steps after it was
+ordered (flushed stores at once), the same for both connectors. Per step it times what the connector adds to vLLM's
+critical path, `schedule()` + `update_from_output()` (GC on), and counts load and store jobs, blocks moved,
+deferrals (lookups answered "ask again") and the steps from each request's arrival to its first token.
+
+Workloads: `steady-decode` (256 running requests of 2k-token prompts, the decode steps after every prefill ended),
+`zipf-prefixes` (arrivals whose prompt heads come from a Zipf-popular set of documents already on CPU, with a GPU
+too small to keep them all), `preemption-burst` (long decodes on a GPU that runs out, with stores in flight).
+
+Run `python -m kvfsm.bench vllm` (or `python -m kvfsm.integrations.vllm.bench`) in a venv with vLLM 0.32.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from rich.console import Console
+from rich.table import Table
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvfsm.integrations.vllm.harness import (
+    BLOCK_SIZE,
+    KVFSM_CONNECTOR,
+    FakeWorker,
+    kv_cache_config,
+    model_config,
+    model_output,
+    sampled_requests,
+    vllm_config,
+)
+
+CONNECTORS: dict[str, str | None] = {"none": None, "vllm": "OffloadingConnector", "kvfsm": KVFSM_CONNECTOR}
+LOAD_STEPS, STORE_STEPS = 2, 2
+CPU_BLOCKS = 65536
+
+
+@dataclass
+class Arrival:
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Workload:
+    """A request stream: `arrivals(step)` are added before that step; steps from `measure_from` on are timed."""
+
+    name: str
+    gpu_blocks: int
+    steps: int
+    arrivals: Callable[[int], list[Arrival]]
+    warm: list[Arrival] = field(default_factory=list)
+    """Requests run to the end first (their blocks reach the CPU pool), then vLLM's GPU prefix cache is reset."""
+    measure_from: Callable[[Scheduler], bool] = lambda scheduler: True
+    max_seqs: int = 256
+    max_batched_tokens: int = 8192
+
+
+class OffloadingFakeWorker:
+    """Completes `OffloadingConnector`'s jobs as its worker reports them: loads name their request in
+    `finished_recving`, every job id goes back in `OffloadingWorkerMetadata`."""
+
+    def __init__(self) -> None:
+        self.due: dict[int, int] = {}
+        self.loads: dict[int, str] = {}
+
+    def step(self, step: int, output: SchedulerOutput, scheduler: Scheduler) -> KVConnectorOutput:
+        meta = output.kv_connector_metadata
+        assert isinstance(meta, OffloadingConnectorMetadata)
+        for job_id in meta.jobs_to_flush or ():
+            self.due[job_id] = step
+        for job_id, job in meta.load_jobs.items():
+            self.due[job_id] = step + LOAD_STEPS - 1
+            self.loads[job_id] = job.req_id
+        for job_id in meta.store_jobs:
+            self.due.setdefault(job_id, step + STORE_STEPS)
+        done = [job for job, due in self.due.items() if due <= step]
+        for job_id in done:
+            del self.due[job_id]
+        recving = {self.loads.pop(job) for job in done if job in self.loads}
+        worker_meta = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done, 1)) if done else None
+        return KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=worker_meta)
+
+
+def job_counts(output: SchedulerOutput) -> tuple[int, int, int, int]:
+    """Load jobs, GPU blocks they write, store jobs, GPU blocks they read: ordered in this step."""
+    meta = output.kv_connector_metadata
+    if isinstance(meta, OffloadingConnectorMetadata):
+        loads, stores = meta.load_jobs.values(), meta.store_jobs.values()
+        return (len(loads), sum(len(j.dst_spec.block_ids) for j in loads),
+                len(stores), sum(len(j.src_spec.block_ids) for j in stores))
+    if meta is None:
+        return 0, 0, 0, 0
+    orders = meta.orders
+    return (len(orders.loads), sum(len(o.gpu_blocks) for o in orders.loads),
+            len(orders.stores), sum(len(o.gpu_blocks) for o in orders.stores))
+
+
+class Run:
+    """One workload through one vLLM scheduler; everything it measured."""
+
+    def __init__(self, workload: Workload, connector: str, model: Any) -> None:
+        init_none_hash(sha256)
+        name = CONNECTORS[connector]
+        extra = {"cpu_blocks": CPU_BLOCKS} if name == KVFSM_CONNECTOR else {
+            "cpu_bytes_to_use": CPU_BLOCKS * kv_cache_config(1).kv_cache_groups[0].kv_cache_spec.page_size_bytes * 2}
+        config = vllm_config(model, extra, workload.gpu_blocks, connector=name,
+                             max_batched_tokens=workload.max_batched_tokens, max_seqs=workload.max_seqs)
+        self.scheduler = Scheduler(config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config),
+                                   block_size=BLOCK_SIZE)
+        self.worker = (None if name is None else OffloadingFakeWorker() if connector == "vllm"
+                       else FakeWorker(load_steps=LOAD_STEPS, store_steps=STORE_STEPS))
+        self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self.deferrals = 0
+        if self.scheduler.connector is not None:
+            self._count_deferrals(self.scheduler.connector)
+        self.step_no = 0
+        self.arrived: dict[str, int] = {}
+        self.first_token: dict[str, int] = {}
+        self.step_us: list[float] = []
+        self.jobs = [0, 0, 0, 0]
+        self.preemptions = 0
+
+    def _count_deferrals(self, connector: Any) -> None:
+        lookup = connector.get_num_new_matched_tokens
+
+        def counted(request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+            answer = lookup(request, num_computed_tokens)
+            self.deferrals += answer[0] is None
+            return answer
+
+        connector.get_num_new_matched_tokens = counted
+
+    def add(self, arrival: Arrival) -> None:
+        self.scheduler.add_request(Request(arrival.req_id, arrival.prompt,
+                                           SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True), None,
+                                           block_hasher=self.hasher))
+        self.arrived[arrival.req_id] = self.step_no
+
+    def step(self, measured: bool) -> None:
+        self.step_no += 1
+        start = time.perf_counter()
+        output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        connector_output = None if self.worker is None else self.worker.step(self.step_no, output, self.scheduler)
+        result = model_output(self.scheduler, output, connector_output)
+        updating = time.perf_counter()
+        outputs = self.scheduler.update_from_output(output, result)
+        end = time.perf_counter()
+        for req_id in sampled_requests(outputs):
+            self.first_token.setdefault(req_id, self.step_no)
+        if measured:
+            self.step_us.append((scheduled - start + end - updating) * 1e6)
+            self.jobs = [a + b for a, b in zip(self.jobs, job_counts(output))]
+            self.preemptions += len(output.preempted_req_ids or ())
+
+    def figures(self, measured: set[str]) -> dict[str, Any]:
+        ttft = [self.first_token[r] - self.arrived[r] for r in measured if r in self.first_token]
+        loads, loaded, stores, stored = self.jobs
+        return {"steps": len(self.step_us), "us_per_step": statistics.fmean(self.step_us),
+                "us_per_step_median": statistics.median(self.step_us), "loads": loads, "blocks_loaded": loaded,
+                "stores": stores, "blocks_stored": stored, "deferrals": self.deferrals,
+                "preemptions": self.preemptions, "ttft_steps_mean": statistics.fmean(ttft) if ttft else None,
+                "ttft_steps_max": max(ttft) if ttft else None, "first_tokens": len(ttft)}
+
+
+def _due_jobs(worker: Any) -> bool:
+    return bool(getattr(worker, "due", None) or getattr(worker, "pending", None))
+
+
+def run(workload: Workload, connector: str, model: Any) -> dict[str, Any]:
+    """The workload through one connector: warm-up requests to the end, then the measured stream."""
+    bench = Run(workload, connector, model)
+    for arrival in workload.warm:
+        bench.add(arrival)
+    while bench.scheduler.has_requests() or _due_jobs(bench.worker):
+        bench.step(measured=False)
+    bench.scheduler.reset_prefix_cache()
+    measured: set[str] = set()
+    gc.collect()
+    for step in range(workload.steps):
+        for arrival in workload.arrivals(step):
+            bench.add(arrival)
+            measured.add(arrival.req_id)
+        bench.step(measured=workload.measure_from(bench.scheduler))
+    return bench.figures(measured)
+
+
+def _tokens(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 999) for _ in range(count)]
+
+
+def steady_decode(requests: int = 256, prompt_tokens: int = 2048, steps: int = 160) -> Workload:
+    arrivals = [Arrival(f"r{i}", _tokens(i, prompt_tokens), max_tokens=4 * steps) for i in range(requests)]
+    blocks = requests * (prompt_tokens + 4 * steps) // BLOCK_SIZE + requests
+    return Workload("steady-decode", blocks, steps, lambda step: arrivals if step == 0 else [],
+                    measure_from=lambda scheduler: not scheduler.waiting and all(
+                        r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running),
+                    max_seqs=requests)
+
+
+def zipf_prefixes(documents: int = 64, doc_tokens: int = 1024, per_step: int = 8, steps: int = 64,
+                  seed: int = 0) -> Workload:
+    docs = [_tokens(10_000 + d, doc_tokens) for d in range(documents)]
+    weights = [1.0 / (rank + 1) for rank in range(documents)]
+    rng = random.Random(seed)
+    stream = [[Arrival(f"s{step}-{i}", doc + _tokens(step * 1000 + i, 40), max_tokens=16)
+               for i, doc in enumerate(rng.choices(docs, weights, k=per_step))] for step in range(steps)]
+    warm = [Arrival(f"w{d}", doc + [1], max_tokens=1) for d, doc in enumerate(docs)]
+    gpu_blocks = documents * doc_tokens // BLOCK_SIZE // 2  # room for half the documents
+    return Workload("zipf-prefixes", gpu_blocks, steps + 40, lambda step: stream[step] if step < steps else [],
+                    warm=warm)
+
+
+def preemption_burst(requests: int = 48, prompt_tokens: int = 512, decode_tokens: int = 192) -> Workload:
+    arrivals = [Arrival(f"p{i}", _tokens(50_000 + i, prompt_tokens), max_tokens=decode_tokens)
+                for i in range(requests)]
+    gpu_blocks = requests * prompt_tokens // BLOCK_SIZE + requests * decode_tokens // BLOCK_SIZE // 3
+    return Workload("preemption-burst", gpu_blocks, decode_tokens + 160, lambda step: arrivals if step == 0 else [],
+                    max_seqs=requests, max_batched_tokens=4096)
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "steady-decode": steady_decode, "zipf-prefixes": zipf_prefixes, "preemption-burst": preemption_burst,
+}
+QUICK_SIZES: dict[str, dict[str, int]] = {
+    "steady-decode": {"requests": 16, "prompt_tokens": 256, "steps": 20},
+    "zipf-prefixes": {"documents": 8, "doc_tokens": 256, "per_step": 2, "steps": 10},
+    "preemption-burst": {"requests": 8, "prompt_tokens": 128, "decode_tokens": 64},
+}
+"""Small sizes: check the plumbing in seconds, not the figures."""
+
+
+def compare(names: list[str] | None = None, quick: bool = False) -> Iterator[dict[str, Any]]:
+    """Every workload through the three connectors; one row per workload and connector."""
+    with tempfile.TemporaryDirectory() as folder:
+        model = model_config(Path(folder) / "tiny-llama")
+        for name in names or list(WORKLOADS):
+            workload = WORKLOADS[name](**(QUICK_SIZES[name] if quick else {}))
+            baseline: dict[str, Any] = {}
+            for connector in CONNECTORS:
+                row = {"workload": name, "connector": connector, **run(workload, connector, model)}
+                baseline = baseline or row
+                row["added_us_per_step"] = row["us_per_step"] - baseline["us_per_step"]
+                row["added_us_per_step_median"] = row["us_per_step_median"] - baseline["us_per_step_median"]
+                yield row
+
+
+COLUMNS = {
+    "workload": "workload", "connector": "connector", "steps": "steps", "us_per_step": "µs/step",
+    "added_us_per_step": "added µs", "us_per_step_median": "median µs/step", "added_us_per_step_median": "added median",
+    "loads": "loads", "blocks_loaded": "blocks in", "stores": "stores", "blocks_stored": "blocks out",
+    "deferrals": "deferrals", "preemptions": "preempted", "ttft_steps_mean": "steps to 1st token",
+    "ttft_steps_max": "max", "first_tokens": "requests",
+}
+
+
+def table(rows: list[dict[str, Any]]) -> Table:
+    out = Table(title="vLLM 0.32 Scheduler: no connector / OffloadingConnector / KvfsmConnector (fake worker)")
+    for title in COLUMNS.values():
+        out.add_column(title, justify="left" if title in ("workload", "connector") else "right")
+    for row in rows:
+        out.add_row(*(f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in COLUMNS))
+    return out
+
+
+def main(out: Path = Path("bench-out"), quick: bool = False) -> list[dict[str, Any]]:
+    """Run, print the table, and write `vllm.json` under `out`."""
+    rows = []
+    for row in compare(quick=quick):
+        rows.append(row)
+    Console(width=200).print(table(rows))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vllm.json").write_text(json.dumps({"quick": quick, "load_steps": LOAD_STEPS, "store_steps": STORE_STEPS,
+                                               "rows": rows}, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    import typer
+
+    typer.run(main)
