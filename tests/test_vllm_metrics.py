@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
-from kvfsm.integrations.vllm import KvfsmConnector  # noqa: E402
+from kvfsm.integrations.vllm import KvfsmConnector, telemetry  # noqa: E402
 from kvfsm.integrations.vllm.harness import Driver, FakeWorker  # noqa: E402
 from vllm_support import PREFIX, make_driver, model, store_prefix  # noqa: E402,F401
 
@@ -60,7 +60,8 @@ def test_vllm_histogram_has_one_observation_per_completed_job(make_driver) -> No
         assert sample(registry, "kvfsm_transfer_seconds_count", direction=direction) == completed
 
 
-def test_vllm_pool_gauge_shows_every_cpu_block_in_its_state(make_driver) -> None:
+def test_vllm_pool_gauge_shows_every_cpu_block_in_its_state(make_driver, monkeypatch) -> None:
+    monkeypatch.setattr(telemetry, "POOL_SAMPLE_SECONDS", 0.0)  # a sample every step, so the last one is current
     d = make_driver(FakeWorker(load_steps=2))
     registry = scraped_after_a_reload(d)
     manager = d.connector.scheduler_side.kvfsm.manager

@@ -3,10 +3,14 @@
 `KvfsmStats.data` holds three kinds of entries, told apart by their keys: a `ConnectorStats` counter's increase
 (summed when vLLM aggregates intervals), `transfer_seconds.<direction>` per-job times (concatenated), and
 `pool.<state>` CPU blocks per state (a gauge: the latest report wins).
+
+vLLM asks for stats every step, but counting the pool's states walks every CPU block, so the pool is sampled at
+most once per `POOL_SAMPLE_SECONDS` (Prometheus scrapes every 15 s by default).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -16,6 +20,7 @@ from kvfsm.connector.stats import ConnectorStats
 
 SECONDS = "transfer_seconds."
 POOL = "pool."
+POOL_SAMPLE_SECONDS = 1.0
 
 
 @dataclass
@@ -47,7 +52,7 @@ class KvfsmStats(KVConnectorStats):
         return reduced
 
     def is_empty(self) -> bool:
-        return not any(value for key, value in self.data.items() if not key.startswith(POOL))
+        return not any(value or key.startswith(POOL) for key, value in self.data.items())
 
 
 class StatsDelta:
@@ -57,15 +62,17 @@ class StatsDelta:
         self._source = source
         self._pool_usage = pool_usage
         self._last = source.as_dict()
+        self._pool_sampled = float("-inf")
 
     def take(self) -> KvfsmStats | None:
-        now = self._source.as_dict()
-        data: dict[str, Any] = {key: value - self._last[key] for key, value in now.items()
+        totals = self._source.as_dict()
+        data: dict[str, Any] = {key: value - self._last[key] for key, value in totals.items()
                                 if value != self._last[key]}
-        self._last = now
+        self._last = totals
         data.update((SECONDS + direction, times) for direction, times in self._source.take_seconds().items()
                     if times)
-        if not data:
-            return None
-        data.update((POOL + state, count) for state, count in self._pool_usage().items())
-        return KvfsmStats(data=data)
+        clock = time.monotonic()
+        if clock - self._pool_sampled >= POOL_SAMPLE_SECONDS:
+            self._pool_sampled = clock
+            data.update((POOL + state, count) for state, count in self._pool_usage().items())
+        return KvfsmStats(data=data) if data else None
