@@ -4,7 +4,9 @@ One request stream per workload runs three times — no connector, vLLM's `Offlo
 `KvfsmConnector` — with a fake worker that completes every transfer job a fixed number of steps after it was
 ordered (flushed stores at once), the same for both connectors. Per step it times what the connector adds to vLLM's
 critical path, `schedule()` + `update_from_output()` (GC on), and counts load and store jobs, blocks moved,
-deferrals (lookups answered "ask again") and the steps from each request's arrival to its first token.
+deferrals (lookups answered "ask again") and the steps from each request's arrival to its first token. Both pools
+hold 65536 blocks; vLLM's connector is told to store decode blocks too (`offload_prompt_only: false`; its default
+stores prompts only), so both do the same work.
 
 Workloads: `steady-decode` (256 running requests of 2k-token prompts, the decode steps after every prefill ended),
 `zipf-prefixes` (arrivals whose prompt heads come from a Zipf-popular set of documents already on CPU, with a GPU
@@ -40,6 +42,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvfsm.integrations.vllm.config import gpu_block_bytes
 from kvfsm.integrations.vllm.harness import (
     BLOCK_SIZE,
     KVFSM_CONNECTOR,
@@ -125,7 +128,8 @@ class Run:
         init_none_hash(sha256)
         name = CONNECTORS[connector]
         extra = {"cpu_blocks": CPU_BLOCKS} if name == KVFSM_CONNECTOR else {
-            "cpu_bytes_to_use": CPU_BLOCKS * kv_cache_config(1).kv_cache_groups[0].kv_cache_spec.page_size_bytes * 2}
+            "cpu_bytes_to_use": CPU_BLOCKS * gpu_block_bytes(kv_cache_config(1)),
+            "offload_prompt_only": False}  # kvfsm stores every completed block: the same work for both
         config = vllm_config(model, extra, workload.gpu_blocks, connector=name,
                              max_batched_tokens=workload.max_batched_tokens, max_seqs=workload.max_seqs)
         self.scheduler = Scheduler(config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config),
@@ -287,15 +291,23 @@ def table(rows: list[dict[str, Any]]) -> Table:
     return out
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table as docs/benchmarks.md shows it."""
+    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k])
+                                       for k in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(out: Path = Path("bench-out"), quick: bool = False) -> list[dict[str, Any]]:
-    """Run, print the table, and write `vllm.json` under `out`."""
-    rows = []
-    for row in compare(quick=quick):
-        rows.append(row)
+    """Run, print the table, and write `vllm.json` and `vllm.md` (the table in Markdown) under `out`."""
+    rows = list(compare(quick=quick))
     Console(width=200).print(table(rows))
     out.mkdir(parents=True, exist_ok=True)
     (out / "vllm.json").write_text(json.dumps({"quick": quick, "load_steps": LOAD_STEPS, "store_steps": STORE_STEPS,
                                                "rows": rows}, indent=2))
+    (out / "vllm.md").write_text(markdown(rows))
     return rows
 
 
