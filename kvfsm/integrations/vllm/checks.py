@@ -63,7 +63,7 @@ class SpecChecks:
     """Traces the machines from construction on; `after_step` and `after_idle` raise `SpecViolation`."""
 
     def __init__(self, scheduler: SchedulerConnector, machines: MachineSet) -> None:
-        scheduler.keep_history = True  # ended jobs stay visible: no-convoy and failure-visible read them
+        scheduler.ledger.keep_history = True  # ended jobs stay visible: no-convoy and failure-visible read them
         self.world = AdapterWorld(scheduler)
         self.trace = TraceRecorder(machines)
 
