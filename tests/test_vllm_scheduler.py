@@ -91,8 +91,8 @@ def test_control_preemption_not_passed_on_releases_blocks_a_store_reads(make_dri
 
     convert = side_module.scheduler_output
 
-    def drop_preempted(output):
-        return convert(output).model_copy(update={"preempted": ()})
+    def drop_preempted(output, tables):
+        return convert(output, tables).model_copy(update={"preempted": ()})
 
     monkeypatch.setattr(side_module, "scheduler_output", drop_preempted)
     d = make_driver(FakeWorker(store_steps=4, load_steps=2), gpu_blocks=11)
@@ -163,3 +163,17 @@ def test_same_step_layer_loads_are_refused_at_start_up(model) -> None:
 def test_extra_config_contradicting_vllm_fails_at_start_up(model) -> None:
     with pytest.raises(InvalidExtraConfig, match="gpu_block_size"):
         Driver(vllm_config(model, {"cpu_blocks": 4, "gpu_block_size": 32}, 16), FakeWorker())
+
+
+def test_control_block_tables_that_miss_a_steps_new_blocks_are_caught(make_driver, monkeypatch) -> None:
+    from kvfsm.integrations.vllm.convert import BlockTables
+
+    def first_blocks_only(self, output) -> None:
+        for req_data in output.scheduled_new_reqs:
+            self._tables[req_data.req_id] = list(req_data.block_ids[0])
+
+    monkeypatch.setattr(BlockTables, "update", first_blocks_only)
+    d = make_driver()
+    d.add("writer", PREFIX + [1, 2, 3], max_tokens=40)
+    with pytest.raises(AssertionError, match="the adapter has writer's blocks as"):
+        d.run()

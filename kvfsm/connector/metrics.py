@@ -7,7 +7,9 @@ expose the same names, labels and buckets. Nothing here imports prometheus_clien
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from kvfsm.connector.stats import TRANSFER_BUCKETS
 
 DIRECTIONS = ("store", "load")
 """store: GPU to CPU; load: CPU to GPU."""
@@ -31,8 +33,7 @@ class CounterFamily:
 class HistogramFamily:
     name: str
     documentation: str
-    buckets: tuple[float, ...] = field(default=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
-                                                0.5, 1.0, 2.5, 10.0))
+    buckets: tuple[float, ...] = TRANSFER_BUCKETS
 
 
 @dataclass(frozen=True)

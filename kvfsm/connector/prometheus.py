@@ -4,14 +4,14 @@
     REGISTRY.register(KvfsmCollector.of(connector.scheduler))
     start_http_server(9400)
 
-The collector reads the scheduler half's running totals at scrape time, so counters need no bookkeeping of their
-own; per-job transfer times are taken from `ConnectorStats` at each scrape and added to cumulative buckets. Under
-vLLM use the adapter's hook instead (docs/vllm.md): vLLM scrapes its own registry.
+The collector reads the scheduler half's running totals and transfer-time histograms at scrape time, so it keeps
+nothing of its own and any number of collectors agree. Under vLLM use the adapter's hook instead (docs/vllm.md):
+vLLM scrapes its own registry.
 """
 
 from __future__ import annotations
 
-import bisect
+from itertools import accumulate
 from typing import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -26,9 +26,6 @@ class KvfsmCollector(Collector):
     def __init__(self, stats: ConnectorStats, pool_usage: Callable[[], Mapping[str, int]]) -> None:
         self._stats = stats
         self._pool_usage = pool_usage
-        buckets = TRANSFER_SECONDS.buckets
-        self._bucket_counts = {d: [0] * (len(buckets) + 1) for d in DIRECTIONS}  # the last one is +Inf
-        self._sums = dict.fromkeys(DIRECTIONS, 0.0)
 
     @classmethod
     def of(cls, scheduler: SchedulerConnector) -> "KvfsmCollector":
@@ -49,17 +46,9 @@ class KvfsmCollector(Collector):
         yield pool
 
     def _transfer_seconds(self) -> HistogramMetricFamily:
-        buckets = TRANSFER_SECONDS.buckets
-        for direction, times in self._stats.take_seconds().items():
-            counts = self._bucket_counts[direction]
-            for seconds in times:
-                counts[bisect.bisect_left(buckets, seconds)] += 1
-            self._sums[direction] += sum(times)
         family = HistogramMetricFamily(TRANSFER_SECONDS.name, TRANSFER_SECONDS.documentation, labels=["direction"])
+        bounds = [*map(str, TRANSFER_SECONDS.buckets), "+Inf"]
         for direction in DIRECTIONS:
-            cumulative, running = [], 0
-            for bound, count in zip([*map(str, buckets), "+Inf"], self._bucket_counts[direction]):
-                running += count
-                cumulative.append((bound, running))
-            family.add_metric([direction], cumulative, self._sums[direction])
+            histogram = self._stats.transfer_times[direction]
+            family.add_metric([direction], list(zip(bounds, accumulate(histogram.counts))), sum(histogram.sums))
         return family

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field, fields
 
-RECENT_DURATIONS = 65536
-"""Per-job transfer times kept for an exporter's histograms between two scrapes; older ones are dropped."""
+TRANSFER_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+"""Upper bounds (seconds) of the transfer-time histogram's buckets; one more bucket holds the rest."""
+
+
+@dataclass
+class TransferHistogram:
+    """Jobs' times in flight by bucket of `TRANSFER_BUCKETS`: a count and a summed time per bucket, so the memory is
+    fixed however long the connector runs, and an exporter can replay an interval exactly (count and sum)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_BUCKETS) + 1))
+    sums: list[float] = field(default_factory=lambda: [0.0] * (len(TRANSFER_BUCKETS) + 1))
+
+    def observe(self, seconds: float) -> None:
+        bucket = bisect.bisect_left(TRANSFER_BUCKETS, seconds)
+        self.counts[bucket] += 1
+        self.sums[bucket] += seconds
 
 
 @dataclass
@@ -29,14 +43,14 @@ class ConnectorStats:
     """Summed time stores spent in flight, from the step that submitted them to the report of their end."""
     load_seconds: float = 0.0
     """The same for loads: what a request waiting on a CPU hit waited for."""
-    recent_seconds: dict[str, deque[float]] = field(
-        default_factory=lambda: {"store": deque(maxlen=RECENT_DURATIONS), "load": deque(maxlen=RECENT_DURATIONS)},
-        repr=False, compare=False)
-    """Each job's time in flight, by direction, until an exporter takes them (`take_seconds`) for a histogram."""
+    transfer_times: dict[str, TransferHistogram] = field(
+        default_factory=lambda: {"store": TransferHistogram(), "load": TransferHistogram()}, repr=False,
+        compare=False)
+    """Each job's time in flight, by direction, as a histogram."""
 
     def record_store(self, cpu_blocks: int, ok: bool, cpu_block_bytes: int, seconds: float) -> None:
         self.store_seconds += seconds
-        self.recent_seconds["store"].append(seconds)
+        self.transfer_times["store"].observe(seconds)
         if ok:
             self.blocks_stored += cpu_blocks
             self.bytes_stored += cpu_blocks * cpu_block_bytes
@@ -45,20 +59,13 @@ class ConnectorStats:
 
     def record_load(self, gpu_blocks: int, ok: bool, gpu_block_bytes: int, seconds: float) -> None:
         self.load_seconds += seconds
-        self.recent_seconds["load"].append(seconds)
+        self.transfer_times["load"].observe(seconds)
         if ok:
             self.blocks_loaded += gpu_blocks
             self.bytes_loaded += gpu_blocks * gpu_block_bytes
         else:
             self.loads_failed += 1
 
-    def take_seconds(self) -> dict[str, list[float]]:
-        """The per-job times recorded since the last call, by direction (one exporter per process takes them)."""
-        taken = {direction: list(times) for direction, times in self.recent_seconds.items()}
-        for times in self.recent_seconds.values():
-            times.clear()
-        return taken
-
     def as_dict(self) -> dict[str, int | float]:
-        """The running totals (the counters), without the per-job times."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recent_seconds"}
+        """The running totals (the counters), without the histograms."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "transfer_times"}

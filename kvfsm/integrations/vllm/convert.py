@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput
 
@@ -96,18 +97,46 @@ def computed_before(output: VllmSchedulerOutput) -> dict[str, int]:
     return before
 
 
-def scheduler_output(output: VllmSchedulerOutput) -> SchedulerOutput:
-    """The requests computed this step (group-0 blocks, computed tokens after the step) and the preempted ones."""
+class BlockTables:
+    """Each scheduled request's group-0 block ids, kept from the block ids vLLM's scheduler output carries.
+
+    vLLM sends a new request's blocks, then only the blocks each step added, and all blocks again when a preempted
+    request resumes; following those (as vLLM's own connector does) costs per step only what changed, where
+    resolving every request's table from vLLM's KV-cache manager costs its whole length, every step."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def update(self, output: VllmSchedulerOutput) -> None:
+        tables = self._tables
+        for req_id in output.finished_req_ids:
+            tables.pop(req_id, None)
+        for req_id in output.preempted_req_ids or ():
+            tables.pop(req_id, None)
+        for req_id, new_blocks, resumed in yield_req_data(output):
+            table = tables.get(req_id)
+            if table is None or resumed:
+                tables[req_id] = list(new_blocks[OFFLOADED_GROUP]) if new_blocks else []
+            elif new_blocks:
+                table.extend(new_blocks[OFFLOADED_GROUP])
+
+    def __getitem__(self, req_id: str) -> list[int]:
+        return self._tables[req_id]
+
+
+def scheduler_output(output: VllmSchedulerOutput, tables: BlockTables) -> SchedulerOutput:
+    """The requests computed this step (group-0 blocks, computed tokens after the step) and the preempted ones.
+
+    Built from vLLM's own typed scheduler output, once per running request per step: constructed without
+    re-validating (validation made this conversion the adapter's largest per-step cost)."""
+    tables.update(output)
     before = computed_before(output)
-    state = output.kv_connector_block_state
-    scheduled = []
-    for req_id, count in output.num_scheduled_tokens.items():
-        groups = state.get_block_ids(req_id) if state is not None else None
-        if groups is None:
-            raise ValueError(f"vLLM scheduled {req_id!r} but offered the connector no block ids for it")
-        scheduled.append(ScheduledRequest(req_id=req_id, block_ids=tuple(groups[OFFLOADED_GROUP]),
-                                          num_computed_tokens=before[req_id] + count))
-    return SchedulerOutput(scheduled=tuple(scheduled), preempted=tuple(sorted(output.preempted_req_ids or ())))
+    construct = ScheduledRequest.model_construct
+    scheduled = [construct(req_id=req_id, block_ids=tuple(tables[req_id]),
+                           num_computed_tokens=before[req_id] + count)
+                 for req_id, count in output.num_scheduled_tokens.items()]
+    return SchedulerOutput.model_construct(scheduled=tuple(scheduled),
+                                           preempted=tuple(sorted(output.preempted_req_ids or ())))
 
 
 def group_block_ids(blocks: Any) -> list[int]:

@@ -266,6 +266,7 @@ class Driver:
         output = self.scheduler.schedule()
         orders = output.kv_connector_metadata.orders
         self.check_held(orders.flush)
+        self.check_block_tables(output)
         first = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
         first.update((r, n) for r, n in zip(cached.req_ids, cached.num_computed_tokens) if r in cached.resumed_req_ids)
@@ -302,6 +303,15 @@ class Driver:
             if lost:
                 raise HeldBlockReleased(f"step {self.step_no}: {job.kind} job {job.job_id} of {job.req_id} "
                                         f"still uses GPU blocks {lost}, which vLLM took back")
+
+    def check_block_tables(self, output: SchedulerOutput) -> None:
+        """The block ids the adapter followed from vLLM's outputs are the ones vLLM's KV-cache manager holds."""
+        tables = self.connector.scheduler_side.block_tables
+        for req_id in output.num_scheduled_tokens:
+            held = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+            if tables[req_id] != held:
+                raise AssertionError(f"step {self.step_no}: the adapter has {req_id}'s blocks as {tables[req_id]}, "
+                                     f"vLLM holds {held}")
 
     def reset_gpu_prefix_cache(self) -> None:
         if not self.scheduler.reset_prefix_cache():

@@ -13,7 +13,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
 
 from kvfsm.connector.metrics import COUNTERS, DIRECTIONS, POOL_BLOCKS, TRANSFER_SECONDS
-from kvfsm.integrations.vllm.telemetry import POOL, SECONDS
+from kvfsm.integrations.vllm.telemetry import COUNTS, POOL, SECONDS, SUMS
 
 
 class KvfsmPromMetrics(KVConnectorPromMetrics):
@@ -31,7 +31,7 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                         *values, *(labels[name] for name in family.labelnames))
         seconds = self._histogram_cls(name=TRANSFER_SECONDS.name, documentation=TRANSFER_SECONDS.documentation,
                                       buckets=TRANSFER_SECONDS.buckets, labelnames=labelnames + ["direction"])
-        self._seconds = {(engine, SECONDS + d): seconds.labels(*values, d) for engine, values in engines
+        self._seconds = {(engine, SECONDS + d + COUNTS): seconds.labels(*values, d) for engine, values in engines
                          for d in DIRECTIONS}
         self._pool = self._gauge_cls(name=POOL_BLOCKS.name, documentation=POOL_BLOCKS.documentation,
                                      labelnames=labelnames + ["state"], multiprocess_mode="mostrecent")
@@ -41,9 +41,12 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
         for key, value in transfer_stats_data.items():
             if key.startswith(POOL):
                 self._pool.labels(*self._engine_labels[engine_idx], key[len(POOL):]).set(value)
-            elif key.startswith(SECONDS):
+            elif key.endswith(COUNTS):
+                # Each bucket's jobs observed at their mean time: same buckets, same count, same sum.
                 histogram = self._seconds[(engine_idx, key)]
-                for seconds in value:
-                    histogram.observe(seconds)
+                sums = transfer_stats_data[key.removesuffix(COUNTS) + SUMS]
+                for count, total in zip(value, sums):
+                    for _ in range(count):
+                        histogram.observe(total / count)
             elif (engine_idx, key) in self._counters:
                 self._counters[(engine_idx, key)].inc(value)

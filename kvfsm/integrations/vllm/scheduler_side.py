@@ -21,6 +21,7 @@ from kvfsm.connector.metadata import ConnectorOutput
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.integrations.vllm.config import gpu_block_bytes
 from kvfsm.integrations.vllm.convert import (
+    BlockTables,
     HashCodec,
     KvfsmMetadata,
     KvfsmWorkerMetadata,
@@ -55,6 +56,7 @@ class SchedulerSide:
         self.codec = HashCodec()
         self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage)
         self._matched: dict[str, RequestView] = {}
+        self.block_tables = BlockTables()
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         record = self.kvfsm.requests.get(request.request_id)
@@ -79,7 +81,7 @@ class SchedulerSide:
         self.kvfsm.update_state_after_alloc(view, group_block_ids(blocks), num_external_tokens)
 
     def build_connector_meta(self, output: "SchedulerOutput") -> KvfsmMetadata:
-        return KvfsmMetadata(self.kvfsm.build_connector_meta(scheduler_output(output)))
+        return KvfsmMetadata(self.kvfsm.build_connector_meta(scheduler_output(output, self.block_tables)))
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         meta = output.kv_connector_worker_meta

@@ -1,11 +1,13 @@
 """kvfsm's counters as vLLM connector stats: what changed since vLLM last asked, summed across reports.
 
 `KvfsmStats.data` holds three kinds of entries, told apart by their keys: a `ConnectorStats` counter's increase
-(summed when vLLM aggregates intervals), `transfer_seconds.<direction>` per-job times (concatenated), and
-`pool.<state>` CPU blocks per state (a gauge: the latest report wins).
+(summed when vLLM aggregates intervals); `transfer_seconds.<direction>.counts` and `.sums`, the interval's jobs and
+their summed time per histogram bucket (added bucket by bucket); and `pool.<state>`, CPU blocks per state (a
+gauge: the latest report wins).
 
-vLLM asks for stats every step, but counting the pool's states walks every CPU block, so the pool is sampled at
-most once per `POOL_SAMPLE_SECONDS` (Prometheus scrapes every 15 s by default).
+vLLM asks for stats every step, but counting the pool's states walks every CPU block (milliseconds for a pool of
+tens of thousands), so the pool is sampled at most once per `POOL_SAMPLE_SECONDS` (vLLM logs every 10 s, Prometheus
+scrapes every 15 s by default).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvfsm.connector.stats import ConnectorStats
 
 SECONDS = "transfer_seconds."
+COUNTS, SUMS = ".counts", ".sums"
 POOL = "pool."
-POOL_SAMPLE_SECONDS = 1.0
+POOL_SAMPLE_SECONDS = 10.0
 
 
 @dataclass
@@ -35,19 +38,19 @@ class KvfsmStats(KVConnectorStats):
             if key.startswith(POOL):
                 self.data[key] = value
             elif key.startswith(SECONDS):
-                self.data[key] = [*self.data.get(key, ()), *value]
+                mine = self.data.get(key)
+                self.data[key] = list(value) if mine is None else [a + b for a, b in zip(mine, value)]
             else:
                 self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """What vLLM's log line shows: counters and pool states as they are, per-job times as count and mean."""
+        """What vLLM's log line shows: counters and pool states as they are, each histogram as its job count."""
         reduced: dict[str, int | float] = {}
         for key, value in self.data.items():
-            if key.startswith(SECONDS):
-                reduced[f"{key}.count"] = len(value)
-                reduced[f"{key}.mean"] = sum(value) / len(value) if value else 0.0
-            else:
+            if key.endswith(COUNTS):
+                reduced[key.removesuffix(COUNTS) + ".jobs"] = sum(value)
+            elif not key.startswith(SECONDS):
                 reduced[key] = value
         return reduced
 
@@ -62,6 +65,7 @@ class StatsDelta:
         self._source = source
         self._pool_usage = pool_usage
         self._last = source.as_dict()
+        self._last_times = {d: (list(h.counts), list(h.sums)) for d, h in source.transfer_times.items()}
         self._pool_sampled = float("-inf")
 
     def take(self) -> KvfsmStats | None:
@@ -69,8 +73,12 @@ class StatsDelta:
         data: dict[str, Any] = {key: value - self._last[key] for key, value in totals.items()
                                 if value != self._last[key]}
         self._last = totals
-        data.update((SECONDS + direction, times) for direction, times in self._source.take_seconds().items()
-                    if times)
+        for direction, histogram in self._source.transfer_times.items():
+            counts, sums = self._last_times[direction]
+            if histogram.counts != counts:
+                data[SECONDS + direction + COUNTS] = [a - b for a, b in zip(histogram.counts, counts)]
+                data[SECONDS + direction + SUMS] = [a - b for a, b in zip(histogram.sums, sums)]
+                self._last_times[direction] = (list(histogram.counts), list(histogram.sums))
         clock = time.monotonic()
         if clock - self._pool_sampled >= POOL_SAMPLE_SECONDS:
             self._pool_sampled = clock
