@@ -12,6 +12,7 @@ from functools import cache
 
 import kvfsm.invariants  # noqa: F401  (registers the invariant predicates)
 import kvfsm.records  # noqa: F401  (registers the guards and effects)
+import kvfsm.tier_invariants  # noqa: F401  (registers the lower tiers' invariant predicates)
 from kvfsm.registry import REGISTRY, Registry
 from kvfsm.spec import DEFAULT_SPEC_DIR, Spec, load_spec
 

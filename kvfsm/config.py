@@ -2,11 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 Mechanism = Literal["auto", "copy-per-block", "staged-gather", "cross-layer", "staged-copy"]
+WriteBack = Literal["eager", "on-evict"]
+"""eager: a block is written back as soon as its store completed. on-evict: the blocks next in line for CPU
+eviction are written back before they are evicted, so the tier receives what the CPU pool is about to lose."""
+
+
+class _TierConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(default="", pattern=r"^[a-z0-9-]*$")
+    """Unique among the tiers; defaults to `kind`."""
+    writeback: WriteBack = "on-evict"
+    evict_lookahead_blocks: PositiveInt = 32
+    """on-evict: how many of the CPU pool's next eviction victims are kept written back to this tier."""
+
+    @property
+    def tier_name(self) -> str:
+        return self.name or self.kind  # type: ignore[attr-defined]
+
+
+class DiskTierConfig(_TierConfig):
+    """A local disk below the CPU pool: preallocated slot files in `path`, emptied when the process starts."""
+
+    kind: Literal["disk"] = "disk"
+    path: Path
+    """A directory (created if absent); kvfsm owns the files named `kvfsm-<tier>-<worker>.slots` in it."""
+    capacity_bytes: PositiveInt
+    """Size of the slot file per worker, rounded down to whole CPU blocks."""
+    io_threads: PositiveInt = 4
+    """Threads doing this tier's reads and writes, off the engine's thread."""
+    io_timeout_s: PositiveFloat = 30.0
+    """A job whose I/O has not returned after this long is reported failed (the engine recomputes); its CPU
+    slots stay held until the I/O really returns."""
+
+    @field_validator("path")
+    @classmethod
+    def _a_directory(cls, path: Path) -> Path:
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"disk tier path {path} exists and is not a directory")
+        return path
+
+
+LowerTierConfig = Annotated[Union[DiskTierConfig], Field(discriminator="kind")]
+"""Every kind of lower tier kvfsm knows; a new tier adds its config class here and a factory in `kvfsm.tiers`."""
 
 
 class PoolTooSmall(ValueError):
@@ -41,11 +85,18 @@ class OffloadConfig(BaseModel):
     checksum: bool = False
     """Checksum each CPU block when its store completes and verify it before loading it; a mismatch fails the
     load loudly (the engine recomputes) instead of loading corrupted KV. Costs a host CRC pass per block."""
+    lower_tiers: tuple[LowerTierConfig, ...] = ()
+    """Stores below the CPU pool, looked up in this order after it; CPU blocks are written back to each."""
+    writeback_max_bytes_in_flight: PositiveInt = 256 * 1024 * 1024
+    """Bound on the bytes of write-backs submitted and not yet finished, across all lower tiers."""
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> "OffloadConfig":
         if (self.cpu_blocks is None) == (self.cpu_bytes is None):
             raise ValueError("give exactly one of cpu_blocks and cpu_bytes")
+        names = [tier.tier_name for tier in self.lower_tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lower tier names must be unique, got {names}")
         return self
 
     @property

@@ -21,7 +21,8 @@ from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import Callable, Iterator, Literal
 
 import torch
 import typer
@@ -29,7 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvfsm.config import OffloadConfig
+from kvfsm.config import DiskTierConfig, OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.connector.stats import ConnectorStats
 from kvfsm.engine.engine import Engine, EngineConfig
@@ -42,6 +43,7 @@ from kvfsm.testing.mutants import MUTANTS
 from kvfsm.testing.oracle import poisoned
 from kvfsm.testing.trace import TraceRecorder
 from kvfsm.testing.world import EngineWorld
+from kvfsm.connector.tier_planner import TierStats
 from kvfsm.workload import Arrival, WorkloadShape, generate, minimum_compute
 
 SIM_SHAPE = ModelShape(num_layers=2, num_heads=2, head_dim=8, block_size=8)
@@ -50,6 +52,8 @@ CUDA_SHAPE = ModelShape(num_layers=8, num_heads=8, head_dim=128, block_size=8)
 """Same paging as on the CPU (so the same GPU block count means the same pressure); 256 KiB per GPU block."""
 MAX_STEPS_PER_REQUEST = 50
 """A run taking more engine steps than this per request (beyond the last arrival) has stalled."""
+DISK_DEMO_CPU_BLOCKS = 32
+"""With a disk tier, a CPU pool this small holds a fraction of the workload's prefixes: the rest come from disk."""
 EXAMPLES_KEPT = 3
 """Violation lines kept per invariant for the report."""
 
@@ -84,6 +88,10 @@ class DemoConfig:
     seed: int = 0
     mutant: str | None = None
     """Serve with one of `kvfsm.testing.mutants.MUTANTS` (a guarded rule removed), to see the check catch it."""
+    disk: Path | None = None
+    """A directory for a disk tier below the CPU pool (None: no disk tier)."""
+    disk_blocks: int = 4096
+    writeback: Literal["eager", "on-evict"] = "eager"
 
     def __post_init__(self) -> None:
         if self.mutant is not None and self.mutant not in MUTANTS:
@@ -104,6 +112,7 @@ class RunReport:
     computed_tokens: int
     preemptions: int
     stats: ConnectorStats | None = None
+    tier_stats: TierStats | None = None
     check_s: float = 0.0
     violations: dict[str, int] = field(default_factory=dict)
     examples: dict[str, list[str]] = field(default_factory=dict)
@@ -219,8 +228,12 @@ def run_once(config: DemoConfig, kind: DeviceKind, engine_config: EngineConfig, 
     device = _new_device(kind, config.seed)
     connector = None
     if offload:
+        block_bytes = config.block_size_factor * shape.gpu_block_bytes
+        disk = (DiskTierConfig(path=config.disk, capacity_bytes=config.disk_blocks * block_bytes,
+                               writeback=config.writeback),) if config.disk is not None else ()
         connector = Connector(OffloadConfig(cpu_blocks=config.cpu_blocks, block_size_factor=config.block_size_factor,
-                                            gpu_block_size=shape.block_size, eviction=config.eviction.value),
+                                            gpu_block_size=shape.block_size, eviction=config.eviction.value,
+                                            lower_tiers=disk),
                               device, keep_history=True)
     engine = Engine(engine_config, device, connector)
     if connector is not None and config.mutant is not None:
@@ -266,6 +279,8 @@ def run_once(config: DemoConfig, kind: DeviceKind, engine_config: EngineConfig, 
     report.gpu_hit_tokens, report.cpu_hit_tokens = engine.gpu_hit_tokens, engine.cpu_hit_tokens
     report.computed_tokens, report.preemptions = engine.computed_tokens, engine.preemptions
     report.stats = connector.scheduler.stats if connector is not None else None
+    planner = connector.scheduler.tiers if connector is not None else None
+    report.tier_stats = planner.stats if planner is not None else None
     return report
 
 
@@ -320,8 +335,15 @@ def render(result: DemoResult) -> Table:
     def row(name: str, without: object, with_: object) -> None:
         table.add_row(name, str(without), str(with_))
 
+    tiers = off.tier_stats
+    from_disk = sum(tiers.tokens_loaded_from.values()) if tiers is not None else 0
     row("prefix tokens served from GPU", base.gpu_hit_tokens, off.gpu_hit_tokens)
-    row("prefix tokens served from CPU (reloaded)", 0, off.cpu_hit_tokens)
+    row("prefix tokens served from CPU (reloaded)", 0, off.cpu_hit_tokens - from_disk)
+    if tiers is not None:
+        row("prefix tokens served from disk (fetched to CPU, reloaded)", 0, from_disk)
+        row("CPU→disk written back / disk→CPU fetched (blocks)", "-",
+            f"{sum(tiers.blocks_written_back.values())} / {sum(tiers.blocks_fetched.values())}")
+        row("disk keys that failed to move", "-", ", ".join(f"{k} {n}" for k, n in tiers.failures.items()) or "0")
     row("tokens computed", base.computed_tokens, off.computed_tokens)
     row("  of which recomputed (beyond an unbounded cache)",
         max(0, base.computed_tokens - result.minimum_compute), max(0, off.computed_tokens - result.minimum_compute))
@@ -355,7 +377,9 @@ def main(
     agents: int = typer.Option(WorkloadShape.agents, min=0, help="Agents sharing one long prefix."),
     gpu_blocks: int = typer.Option(DemoConfig.gpu_blocks, min=1,
                                    help=f"GPU KV cache size in blocks of {SIM_SHAPE.block_size} tokens."),
-    cpu_blocks: int = typer.Option(DemoConfig.cpu_blocks, min=1, help="Pinned CPU pool size in CPU blocks."),
+    cpu_blocks: int = typer.Option(None, min=1, help=f"Pinned CPU pool size in CPU blocks [default: "
+                                                     f"{DemoConfig.cpu_blocks}, or {DISK_DEMO_CPU_BLOCKS} with --disk]",
+                                   show_default=False),
     block_size_factor: int = typer.Option(DemoConfig.block_size_factor, min=1, help="GPU blocks per CPU block."),
     eviction: Eviction = typer.Option(DemoConfig.eviction, help="CPU pool eviction policy."),
     device: DeviceKind = typer.Option(DemoConfig.device, help="cuda: CudaDevice; cpu: SimDevice; auto: cuda if "
@@ -365,12 +389,22 @@ def main(
     mutant: str | None = typer.Option(None, help="Serve with a guarded rule removed, to watch integrity fail "
                                                  "(on the simulator; a real GPU may not lose the race): "
                                                  + ", ".join(sorted(MUTANTS)) + "."),
+    disk: Path = typer.Option(None, help="Put a disk tier below the CPU pool, in this directory (its slot file is "
+                                         "removed at exit); the CPU pool then defaults small, so prefixes reach disk."),
+    disk_blocks: int = typer.Option(DemoConfig.disk_blocks, help="Disk tier size in CPU blocks."),
+    writeback: str = typer.Option(DemoConfig.writeback, help="When CPU blocks are written back to disk: eager "
+                                                             "(after their store) or on-evict (before eviction)."),
 ) -> None:
     """Serve a workload whose prefixes outgrow the GPU cache, without and with kvfsm; exit 1 on any integrity loss."""
     console = Console()
     try:
         shape = WorkloadShape(conversations=conversations, turns=turns, agents=agents)
-        config = DemoConfig(shape, gpu_blocks, cpu_blocks, block_size_factor, eviction, device, seed, mutant)
+        if cpu_blocks is None:
+            cpu_blocks = DISK_DEMO_CPU_BLOCKS if disk is not None else DemoConfig.cpu_blocks
+        if writeback not in ("eager", "on-evict"):
+            raise DemoConfigError(f"--writeback must be eager or on-evict, not {writeback!r}")
+        config = DemoConfig(shape, gpu_blocks, cpu_blocks, block_size_factor, eviction, device, seed, mutant, disk,
+                            disk_blocks, writeback)  # type: ignore[arg-type]
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                       TimeElapsedColumn(), console=console) as progress:
             result = run_demo(config, progress)

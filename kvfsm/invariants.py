@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 from kvfsm.executor.access import Access, Actor, Mode, Space
 from kvfsm.records import FLUSHABLE_JOB_STATES, CpuBlock, GpuBlock, RequestRecord, TransferJob
 from kvfsm.registry import REGISTRY
+from kvfsm.records import TierEntry, TierJob
 from kvfsm.states import CpuBlockState as C
 from kvfsm.states import GpuBlockState as G
 from kvfsm.states import RequestState as R
@@ -34,6 +35,21 @@ class Deferral:
     blockers: frozenset[int]
 
 
+class TierEntriesView(Protocol):
+    """What the invariants read of a lower tier's index (`kvfsm.tiers.entries.TierEntries`)."""
+
+    lookups: list[tuple[int, str]]
+
+    def __iter__(self) -> Iterator[TierEntry]: ...
+
+
+class TierView(Protocol):
+    """What the invariants read of a lower tier (`kvfsm.tiers.base.LowerTier`)."""
+
+    name: str
+    entries: TierEntriesView
+
+
 class World(Protocol):
     cpu_blocks: Sequence[CpuBlock]
     catalogue: Mapping[int, int]  # prefix hash -> CPU slot
@@ -44,6 +60,9 @@ class World(Protocol):
     reported_failed: set[int]  # job ids reported failed to the scheduler
     accesses: Sequence[Access]  # empty when the device keeps no log (CUDA)
     idle: bool
+    tiers: Sequence[TierView]  # the open lower tiers, in lookup order
+    tier_jobs: Mapping[int, TierJob]  # every write-back and fetch of the run (ids shared with `jobs`)
+    writeback_bound: int  # configured bound on the bytes of write-backs in flight
 
 
 Pair = tuple[tuple[Actor, Mode], tuple[Actor, Mode]]
@@ -198,10 +217,8 @@ def no_convoy(world: World) -> list[str]:
         request = world.requests.get(req_id)
         if request is None or request.state != R.DEFERRED:
             continue
-        stale = [
-            j for j in deferral.blockers
-            if world.jobs[j].finished_step is not None and world.jobs[j].finished_step < deferral.step
-        ]
+        finished = [(world.jobs.get(j) or world.tier_jobs[j]).finished_step for j in deferral.blockers]
+        stale = [step for step in finished if step is not None and step < deferral.step]
         if not deferral.blockers or len(stale) == len(deferral.blockers):
             found.append(f"request {req_id} was deferred at step {deferral.step} with nothing in flight to wait for")
     return found
@@ -228,6 +245,9 @@ def drained(world: World) -> list[str]:
     if settled != len(world.cpu_blocks):
         found.append(f"free + ready = {settled} of {len(world.cpu_blocks)} CPU slots")
     found += [f"GPU block {b.block_id} is still fenced" for b in world.gpu_blocks.values() if b.state != G.WRITABLE]
+    found += [f"{job.kind} {job.job_id} is still {job.state}" for job in world.tier_jobs.values() if job.in_flight]
+    found += [f"{tier.name}: key {entry.key:#x} is still {entry.state}" for tier in world.tiers
+              for entry in tier.entries if entry.state in ("writing", "reading")]
     return found
 
 

@@ -15,6 +15,7 @@ from kvfsm.states import CpuBlockState, GpuBlockState, RequestState
 from kvfsm.states import TransferJobState as J
 
 JobKind = Literal["store", "load"]
+TierJobKind = Literal["write-back", "fetch"]
 IN_FLIGHT_JOB_STATES = frozenset({J.CREATED, J.PENDING_STORE, J.SUBMITTED, J.FLUSHED_ON_PREEMPT})
 FLUSHABLE_JOB_STATES = frozenset({J.PENDING_STORE, J.SUBMITTED})
 
@@ -243,3 +244,64 @@ def _add_store_reader(block: GpuBlock, **_: object) -> None:
 @REGISTRY.effect("gpu-block", "drop-store-reader")
 def _drop_store_reader(block: GpuBlock, **_: object) -> None:
     block.store_readers -= 1
+
+
+# lower tiers: tier-entry and tier-job ---------------------------------------------------------------------
+
+
+IN_FLIGHT_TIER_JOB_STATES = frozenset({"created", "submitted", "abandoned"})  # its I/O may still run
+
+
+@dataclass(slots=True, eq=False)
+class TierEntry:
+    """One key of one lower tier; `slot` is where a slotted tier (disk) keeps its bytes, None for a keyed store."""
+
+    key: int
+    slot: int | None = None
+    state: str = "empty"
+    checksum: int | None = None
+
+
+@dataclass(slots=True, eq=False)
+class TierJob:
+    """One write-back or fetch between the CPU pool and the lower tier `tier`: which keys, which CPU slots."""
+
+    job_id: int
+    kind: TierJobKind
+    tier: str
+    keys: tuple[int, ...]
+    cpu_slots: tuple[int, ...]
+    block_bytes: int
+    ordered_step: int = 0
+    state: str = "created"
+    finished_step: int | None = None
+    failed_keys: tuple[int, ...] = ()
+
+    @property
+    def in_flight(self) -> bool:
+        return self.state in IN_FLIGHT_TIER_JOB_STATES
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.keys) * self.block_bytes
+
+
+# tier-entry ------------------------------------------------------------------------------------------------
+
+
+@REGISTRY.effect("tier-entry", "record-checksum")
+def _record_checksum(entry: TierEntry, checksum: int | None = None, **_: object) -> None:
+    entry.checksum = checksum
+
+
+@REGISTRY.effect("tier-entry", "forget-checksum")
+def _forget_checksum(entry: TierEntry, **_: object) -> None:
+    entry.checksum = None
+
+
+# tier-job --------------------------------------------------------------------------------------------------
+
+
+@REGISTRY.effect("tier-job", "record-tier-finish-step")
+def _record_finish_step(job: TierJob, step: int | None = None, **_: object) -> None:
+    job.finished_step = step

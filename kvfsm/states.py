@@ -16,6 +16,8 @@ class CpuBlockState:
     SUBMITTED: Final = "submitted"
     READY: Final = "ready"
     LOADING: Final = "loading"
+    WRITING_BACK: Final = "writing-back"
+    FETCHING: Final = "fetching"
     ORPHANED: Final = "orphaned"
 
 
@@ -37,6 +39,25 @@ class RequestState:
     PREEMPTED: Final = "preempted"
     DRAINING: Final = "draining"
     RELEASED: Final = "released"
+
+
+class TierEntryState:
+    """The states of `tier-entry`."""
+
+    EMPTY: Final = "empty"
+    WRITING: Final = "writing"
+    PUBLISHED: Final = "published"
+    READING: Final = "reading"
+
+
+class TierJobState:
+    """The states of `tier-job`."""
+
+    CREATED: Final = "created"
+    SUBMITTED: Final = "submitted"
+    DONE: Final = "done"
+    ABANDONED: Final = "abandoned"
+    FAILED: Final = "failed"
 
 
 class TransferJobState:

@@ -63,6 +63,15 @@ def test_a_quiet_decode_step_orders_nothing_and_is_timed_every_step_up_to_the_bl
     assert result["steps"] == 13 and result["us_per_step"] > 0  # tokens 2051..2063: the stores land at 2050
 
 
+def test_the_disk_benchmark_moves_and_verifies_every_byte_both_ways(tmp_path: Path) -> None:
+    from kvfsm.bench import disk
+
+    result = disk.run(total_bytes=4 << 20, block_bytes=1 << 20, threads=2, reps=1, directory=tmp_path)
+    assert result["failed_keys"] == 0 and result["bytes_verified"]
+    assert {"sequential_write_gbps", "sequential_read_gbps", "tier_write_gbps", "tier_read_gbps"} <= result.keys()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_scheduler_half_benchmark_exercises_every_lifecycle() -> None:
     result = steps.run(steps=8, requests=16, lifetime=2, documents=8)
     assert set(result["transitions"]) == {"request", "transfer-job", "gpu-block", "cpu-block"}

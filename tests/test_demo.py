@@ -115,3 +115,22 @@ def test_minimum_compute_counts_a_shared_block_once() -> None:
 def test_empty_workload_is_refused() -> None:
     with pytest.raises(WorkloadError):
         WorkloadShape(conversations=0, agents=0)
+
+
+def test_with_a_disk_tier_prefixes_that_outgrow_cpu_are_served_from_disk(tmp_path: object) -> None:
+    result = run_demo(small(cpu_blocks=16, disk=tmp_path))
+    tiers = result.offloaded.tier_stats
+    assert tiers is not None and tiers.tokens_loaded_from["disk"] > 0
+    assert result.ok and result.offloaded.violations == {}
+    assert list(tmp_path.iterdir()) == []  # type: ignore[attr-defined]  # the slot file is removed at exit
+
+
+def test_disk_flag_shows_tokens_per_tier(tmp_path: object) -> None:
+    outcome = CliRunner().invoke(app, [*SMALL_ARGS, "--disk", str(tmp_path), "--cpu-blocks", "16"])
+    assert outcome.exit_code == 0, outcome.output
+    assert "served from disk" in outcome.output and "PASS" in outcome.output
+
+
+def test_control_a_disk_fetch_loaded_before_it_landed_fails_integrity(tmp_path: object) -> None:
+    result = run_demo(small(cpu_blocks=16, disk=tmp_path, mutant="fetch-ready-early"))
+    assert not result.ok

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvfsm.testing.explorer import SMALL_WORKLOADS, explore, fits
+from kvfsm.testing.explorer import SMALL_WORKLOADS, TIER_WORKLOADS, explore, fits
 from kvfsm.testing.mutants import MUTANTS
 
+WORKLOADS = {**SMALL_WORKLOADS, **TIER_WORKLOADS}
 
-@pytest.mark.parametrize("name", sorted(SMALL_WORKLOADS))
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_every_schedule_of_a_small_workload_keeps_the_spec(name: str) -> None:
-    result = explore(SMALL_WORKLOADS[name])
+    result = explore(WORKLOADS[name])
     print(f"\n{name}: {result.states} states, {result.schedules_completed} complete schedules, none violating")
     assert result.clean, (result.violation, result.counterexample)
     assert result.exhausted, "the state budget cut the search short"
@@ -19,7 +21,7 @@ def test_every_schedule_of_a_small_workload_keeps_the_spec(name: str) -> None:
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_exhaustive_search_catches_mutant(mutant: str) -> None:
     caught = {}
-    for name, workload in SMALL_WORKLOADS.items():
+    for name, workload in (TIER_WORKLOADS if MUTANTS[mutant].tier else SMALL_WORKLOADS).items():
         if not fits(workload, mutant):
             continue
         result = explore(workload, mutant)

@@ -348,5 +348,6 @@ def test_usage_counts_every_state_and_sums_to_capacity() -> None:
     manager.prepare_store([2], job_id=2)
     manager.prepare_load([1])
     usage = manager.usage()
-    assert usage == {"free": 2, "pending-store": 1, "submitted": 0, "ready": 0, "loading": 1, "orphaned": 0}
+    assert usage == {"free": 2, "pending-store": 1, "submitted": 0, "ready": 0, "loading": 1, "writing-back": 0,
+                     "fetching": 0, "orphaned": 0}
     assert sum(usage.values()) == manager.capacity == 4

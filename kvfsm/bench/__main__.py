@@ -20,7 +20,7 @@ from rich.table import Table
 from kvfsm.bench import plot, scheduler, steps
 from kvfsm.mooncake import available as mooncake_available
 
-PARTS = ("scheduler", "transfer", "connector", "ttft", "mooncake")
+PARTS = ("scheduler", "disk", "transfer", "connector", "ttft", "mooncake")
 GPU_PARTS = ("transfer", "connector", "ttft")
 GOALS = {
     "per-layer store / load share of ceiling": (">=", 0.95),
@@ -53,6 +53,12 @@ def _scheduler(result: dict[str, Any], quick: bool) -> None:
         "steps": steps.run(**({"steps": 8, "requests": 16, "lifetime": 2, "documents": 8} if quick else {})),
         "steady": steps.steady_decode(**({"requests": 16, "rounds": 1} if quick else {})),
     }
+
+
+def _disk(result: dict[str, Any], quick: bool) -> None:
+    from kvfsm.bench import disk
+
+    result["disk"] = disk.run(total_bytes=(32 << 20) if quick else (1 << 30), reps=1 if quick else 3)
 
 
 def _transfer(result: dict[str, Any], quick: bool) -> None:
@@ -120,7 +126,8 @@ def _mooncake(result: dict[str, Any], quick: bool) -> None:
 
 
 RUNNERS: dict[str, Callable[[dict[str, Any], bool], None]] = {
-    "scheduler": _scheduler, "transfer": _transfer, "connector": _connector, "ttft": _ttft, "mooncake": _mooncake,
+    "scheduler": _scheduler, "disk": _disk, "transfer": _transfer, "connector": _connector, "ttft": _ttft,
+    "mooncake": _mooncake,
 }
 
 
@@ -204,6 +211,18 @@ def _print(result: dict[str, Any]) -> None:
         table.add_row("SchedulerConnector, quiet decode step", "—",
                       f"{sd['running_requests']} running, none completing a block: {sd['us_per_step']:.1f} µs/step "
                       f"(median of {sd['steps']}, slowest {sd['us_per_step_max']:.0f} µs)")
+        console.print(table)
+    if "disk" in result:
+        d = result["disk"]
+        table = Table(title=f"Disk tier vs a plain sequential write/read of the same {d['bytes'] / 2**20:.0f} MiB "
+                            f"({d['filesystem']}, {d['block_bytes'] >> 20} MiB blocks, {d['threads']} I/O threads, "
+                            f"median of {d['reps']})")
+        for column in ("", "sequential GB/s", "disk tier GB/s", "share of sequential"):
+            table.add_column(column, justify="right")
+        table.add_row("write (to fdatasync)", f"{d['sequential_write_gbps']:.2f}", f"{d['tier_write_gbps']:.2f}",
+                      f"{d['write_share']:.2f}")
+        table.add_row("read (cold, CRC-verified)", f"{d['sequential_read_gbps']:.2f}", f"{d['tier_read_gbps']:.2f}",
+                      f"{d['read_share']:.2f}")
         console.print(table)
     if "ttft" in result:
         t = result["ttft"]

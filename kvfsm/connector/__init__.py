@@ -17,6 +17,7 @@ from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.machines import MachineSet
+from kvfsm.tiers.factory import IoFactory
 
 __all__ = ["Connector", "SchedulerConnector", "WorkerConnector", "StepResult"]
 
@@ -25,12 +26,13 @@ class Connector:
     """Both halves in one object; the scheduler half exists once the KV caches are registered (it needs their size)."""
 
     def __init__(self, config: OffloadConfig, device: Device, keep_history: bool = False,
-                 machines: MachineSet | None = None) -> None:
+                 machines: MachineSet | None = None, tier_io: IoFactory | None = None) -> None:
         check_halves("Connector", config, device)
         self.config = config
         self.machines = machines or MachineSet(default_spec())
         """This connector's machines, shared by both halves: observe them to trace this connector alone."""
-        self.worker = WorkerConnector(config, device, machines=self.machines)
+        self.worker = WorkerConnector(config, device, machines=self.machines, tier_io=tier_io,
+                                      keep_lookups=keep_history)
         self.keep_history = keep_history
         self._scheduler: SchedulerConnector | None = None
 
@@ -38,7 +40,8 @@ class Connector:
                            groups: dict[str, list[str]] | None = None) -> KVCaches:
         caches = self.worker.register_kv_caches(kv_caches, layout, groups)
         self._scheduler = SchedulerConnector(self.config, caches.gpu_block_bytes, self.machines,
-                                             keep_history=self.keep_history, num_gpu_blocks=caches.num_blocks)
+                                             keep_history=self.keep_history, num_gpu_blocks=caches.num_blocks,
+                                             tiers=self.worker.lower_tiers)
         return caches
 
     @property
@@ -46,6 +49,11 @@ class Connector:
         if self._scheduler is None:
             raise NotRegistered("register_kv_caches must run before the scheduler half is used")
         return self._scheduler
+
+    @property
+    def moving_between_tiers(self) -> bool:
+        """A write-back or fetch is in flight: the engine keeps stepping (idle steps) until it is reported."""
+        return self._scheduler is not None and self._scheduler.tiers is not None and not self._scheduler.tiers.idle
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool] | None:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -28,6 +30,27 @@ class LoadOrder(_Message):
     gpu_offset: int = 0
 
 
+class TierOrder(_Message):
+    """Move whole CPU blocks between `cpu_slots` and the lower tier `tier`, under `keys` (their prefix hashes)."""
+
+    job_id: int
+    kind: Literal["write-back", "fetch"]
+    tier: str
+    keys: tuple[int, ...]
+    cpu_slots: tuple[int, ...]
+
+
+class TierReport(_Message):
+    """A tier job this worker saw end; `failed` lists (key, reason) of the blocks that did not move."""
+
+    job_id: int
+    failed: tuple[tuple[int, str], ...] = ()
+    held: bool = False
+    """Final outcome at the tier's deadline, but its I/O may still touch the job's CPU slots."""
+    release: bool = False
+    """The held job's I/O returned: its CPU slots may be freed."""
+
+
 class ConnectorMetadata(_Message):
     """One engine step's orders for every worker."""
 
@@ -36,6 +59,8 @@ class ConnectorMetadata(_Message):
     stores: tuple[StoreOrder, ...] = ()
     flush: tuple[int, ...] = ()
     """Store jobs to submit now (if still pending) and wait for before the engine reuses any GPU block."""
+    tier_orders: tuple[TierOrder, ...] = ()
+    """Write-backs and fetches to hand to the lower tiers' I/O threads as the step starts."""
 
 
 class ScheduledRequest(_Message):
@@ -59,6 +84,7 @@ class WorkerOutput(_Message):
     worker: int = 0
     done: tuple[int, ...] = ()
     failed: tuple[int, ...] = ()
+    tiers: tuple[TierReport, ...] = ()
 
 
 class ConnectorOutput(_Message):

@@ -39,15 +39,17 @@ from kvfsm.connector.validation import (
     check_scheduler,
     check_step,
 )
+from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
 from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TransferJob
 from kvfsm.states import CpuBlockState, RequestState, TransferJobState
+from kvfsm.tiers.base import LowerTier
 
 __all__ = ["RequestView", "SchedulerConnector", "StepResult", "UnknownJob", "UnknownRequest"]
 
-_WRITING = frozenset({CpuBlockState.PENDING_STORE, CpuBlockState.SUBMITTED})
+_WRITING = frozenset({CpuBlockState.PENDING_STORE, CpuBlockState.SUBMITTED, CpuBlockState.FETCHING})
 
 
 class RequestView(Protocol):
@@ -66,11 +68,13 @@ class RequestView(Protocol):
 
 class SchedulerConnector:
     def __init__(self, config: OffloadConfig, gpu_block_bytes: int, machines: MachineSet | None = None,
-                 keep_history: bool = False, kv_events: bool = False, num_gpu_blocks: int | None = None) -> None:
+                 keep_history: bool = False, kv_events: bool = False, num_gpu_blocks: int | None = None,
+                 tiers: Sequence[LowerTier] = ()) -> None:
         """`keep_history`: keep ended jobs and released requests (for invariant checks); `kv_events`: record the
         pool's KV-cache events for an engine that drains them (`manager.take_events()`) every step;
         `num_gpu_blocks`: the engine's KV-cache size, so block ids beyond it are refused (None: not checked) and each
-        block's fence record is made up front."""
+        block's fence record is made up front; `tiers`: the lower tiers below the CPU pool, looked up in this order
+        (opened by the worker half of this process)."""
         check_scheduler(config, gpu_block_bytes, num_gpu_blocks)
         self.config = config
         self.gpu_block_bytes = gpu_block_bytes
@@ -88,6 +92,9 @@ class SchedulerConnector:
         self._reports: dict[int, dict[int, bool]] = {}
         self._load_errors: set[int] = set()
         self._cpu_block_tokens = config.cpu_block_tokens
+        self.tiers = TierPlanner(config, tiers, self.manager, config.block_size_factor * gpu_block_bytes,
+                                 self._take_job_id, self.machines, keep_history) if tiers else None
+        """The lower tiers' side of this half (lookup below CPU, fetches, write-backs); None without tiers."""
 
     # --- the ledger's tables, as the spec's invariants read them -------------------------------------------
 
@@ -126,21 +133,29 @@ class SchedulerConnector:
         first_cpu = first_gpu // k
         lookup = self.manager.lookup(self._cpu_hashes(request)[first_cpu:], every_busy=False)
         self.stats.lookups += 1
+        computable = (request.num_tokens - 1) // block_size  # the last token is always computed, for its logits
         if lookup.busy:
-            self.ledger.fire_request(record, "lookup", busy=True)
-            self.ledger.deferrals[request.request_id] = Deferral(step=self.step + 1,
-                                                                 blockers=self._blockers(lookup.busy))
-            self.stats.deferrals += 1
-            return None
+            return self._defer(record, self._blockers(lookup.busy))
+        if self.tiers is not None:  # what CPU lacks, a lower tier may hold: fetch it into CPU, look up again then
+            fetches = self.tiers.fetch_missing(self._cpu_hashes(request)[first_cpu:computable // k], lookup.hits,
+                                               self.step)
+            if fetches:
+                return self._defer(record, fetches)
         self.ledger.fire_request(record, "lookup", busy=False)
         self.ledger.deferrals.pop(request.request_id, None)
-        computable = (request.num_tokens - 1) // block_size  # the last token is always computed, for its logits
         count = max(0, min((first_cpu + lookup.hits) * k, computable) - first_gpu)
         record.match = (first_gpu, count)
         self.stats.cpu_hit_blocks += count
         if count == 0:
             self.stats.cpu_misses += 1
         return count * block_size, count > 0 and not self.config.layer_loads
+
+    def _defer(self, record: RequestRecord, blockers: frozenset[int]) -> None:
+        """Answer None: the request looks up again next step, once the jobs it waits for can have ended."""
+        self.ledger.fire_request(record, "lookup", busy=True)
+        self.ledger.deferrals[record.req_id] = Deferral(step=self.step + 1, blockers=blockers)
+        self.stats.deferrals += 1
+        return None
 
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
@@ -163,6 +178,10 @@ class SchedulerConnector:
         hashes = self._cpu_hashes(request)[first_cpu:end_cpu]
         slots = self.manager.prepare_load(hashes, self._next_job)
         self.manager.touch(hashes)
+        if self.tiers is not None:
+            end, size = first_gpu + count, self.config.gpu_block_size
+            self.tiers.loaded(hashes, [size * (min(end, (i + 1) * k) - max(first_gpu, i * k))
+                                       for i in range(first_cpu, end_cpu)])
         job = self._new_job("load", request.request_id, record.block_ids[first_gpu:first_gpu + count], slots,
                             hashes, gpu_offset=offset)
         self._new_loads.append(job)
@@ -181,6 +200,7 @@ class SchedulerConnector:
             if job.state == TransferJobState.PENDING_STORE:
                 ledger.fire_job(job, "submit", step=self.step)
         self._prepared = []
+        tier_orders = self.tiers.orders(self.step) if self.tiers is not None else ()
         loads = []
         for job in self._new_loads:
             ledger.fire_job(job, "submit", step=self.step)
@@ -200,7 +220,7 @@ class SchedulerConnector:
         # running request per step made validation the scheduler half's largest cost); a worker in another
         # process validates on `model_validate_json`.
         return ConnectorMetadata.model_construct(step=self.step, loads=tuple(loads), stores=tuple(stores),
-                                                 flush=flush)
+                                                 flush=flush, tier_orders=tier_orders)
 
     def _order_store(self, record: RequestRecord, block_ids: Sequence[int],
                      num_computed_tokens: int) -> StoreOrder | None:
@@ -249,6 +269,10 @@ class SchedulerConnector:
                 if len(reports) == self.config.num_workers:
                     del self._reports[job_id]
                     self._finish(job, all(reports.values()))
+            if worker.tiers and self.tiers is None:
+                raise UnknownJob(f"worker {worker.worker} reported tier jobs, but no lower tier is configured")
+            for report in worker.tiers:
+                self.tiers.report(worker.worker, report, self.step)  # type: ignore[union-attr]
         result = self.ledger.take_result()
         for blocks in result.load_errors.values():
             self._load_errors.update(blocks)
@@ -259,6 +283,8 @@ class SchedulerConnector:
         self.ledger.fire_job(job, "complete" if ok else "fail", step=self.step)
         seconds = time.perf_counter() - job.submitted_at
         if job.kind == "store":
+            if ok and self.tiers is not None:
+                self.tiers.stored(job.hashes)
             self.stats.record_store(len(job.cpu_slots), ok, self.config.block_size_factor * self.gpu_block_bytes,
                                     seconds)
         else:
@@ -277,6 +303,8 @@ class SchedulerConnector:
     def reset_cache(self) -> None:
         """Forget every CPU block; stores in flight are flushed and their late completions free, never publish."""
         self.manager.reset()
+        if self.tiers is not None:
+            self.tiers.reset()
         for job in list(self.ledger.jobs.values()):
             if job.kind == "store" and job.state in FLUSHABLE_JOB_STATES:
                 self.ledger.fire_job(job, "flush", step=self.step)
@@ -296,7 +324,15 @@ class SchedulerConnector:
             block = blocks[slot]
             jobs.add(block.writer_job if block.state in _WRITING else block.reader_job)
         jobs.discard(None)
+        if self.tiers is not None:
+            jobs |= self.tiers.blockers(busy_slots)  # a write-back reading a slot
         return frozenset(jobs)  # type: ignore[arg-type]
+
+    def _take_job_id(self) -> int:
+        """A job id for a tier job: one id space with transfer jobs, so a deferral's blockers name either."""
+        job_id = self._next_job
+        self._next_job += 1
+        return job_id
 
     def _new_job(self, kind: str, req_id: str, gpu_blocks: Sequence[int], cpu_slots: Sequence[int],
                  hashes: Sequence[int], gpu_offset: int = 0) -> TransferJob:

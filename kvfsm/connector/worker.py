@@ -37,6 +37,7 @@ from kvfsm.connector.validation import (
     check_registered_caches,
     check_registration,
 )
+from kvfsm.connector.tier_runner import TierRunner
 from kvfsm.executor.device import Device, Event
 from kvfsm.executor.layouts import KVCaches, register_kv_caches
 from kvfsm.executor.pool import HostPool
@@ -44,6 +45,8 @@ from kvfsm.executor.transfer import Segments, Transfers
 from kvfsm.machines import MachineSet
 from kvfsm.records import TransferJob
 from kvfsm.states import TransferJobState
+from kvfsm.tiers.base import LowerTier
+from kvfsm.tiers.factory import IoFactory, open_tiers
 
 _RUNNING = frozenset({TransferJobState.SUBMITTED, TransferJobState.FLUSHED_ON_PREEMPT})
 """A job's states while its copies are on a stream: the ones whose end event `get_finished` polls."""
@@ -53,13 +56,15 @@ log = logging.getLogger(__name__)
 
 class WorkerConnector:
     def __init__(self, config: OffloadConfig, device: Device, worker: int = 0,
-                 machines: MachineSet | None = None) -> None:
+                 machines: MachineSet | None = None, tier_io: IoFactory | None = None,
+                 keep_lookups: bool = False) -> None:
         check_halves("WorkerConnector", config, device, worker)
         self.config = config
         self.device = device
         self.worker = worker
         self.jobs: dict[int, TransferJob] = {}
-        self._job = (machines or MachineSet(default_spec()))["transfer-job"]
+        self._machines = machines or MachineSet(default_spec())
+        self._job = self._machines["transfer-job"]
         self._meta = ConnectorMetadata(step=0)
         self._events: dict[int, Event] = {}
         self._compute_done: dict[int, Event] = {}
@@ -74,6 +79,9 @@ class WorkerConnector:
         self._pool: HostPool | None = None
         self._transfers: Transfers | None = None
         self._checksums: SlotChecksums | None = None
+        self._tiers: TierRunner | None = None
+        self._tier_io = tier_io
+        self._keep_lookups = keep_lookups
 
     # --- set-up ----------------------------------------------------------------------------------------
 
@@ -89,6 +97,9 @@ class WorkerConnector:
         self._transfers = Transfers(self.device, caches, self._pool, block_size_factor=k,
                                     mechanism=self.config.mechanism)
         self._checksums = SlotChecksums(self._pool) if self.config.checksum else None
+        if self.config.lower_tiers:
+            self._tiers = TierRunner(open_tiers(self.config, self._pool.slot_bytes, self.worker, self._tier_io,
+                                                self._keep_lookups, self._machines), self._pool)
         self._caches = caches
         return caches
 
@@ -104,9 +115,16 @@ class WorkerConnector:
             raise NotRegistered("register_kv_caches must run before the host pool exists")
         return self._pool
 
+    @property
+    def lower_tiers(self) -> tuple[LowerTier, ...]:
+        """The lower tiers this worker opened, in lookup order (the scheduler half of one process looks them up)."""
+        return tuple(self._tiers.tiers.values()) if self._tiers is not None else ()
+
     def shutdown(self) -> None:
-        """Wait for every transfer in flight, then unpin and free the host pool."""
+        """Wait for every transfer in flight, close the lower tiers, then unpin and free the host pool."""
         self.wait(list(self._events))
+        if self._tiers is not None:
+            self._tiers.close()
         if self._pool is not None:
             self._pool.close()
 
@@ -127,7 +145,10 @@ class WorkerConnector:
         self.wait([job.job_id for job in flushed if job.in_flight])
 
     def start_load_kv(self) -> None:
-        """Submit the stores prepared last step, then this step's loads."""
+        """Hand this step's write-backs and fetches to the lower tiers, submit the stores prepared last step, then
+        this step's loads."""
+        if self._tiers is not None:
+            self._tiers.submit(self._meta.tier_orders)
         for job in self._pending:
             if job.state == TransferJobState.PENDING_STORE:
                 self._job.fire(job, "submit", step=self._meta.step)
@@ -243,7 +264,8 @@ class WorkerConnector:
         self._failed = [j for j in self._failed if j not in failed]
         for job_id in (*done, *failed):
             self._drop(job_id)
-        return WorkerOutput(worker=self.worker, done=tuple(done), failed=tuple(failed))
+        tiers = self._tiers.poll() if self._tiers is not None else ()
+        return WorkerOutput(worker=self.worker, done=tuple(done), failed=tuple(failed), tiers=tiers)
 
     def _ordered_this_step(self, job: TransferJob) -> bool:
         """A per-layer store of this very step: the scheduler moves it to submitted only as the next step starts,

@@ -127,7 +127,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self.held)
+        busy_below = self.connector is not None and self.connector.moving_between_tiers
+        return bool(self.waiting or self.running or self.loading or self.held or busy_below)
 
     # --- one step ------------------------------------------------------------------------------------------
 

@@ -27,6 +27,11 @@ class ModelShape:
     vocab: int = 1000
     dtype: torch.dtype = torch.float16
 
+    @property
+    def gpu_block_bytes(self) -> int:
+        """Bytes of one GPU block across all layers, K and V."""
+        return self.num_layers * 2 * self.block_size * self.num_heads * self.head_dim * self.dtype.itemsize
+
 
 class ToyModel:
     """The compute a step runs for one request: write KV for new positions, then read all of it for a token."""

@@ -26,8 +26,10 @@ from kvfsm.records import CpuBlock
 from kvfsm.states import CpuBlockState
 
 READY, LOADING, FREE = CpuBlockState.READY, CpuBlockState.LOADING, CpuBlockState.FREE
-READABLE = frozenset({READY, LOADING})  # catalogued and holding their bytes: counted by the policy
-BUSY = frozenset({CpuBlockState.PENDING_STORE, CpuBlockState.SUBMITTED, LOADING})  # a lookup meeting one defers
+WRITING_BACK, FETCHING = CpuBlockState.WRITING_BACK, CpuBlockState.FETCHING
+READABLE = frozenset({READY, LOADING, WRITING_BACK})  # catalogued and holding their bytes: counted by the policy
+BUSY = frozenset({CpuBlockState.PENDING_STORE, CpuBlockState.SUBMITTED, LOADING, WRITING_BACK, FETCHING})
+"""A lookup that meets one of these defers."""
 
 
 _COUPLED: dict[str, tuple[str, tuple[bool, ...]]] = {
@@ -168,6 +170,13 @@ class OffloadingManager:
 
     def prepare_store(self, hashes: Sequence[int], job_id: int) -> StorePlan | None:
         """Claim a slot for each uncatalogued hash, evicting if needed; None (and no change) when they don't fit."""
+        return self._claim(hashes, job_id, "allocate")
+
+    def prepare_fetch(self, hashes: Sequence[int], job_id: int) -> StorePlan | None:
+        """Claim a fetching slot for each uncatalogued hash, for a fetch from a lower tier; None when they don't fit."""
+        return self._claim(hashes, job_id, "allocate-fetch")
+
+    def _claim(self, hashes: Sequence[int], job_id: int, trigger: str) -> StorePlan | None:
         self._require_distinct(hashes)
         catalogue = self.catalogue
         new = [h for h in hashes if h not in catalogue]
@@ -176,7 +185,7 @@ class OffloadingManager:
             return None
         free, blocks = self._free, self.blocks
         slots = tuple(free.pop() for _ in new)
-        self._machine.fire_many([blocks[s] for s in slots], "allocate", hashes=dict(zip(slots, new)), job_id=job_id)
+        self._machine.fire_many([blocks[s] for s in slots], trigger, hashes=dict(zip(slots, new)), job_id=job_id)
         catalogue.update(zip(new, slots))
         return StorePlan(tuple(new), slots)
 
@@ -202,9 +211,34 @@ class OffloadingManager:
 
     def complete_store(self, slots: Sequence[int], success: bool) -> None:
         """End a store: its blocks become ready, or free and forgotten; orphaned slots go free either way."""
-        trigger = "store-done" if success else "store-failed"
+        self._complete_write(slots, "store-done" if success else "store-failed")
+
+    def complete_fetch(self, slots: Sequence[int], success: bool) -> None:
+        """End a fetch's slots: ready with the fetched bytes, or free and forgotten (the lookup will miss)."""
+        self._complete_write(slots, "fetch-done" if success else "fetch-failed")
+
+    def abandon_fetch(self, slots: Sequence[int]) -> None:
+        """A fetch failed at its deadline while its read may still land: its slots leave the catalogue as orphaned,
+        held (never free, loadable or reused) until `complete_fetch` frees them once the read returned."""
+        picked = self._picked(slots, "abandon-fetch")
+        hashes = [b.block_hash for b in picked]  # read before `abandon-fetch` forgets them
+        self._machine.fire_many(picked, "abandon-fetch")
+        for block_hash in hashes:
+            del self.catalogue[block_hash]  # type: ignore[arg-type]
+
+    def pin_for_write_back(self, slots: Sequence[int]) -> None:
+        """Pin ready blocks while a write-back reads them: not evicted, rewritten or loaded until it ends."""
+        self._machine.fire_many(self._picked(slots, "write-back"), "write-back")
+
+    def complete_write_back(self, slots: Sequence[int]) -> None:
+        """A write-back ended (either way): its blocks are ready again; orphaned ones go free."""
+        picked = self._picked(slots, "written-back")
+        self._machine.fire_many(picked, "written-back")
+        self._free.extend(b.slot for b in picked if b.state == FREE)
+
+    def _complete_write(self, slots: Sequence[int], trigger: str) -> None:
         picked = self._picked(slots, trigger)
-        hashes = [b.block_hash for b in picked]  # read before `store-failed` forgets them
+        hashes = [b.block_hash for b in picked]  # read before a failure forgets them
         self._machine.fire_many(picked, trigger)
         stored = [(b.slot, h) for b, h in zip(picked, hashes) if b.state == READY]
         for slot, block_hash in reversed(stored):

@@ -37,6 +37,9 @@ class Workload:
     """The engine computes layer by layer and calls the per-layer hooks."""
     layer_loads: bool = False
     layer_stores: bool = False
+    disk_slots: int = 0
+    """Slots of a disk tier below the CPU pool (0: none); its reads and writes are one more choice, "io"."""
+    writeback_bound_blocks: int = 4
 
 
 @dataclass
@@ -73,6 +76,13 @@ def forget_gpu_prefixes(h: Harness) -> None:
     h.engine.reset_prefix_cache()
 
 
+def tier_fault(fault: str) -> HostAction:
+    def inject(h: Harness) -> None:
+        h.tier_faults.inject(fault)
+
+    return inject
+
+
 class _Replay:
     """A harness driven by a choice sequence."""
 
@@ -81,7 +91,8 @@ class _Replay:
         self.harness = Harness(SimDevice(), num_gpu_blocks=workload.num_gpu_blocks, cpu_blocks=workload.cpu_blocks,
                                block_size_factor=workload.block_size_factor, mutant=mutant,
                                per_layer=workload.per_layer, layer_loads=workload.layer_loads,
-                               layer_stores=workload.layer_stores)
+                               layer_stores=workload.layer_stores),
+                               disk_slots=workload.disk_slots, writeback_bound_blocks=workload.writeback_bound_blocks)
         self.host_index = 0
 
     def host_can_act(self) -> bool:
@@ -90,6 +101,9 @@ class _Replay:
             self.harness.engine.has_work and self.host_index < len(w.actions) + w.max_extra_steps)
 
     def apply(self, choice: Choice) -> None:
+        if choice == "io":
+            self.harness.io.run_one(0)
+            return
         if choice != "host":
             self.harness.device.run_one(choice)  # type: ignore[arg-type]
             return
@@ -98,7 +112,8 @@ class _Replay:
         self.host_index += 1
 
     def choices(self) -> list[Choice]:
-        return (["host"] if self.host_can_act() else []) + list(self.harness.device.runnable())
+        return ((["host"] if self.host_can_act() else []) + list(self.harness.device.runnable())
+                + (["io"] if self.harness.io.queue else []))
 
     def fingerprint(self) -> str:
         h = self.harness
@@ -106,10 +121,14 @@ class _Replay:
         digest.update(repr((self.host_index, [(s, [op.label for op in q]) for s, q in h.device._queues.items()],
                             sorted((j.job_id, j.state) for j in h.connector.scheduler.jobs.values()),
                             sorted((r.request_id, r.phase.name, r.num_computed, r.num_sampled)
-                                   for r in h.engine.live.values()))).encode())
+                                   for r in h.engine.live.values()),
+                            len(h.io.queue), sorted((e.key, e.state) for t in h.world.tiers for e in t.entries),
+                            sorted((j.job_id, j.state) for j in h.world.tier_jobs.values()))).encode())
         for cache in h.engine.caches:
             digest.update(cache.numpy().tobytes())
         digest.update(h.connector.worker.pool.buffer.numpy().tobytes())
+        if h.disk is not None:
+            digest.update(h.disk.file.read_bytes())
         return digest.hexdigest()
 
 
@@ -189,3 +208,25 @@ SMALL_WORKLOADS: dict[str, Workload] = {
 the GPU forgot it; three requests sharing a prefix with a forced preemption; and a running request that preempts
 another mid-store to grow; and, with an engine that computes layer by layer and calls the per-layer hooks, a
 reload computed in the step that loads it, and a request preempted while its per-layer stores are in flight."""
+
+_A, _B = (11, 12), (21, 22)
+TIER_WORKLOADS: dict[str, Workload] = {
+    "disk": Workload(
+        actions=(add(_A + (1,), 1), step, step, step, step, step, forget_gpu_prefixes, add(_B + (5,), 1), step, step, step, step, step,
+                 forget_gpu_prefixes, add(_A + (2,), 1), step),
+        num_gpu_blocks=4, cpu_blocks=1, disk_slots=2, writeback_bound_blocks=1, max_extra_steps=6,
+    ),
+    "disk-faults": Workload(
+        actions=(add(_A + (1,), 1), step, step, step, step, step, forget_gpu_prefixes, add(_B + (5,), 1), step, step, step, step, step,
+                 forget_gpu_prefixes, tier_fault("evict-before-fetch"), add(_A + (2,), 1), step),
+        num_gpu_blocks=4, cpu_blocks=1, disk_slots=2, writeback_bound_blocks=1, max_extra_steps=6,
+    ),
+    "disk-stall": Workload(
+        actions=(add(_A + (1,), 1), step, step, step, step, step, forget_gpu_prefixes, add(_B + (5,), 1), step, step,
+                 step, step, step, forget_gpu_prefixes, add(_A + (2,), 1), step, tier_fault("stall"), step),
+        num_gpu_blocks=4, cpu_blocks=1, disk_slots=2, writeback_bound_blocks=1, max_extra_steps=6,
+    ),
+}
+"""A one-block prefix written back to disk, pushed out of a one-slot CPU pool by another, and fetched back when it
+returns; the same with its key evicted between the lookup and the fetch; and with the disk hanging past the
+fetch's deadline."""

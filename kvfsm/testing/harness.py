@@ -7,13 +7,16 @@ poisoned reads, and — once drained — outputs equal to the run without offloa
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Literal, Sequence
 
 import torch
 
 from kvfsm.bindings import default_spec
-from kvfsm.config import OffloadConfig
+from kvfsm.config import DiskTierConfig, OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine, EngineConfig
 from kvfsm.engine.model import ModelShape
@@ -24,8 +27,11 @@ from kvfsm.machines import Backend, MachineSet
 from kvfsm.states import CpuBlockState
 from kvfsm.testing.mutants import MUTANTS
 from kvfsm.testing.oracle import BlockOracle, expected_tokens, poisoned
+from kvfsm.testing.tier_faults import TierFaults
 from kvfsm.testing.trace import TraceRecorder
 from kvfsm.testing.world import EngineWorld
+from kvfsm.tiers.disk import DiskTier
+from kvfsm.tiers.io import ManualIo
 
 SHAPE = ModelShape(num_layers=2, num_heads=1, head_dim=4, block_size=2, vocab=997)
 
@@ -74,14 +80,23 @@ class Harness:
     def __init__(self, device: Device, num_gpu_blocks: int, cpu_blocks: int, block_size_factor: int = 1,
                  mutant: str | None = None, max_batched_tokens: int = 32, shape: ModelShape = SHAPE,
                  compute_delay_cycles: int = 0, checksum: bool = False, backend: Backend = "table",
-                 per_layer: bool = False, layer_loads: bool = False, layer_stores: bool = False) -> None:
+                 per_layer: bool = False, layer_loads: bool = False, layer_stores: bool = False,
+                 disk_slots: int = 0, writeback: Literal["eager", "on-evict"] = "eager",
+                 writeback_bound_blocks: int = 2) -> None:
         self.device = device
         self.shape = shape
+        cpu_block_bytes = block_size_factor * shape.gpu_block_bytes
+        self.disk_dir = Path(tempfile.mkdtemp(prefix="kvfsm-disk-")) if disk_slots else None
+        tiers = (DiskTierConfig(path=self.disk_dir, capacity_bytes=disk_slots * cpu_block_bytes, writeback=writeback,
+                                evict_lookahead_blocks=2),) if self.disk_dir else ()
         config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=block_size_factor,
                                gpu_block_size=shape.block_size, checksum=checksum, layer_loads=layer_loads,
-                               layer_stores=layer_stores)
+                               layer_stores=layer_stores, lower_tiers=tiers,
+                               writeback_max_bytes_in_flight=writeback_bound_blocks * cpu_block_bytes)
+        self.io = ManualIo()
+        """The disk tier's I/O queue: tests choose when each read or write runs, as they choose device streams."""
         self.connector = Connector(config, device, keep_history=True,
-                                   machines=MachineSet(default_spec(), backend=backend))
+                                   machines=MachineSet(default_spec(), backend=backend), tier_io=lambda _: self.io)
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
                                           model=shape, compute_delay_cycles=compute_delay_cycles,
                                           per_layer=per_layer),
@@ -92,6 +107,9 @@ class Harness:
         self._wrap_poll()
         self.faults = FaultInjector(self.connector.worker._transfers)
         self.connector.worker._transfers = self.faults  # type: ignore[assignment]
+        disks = [t for t in self.connector.worker.lower_tiers if isinstance(t, DiskTier)]
+        self.disk: DiskTier | None = disks[0] if disks else None
+        self.tier_faults = TierFaults(self.disk)
         if mutant is not None:
             MUTANTS[mutant].apply(self.engine, self.connector)
         self.world = EngineWorld(self.engine, self.connector)
@@ -145,6 +163,7 @@ class Harness:
             run()
         else:
             torch.cuda.synchronize()
+        self.io.run_all()
 
     # --- checking ------------------------------------------------------------------------------------------
 
@@ -153,6 +172,7 @@ class Harness:
         found = [f"{name}: {line}" for name, lines in check_all(self.world).items() for line in lines]
         found += [f"trace: {line}" for line in self.trace.check()]
         found += self._cpu_bytes()
+        found += self._disk_bytes()
         return found
 
     def _cpu_bytes(self) -> list[str]:
@@ -163,6 +183,20 @@ class Harness:
                 actual = pool.slot(block.slot).cpu()
                 if not torch.equal(actual, self.oracle.cpu_block_bytes(block.block_hash)):
                     found.append(f"ready-means-written: CPU slot {block.slot} does not hold the bytes of its prefix")
+        return found
+
+    def _disk_bytes(self) -> list[str]:
+        """Every published disk entry holds exactly the bytes of its prefix (a corruption injected on purpose aside:
+        the fetch of a corrupted entry must fail, which the CPU bytes and outputs check)."""
+        if self.disk is None:
+            return []
+        found = []
+        for entry in self.disk.entries:
+            if entry.state in ("published", "reading") and not self.tier_faults.is_corrupted(entry):
+                stored = self.disk.stored_bytes(entry.key)
+                expected = self.oracle.cpu_block_bytes(entry.key).numpy().tobytes()
+                if stored != expected:
+                    found.append(f"publish-after-write: disk key {entry.key:#x} does not hold the bytes of its prefix")
         return found
 
     def final_violations(self) -> list[str]:
@@ -184,3 +218,5 @@ class Harness:
         """Stop tracing and release the pinned pool (on CUDA an unreleased registration outlives the memory)."""
         self.trace.close()
         self.connector.worker.shutdown()
+        if self.disk_dir is not None:
+            shutil.rmtree(self.disk_dir, ignore_errors=True)

@@ -28,6 +28,11 @@ STEP_DRIVEN: frozenset[Trigger] = frozenset({
     ("cpu-block", "allocate"), ("cpu-block", "submit"), ("cpu-block", "store-done"), ("cpu-block", "store-failed"),
     ("cpu-block", "pin"), ("cpu-block", "unpin"), ("cpu-block", "evict"),
     ("gpu-block", "fence"), ("gpu-block", "unfence"),
+    ("cpu-block", "write-back"), ("cpu-block", "written-back"), ("cpu-block", "allocate-fetch"),
+    ("cpu-block", "fetch-done"),
+    ("tier-entry", "reserve"), ("tier-entry", "write-done"), ("tier-entry", "pin"), ("tier-entry", "read-done"),
+    ("tier-job", "submit"), ("tier-job", "complete"), ("tier-job", "fail"), ("tier-job", "release"),
+    ("cpu-block", "abandon-fetch"),
 })
 
 
@@ -55,11 +60,36 @@ def _fail(harness: Harness, choice: int) -> None:
     harness.faults.armed = ("store", "load")[choice % 2]
 
 
+def _fail_tier_write(harness: Harness, choice: int) -> None:
+    harness.tier_faults.inject(("disk-full", "write-io-error")[choice % 2])
+
+
+def _fail_tier_read(harness: Harness, choice: int) -> None:
+    harness.tier_faults.inject(("read-io-error", "corrupt-block")[choice % 2], choice)
+
+
+def _evict_before_fetch(harness: Harness, choice: int) -> None:
+    harness.tier_faults.inject("evict-before-fetch")
+
+
+def _stall(harness: Harness, choice: int) -> None:
+    harness.tier_faults.inject("stall")
+
+
+def _tier_evict(harness: Harness, choice: int) -> None:
+    harness.tier_faults.evict_one(choice)
+
+
 EXTERNAL: dict[Trigger, Callable[[Harness, int], None]] = {
     ("request", "preempt"): _preempt,
     ("request", "abort"): _abort,
     ("cpu-block", "reset"): _reset,
     ("transfer-job", "fail"): _fail,
+    ("tier-entry", "write-failed"): _fail_tier_write,
+    ("tier-entry", "read-failed"): _fail_tier_read,
+    ("cpu-block", "fetch-failed"): _evict_before_fetch,
+    ("tier-entry", "evict"): _tier_evict,
+    ("tier-job", "abandon"): _stall,
 }
 
 PREFIXES = ((11, 12, 13, 14), (11, 12, 13, 14, 15, 16), (21, 22, 23, 24))
@@ -76,6 +106,8 @@ class OffloadInterleavings(RuleBasedStateMachine):
 
     mutant: str | None = None
     examples = 0
+    disk_slots: tuple[int, ...] = (0, 6)
+    """Disk tier sizes drawn per example (0: no lower tier)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -84,19 +116,28 @@ class OffloadInterleavings(RuleBasedStateMachine):
 
     @initialize(gpu_blocks=st.integers(6, 12), cpu_blocks=st.integers(2, 6), factor=st.sampled_from([1, 2]),
                 prompts=st.lists(PROMPTS, min_size=1, max_size=3), per_layer=st.booleans(),
-                layer_loads=st.booleans(), layer_stores=st.booleans())
+                layer_loads=st.booleans(), layer_stores=st.booleans(), data=st.data())
     def setup(self, gpu_blocks: int, cpu_blocks: int, factor: int, prompts: list[tuple[tuple[int, ...], int]],
-              per_layer: bool, layer_loads: bool, layer_stores: bool) -> None:
+              per_layer: bool, layer_loads: bool, layer_stores: bool, data: st.DataObject) -> None:
         """The engine computes whole forwards or layer by layer (calling the per-layer hooks, with or without
-        loads computed in their own step and per-layer stores), unless the mutant under test needs one of them."""
+        loads computed in their own step and per-layer stores), unless the mutant under test needs one of them;
+        with or without a disk tier below the CPU pool (always, for a mutant of a tier rule)."""
         needs = MUTANTS[self.mutant] if self.mutant is not None else None
         if needs is not None and needs.per_layer is not None:
             per_layer = needs.per_layer
         layer_loads = per_layer and (layer_loads or (needs is not None and needs.layer_loads))
         layer_stores = per_layer and (layer_stores or (needs is not None and needs.layer_stores))
+        disk_slots = data.draw(st.sampled_from(self.disk_slots), label="disk slots")
+        writeback = data.draw(st.sampled_from(["eager", "on-evict"]), label="write-back") if disk_slots else "eager"
         self.harness = Harness(SimDevice(), num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                                block_size_factor=factor, mutant=self.mutant, per_layer=per_layer,
-                               layer_loads=layer_loads, layer_stores=layer_stores)
+                               layer_loads=layer_loads, layer_stores=layer_stores, disk_slots=disk_slots,
+                               writeback=writeback)
+        if disk_slots:  # warm the disk: each prefix stored, written back, and pushed out of CPU by the next
+            for prefix in PREFIXES:
+                self.h.engine.reset_prefix_cache()
+                self.h.add_request(prefix + (0,), 1)
+                self.h.drain()
         for prompt, max_new in prompts:
             self.h.add_request(prompt, max_new)
 
@@ -135,6 +176,28 @@ class OffloadInterleavings(RuleBasedStateMachine):
             if not options:
                 return
             device.run_one(data.draw(st.sampled_from(options), label="stream"))
+
+    @rule(choice=st.integers(0, 7), max_new=st.integers(1, 2))
+    def return_from_disk(self, choice: int, max_new: int) -> None:
+        """A prefix only the disk still holds comes back (the GPU forgot it too): its lookup fetches from disk."""
+        h = self.h
+        if h.disk is None or len(h.engine.live) >= 5:
+            return
+        catalogue = h.connector.scheduler.manager.catalogue
+        keys = sorted(e.key for e in h.disk.entries
+                      if e.state == "published" and e.key not in catalogue and e.key in h.oracle.tokens)
+        if keys:
+            h.engine.reset_prefix_cache()
+            h.add_request(h.oracle.tokens[keys[choice % len(keys)]] + (1,), max_new)
+
+    @rule(data=st.data(), count=st.integers(1, 6))
+    def run_io(self, data: st.DataObject, count: int) -> None:
+        """Let `count` queued disk reads or writes happen, hypothesis picking which one each time."""
+        queue = self.h.io.queue
+        for _ in range(count):
+            if not queue:
+                return
+            self.h.io.run_one(data.draw(st.integers(0, len(queue) - 1), label="io"))
 
     @invariant()
     def spec_holds(self) -> None:
@@ -175,6 +238,8 @@ for _trigger, _action in EXTERNAL.items():
 
 
 def interleavings_for(mutant: str | None) -> type[OffloadInterleavings]:
-    """The state machine against kvfsm (None) or against one of `kvfsm.testing.mutants.MUTANTS`."""
+    """The state machine against kvfsm (None) or against one of `kvfsm.testing.mutants.MUTANTS`; a mutant of a
+    lower-tier rule always runs with the disk tier."""
+    disk = (6,) if mutant is not None and MUTANTS[mutant].tier else OffloadInterleavings.disk_slots
     return type(f"Interleavings_{mutant or 'kvfsm'}".replace("-", "_"), (OffloadInterleavings,),
-                {"mutant": mutant, "examples": 0})
+                {"mutant": mutant, "examples": 0, "disk_slots": disk})

@@ -15,6 +15,7 @@ from kvfsm.engine.engine import Engine
 from kvfsm.manager.catalogue import Lookup
 from kvfsm.states import CpuBlockState
 from kvfsm.records import TransferJob
+from kvfsm.testing.tier_mutants import TIER_MUTANTS
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Mutant:
     """Whether the bug needs loads computed in their own step (the connector's `layer_loads`)."""
     layer_stores: bool = False
     """Whether the bug needs stores started by `save_kv_layer`."""
+    tier: bool = False
+    """It breaks a lower-tier rule, so it only shows with a lower tier configured."""
 
 
 def _no_compute_barrier(engine: Engine, connector: Connector) -> None:
@@ -149,5 +152,6 @@ MUTANTS: dict[str, Mutant] = {
                _partial_load_report, per_layer=False),
         Mutant("flush-first-segment", "layer-stores-flushed (a flush waits for a store's first layer only)",
                _flush_first_segment, per_layer=True, layer_stores=True),
+        *(Mutant(name, breaks, apply, tier=True) for name, breaks, apply in TIER_MUTANTS),
     )
 }

@@ -9,6 +9,8 @@ from kvfsm.engine.engine import Engine
 from kvfsm.executor.access import Access
 from kvfsm.invariants import Deferral
 from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TransferJob
+from kvfsm.tiers.base import LowerTier
+from kvfsm.records import TierJob
 
 
 class EngineWorld:
@@ -44,7 +46,22 @@ class EngineWorld:
 
     @property
     def reported_failed(self) -> set[int]:
-        return self.connector.scheduler.reported_failed
+        tiers = self.connector.scheduler.tiers
+        failed = self.connector.scheduler.reported_failed
+        return failed | tiers.reported_failed if tiers is not None else failed
+
+    @property
+    def tiers(self) -> Sequence[LowerTier]:
+        return self.connector.worker.lower_tiers
+
+    @property
+    def tier_jobs(self) -> Mapping[int, TierJob]:
+        tiers = self.connector.scheduler.tiers
+        return tiers.jobs if tiers is not None else {}
+
+    @property
+    def writeback_bound(self) -> int:
+        return self.connector.config.writeback_max_bytes_in_flight
 
     @property
     def accesses(self) -> Sequence[Access]:
@@ -52,4 +69,6 @@ class EngineWorld:
 
     @property
     def idle(self) -> bool:
-        return not self.engine.has_work and getattr(self.engine.device, "idle", True)
+        tiers = self.connector.scheduler.tiers
+        return (not self.engine.has_work and getattr(self.engine.device, "idle", True)
+                and (tiers is None or tiers.idle))

@@ -1,0 +1,137 @@
+"""Controls for the lower-tier invariants: kvfsm with one tier rule removed, each caught by some interleaving.
+
+Each patches one running engine + connector (instance attributes only), like `kvfsm.testing.mutants`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Sequence
+
+from kvfsm.connector import Connector
+from kvfsm.engine.engine import Engine
+from kvfsm.tiers.disk import DiskIo, DiskTier
+from kvfsm.connector.tier_planner import TierPlanner
+from kvfsm.records import TierEntry
+
+
+def _disk(connector: Connector) -> DiskTier:
+    return next(t for t in connector.worker.lower_tiers if isinstance(t, DiskTier))
+
+
+def _planner(connector: Connector) -> TierPlanner:
+    planner = connector.scheduler.tiers
+    assert planner is not None
+    return planner
+
+
+def publish_before_written(engine: Engine, connector: Connector) -> None:
+    """A write is acknowledged (and its key published) when queued; the bytes land in a later I/O operation."""
+    disk = _disk(connector)
+    io = disk._io
+
+    def write(slot: int, source: memoryview) -> int:
+        io.submit(lambda: DiskIo().write(disk._fd, source, slot * disk.block_bytes))
+        return zlib.crc32(source)
+
+    disk._write = write  # type: ignore[method-assign]
+
+
+def lookup_counts_writing(engine: Engine, connector: Connector) -> None:
+    """A lookup counts keys whose write is still in flight."""
+    entries = _disk(connector).entries
+
+    def lookup(keys: Sequence[int]) -> int:
+        count = 0
+        for key in keys:
+            entry = entries.by_key.get(key)
+            if entry is None or entry.state not in ("published", "writing"):
+                break
+            count += 1
+        entries.lookups.extend((key, entries.by_key[key].state) for key in keys[:count])
+        return count
+
+    entries.lookup = lookup  # type: ignore[method-assign]
+
+
+def unpinned_tier_read(engine: Engine, connector: Connector) -> None:
+    """A fetch does not pin the entry it reads: the tier may evict and rewrite it under the read."""
+    entries = _disk(connector).entries
+    pin, read_done = entries.pin, entries.read_done
+
+    def pin_then_release(key: int) -> TierEntry | None:
+        entry = pin(key)
+        if entry is not None:
+            read_done(entry)
+        return entry
+
+    def done_if_reading(entry: TierEntry) -> None:
+        if entry.state == "reading":
+            read_done(entry)
+
+    entries.pin = pin_then_release  # type: ignore[method-assign]
+    entries.read_done = done_if_reading  # type: ignore[method-assign]
+
+
+def unpinned_write_back(engine: Engine, connector: Connector) -> None:
+    """A write-back reads its CPU slot without pinning it: eviction and stores may rewrite it mid-write."""
+    manager = connector.scheduler.manager
+    manager.pin_for_write_back = lambda slots: None  # type: ignore[method-assign]
+    manager.complete_write_back = lambda slots: None  # type: ignore[method-assign]
+
+
+def fetch_ready_early(engine: Engine, connector: Connector) -> None:
+    """A fetch's CPU slots are marked ready when it is ordered, not when its bytes arrived."""
+    manager = connector.scheduler.manager
+    prepare, complete = manager.prepare_fetch, manager.complete_fetch
+
+    def prepare_ready(hashes: Sequence[int], job_id: int) -> object:
+        plan = prepare(hashes, job_id)
+        if plan is not None:
+            complete(plan.slots, True)
+        return plan
+
+    manager.prepare_fetch = prepare_ready  # type: ignore[method-assign,assignment]
+    manager.complete_fetch = lambda slots, success: None  # type: ignore[method-assign]
+
+
+def failed_fetch_loads(engine: Engine, connector: Connector) -> None:
+    """A failed fetch's CPU slots are made ready anyway, as if the key had been read."""
+    manager = connector.scheduler.manager
+    complete = manager.complete_fetch
+    manager.complete_fetch = lambda slots, success: complete(slots, True)  # type: ignore[method-assign]
+
+
+def free_at_deadline(engine: Engine, connector: Connector) -> None:
+    """A fetch failed at its deadline frees its CPU slots at once, though its read may still land in them."""
+    manager, planner = connector.scheduler.manager, _planner(connector)
+    manager.abandon_fetch = lambda slots: manager.complete_fetch(slots, False)  # type: ignore[method-assign]
+    release = planner._release
+
+    def release_held_write_backs_only(job: object) -> None:
+        if getattr(job, "kind") == "fetch":
+            planner._machine.fire(job, "release")  # type: ignore[arg-type]
+            planner._unmap(job)  # type: ignore[arg-type]
+            return
+        release(job)  # type: ignore[arg-type]
+
+    planner._release = release_held_write_backs_only  # type: ignore[method-assign]
+
+
+def unbounded_write_back(engine: Engine, connector: Connector) -> None:
+    """Write-backs are ordered without regard to the bytes already in flight."""
+    _planner(connector).bound = 1 << 62
+
+
+TIER_MUTANTS: tuple[tuple[str, str, Callable[[Engine, Connector], None]], ...] = (
+    ("publish-before-written", "publish-after-write (a key visible before its bytes are durable)",
+     publish_before_written),
+    ("lookup-counts-writing", "lookup-published (a hit on a key still being written)", lookup_counts_writing),
+    ("unpinned-tier-read", "read-pins-entry (an entry evicted and rewritten under its fetch)", unpinned_tier_read),
+    ("unpinned-write-back", "writeback-pins-slot (a CPU slot rewritten while written back)", unpinned_write_back),
+    ("fetch-ready-early", "fetch-lands-private (a load of a slot before its fetch landed)", fetch_ready_early),
+    ("failed-fetch-loads", "lost-key-is-miss (a key gone between lookup and fetch loaded anyway)",
+     failed_fetch_loads),
+    ("free-at-deadline", "late-io-holds-slot (a late read lands in a reused CPU slot)", free_at_deadline),
+    ("unbounded-write-back", "writeback-bounded (write-backs flood the disk)", unbounded_write_back),
+)

@@ -1,0 +1,123 @@
+"""The Python predicates behind the lower-tier invariants of `tier-entry` and `tier-job`.
+
+They read the same `kvfsm.invariants.World` as the CPU tier's predicates, through its `tiers` (the open lower
+tiers, whose `entries` are the tier-entry records), `tier_jobs` (every write-back and fetch of the run) and
+`writeback_bound`. Each returns one readable line per violation; `[]` means the rule holds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvfsm.invariants import World
+from kvfsm.registry import REGISTRY
+
+READ_PINNED = "reading"
+
+
+@REGISTRY.invariant("publish-after-write")
+def publish_after_write(world: World) -> list[str]:
+    """The records' half of the rule; the bytes half (a published key holds its prefix's exact bytes) needs the data
+    oracle and is checked by `kvfsm.testing.harness.Harness` under the same name."""
+    found = []
+    for tier in world.tiers:
+        for entry in tier.entries:
+            if entry.state == "writing" and entry.checksum is not None:
+                found.append(f"{tier.name}: key {entry.key:#x} is writing but already has a checksum")
+            if entry.state in ("published", "reading") and entry.checksum is None:
+                found.append(f"{tier.name}: key {entry.key:#x} is {entry.state} without a checksum")
+    return found
+
+
+@REGISTRY.invariant("lookup-published")
+def lookup_published(world: World) -> list[str]:
+    return [f"{tier.name}: a lookup counted key {key:#x} while it was {state}"
+            for tier in world.tiers for key, state in tier.entries.lookups if state != "published"]
+
+
+@REGISTRY.invariant("read-pins-entry")
+def read_pins_entry(world: World) -> list[str]:
+    reading = Counter((job.tier, key) for job in world.tier_jobs.values()
+                      if job.kind == "fetch" and job.state in ("submitted", "abandoned") for key in job.keys)
+    found = []
+    for tier in world.tiers:
+        for entry in tier.entries:
+            readers = reading.get((tier.name, entry.key), 0)
+            if entry.state == READ_PINNED and readers != 1:
+                found.append(f"{tier.name}: key {entry.key:#x} is reading with {readers} fetches in flight")
+            if readers and entry.state != READ_PINNED:
+                found.append(f"{tier.name}: key {entry.key:#x} is {entry.state} while a fetch reads it")
+            if readers > 1:
+                found.append(f"{tier.name}: key {entry.key:#x} has {readers} fetches in flight")
+    return found
+
+
+def _in_flight(world: World, kind: str) -> Counter[int]:
+    return Counter(slot for job in world.tier_jobs.values() if job.kind == kind and job.in_flight
+                   for slot in job.cpu_slots)
+
+
+@REGISTRY.invariant("writeback-pins-slot")
+def writeback_pins_slot(world: World) -> list[str]:
+    writers = _in_flight(world, "write-back")
+    found = [f"CPU slot {slot} has {n} write-backs in flight" for slot, n in writers.items() if n > 1]
+    for block in world.cpu_blocks:
+        n = writers.get(block.slot, 0)
+        if n and block.state not in ("writing-back", "orphaned"):
+            found.append(f"CPU slot {block.slot} is {block.state} while a write-back reads it")
+        if block.state == "writing-back" and n != 1:
+            found.append(f"CPU slot {block.slot} is writing-back with {n} write-backs in flight")
+    return found
+
+
+@REGISTRY.invariant("fetch-lands-private")
+def fetch_lands_private(world: World) -> list[str]:
+    fetches = _in_flight(world, "fetch")
+    transfers = Counter(slot for job in world.jobs.values() if job.in_flight for slot in job.cpu_slots)
+    found = [f"CPU slot {slot} has {n} fetches in flight" for slot, n in fetches.items() if n > 1]
+    for block in world.cpu_blocks:
+        n = fetches.get(block.slot, 0)
+        if n and block.state not in ("fetching", "orphaned"):
+            found.append(f"CPU slot {block.slot} is {block.state} while a fetch writes it")
+        if n and transfers.get(block.slot):
+            found.append(f"CPU slot {block.slot} is written by a fetch and moved by a transfer at once")
+        if block.state == "fetching" and n != 1:
+            found.append(f"CPU slot {block.slot} is fetching with {n} fetches in flight")
+        writer = world.tier_jobs.get(block.writer_job) if block.writer_job is not None else None
+        landed = writer is not None and (writer.state == "done" or (
+            writer.state == "failed" and block.block_hash not in writer.failed_keys))  # a failed job's other keys
+        if writer is not None and block.state in ("ready", "loading", "writing-back") and not landed:
+            found.append(f"CPU slot {block.slot} is {block.state} but the fetch that fills it is {writer.state}")
+    return found
+
+
+@REGISTRY.invariant("lost-key-is-miss")
+def lost_key_is_miss(world: World) -> list[str]:
+    found = []
+    for job in world.tier_jobs.values():
+        if job.kind != "fetch" or job.state != "failed":
+            continue
+        if job.job_id not in world.reported_failed:
+            found.append(f"fetch {job.job_id} failed without being reported")
+        for key, slot in zip(job.keys, job.cpu_slots):
+            block = world.cpu_blocks[slot]
+            if key in job.failed_keys and block.writer_job == job.job_id and block.state not in ("free", "orphaned",
+                                                                                                 "fetching"):
+                found.append(f"fetch {job.job_id} failed for key {key:#x} but left CPU slot {slot} {block.state}")
+    return found
+
+
+@REGISTRY.invariant("late-io-holds-slot")
+def late_io_holds_slot(world: World) -> list[str]:
+    held = {"fetch": ("orphaned",), "write-back": ("writing-back", "orphaned")}
+    return [f"{job.kind} {job.job_id} was abandoned at its deadline but its CPU slot {slot} is "
+            f"{world.cpu_blocks[slot].state}"
+            for job in world.tier_jobs.values() if job.state == "abandoned"
+            for slot in job.cpu_slots if world.cpu_blocks[slot].state not in held[job.kind]]
+
+
+@REGISTRY.invariant("writeback-bounded")
+def writeback_bounded(world: World) -> list[str]:
+    in_flight = sum(job.nbytes for job in world.tier_jobs.values() if job.kind == "write-back" and job.in_flight)
+    bound = world.writeback_bound
+    return [f"{in_flight} bytes of write-backs in flight, bound {bound}"] if in_flight > bound else []

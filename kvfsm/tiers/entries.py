@@ -1,0 +1,97 @@
+"""A lower tier's index of keys, every change fired through the spec's `tier-entry` machine.
+
+Shared by every `LowerTier` implementation: it owns the records, the order in which published keys were last used
+(the tier's own eviction picks the least recent that is not being read) and, for the `lookup-published` check, the
+state of every key a lookup counted when it counted it. An entry that returns to `empty` is forgotten.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterator, Sequence
+
+from kvfsm.machines import LifecycleMachine, MachineSet, default_machines
+from kvfsm.records import TierEntry
+
+
+class TierEntries:
+    def __init__(self, tier: str, keep_lookups: bool = False, machines: MachineSet | None = None) -> None:
+        """`machines`: the connector's machine set (so its observers trace this tier too); a lone one if None."""
+        self.tier = tier
+        self.by_key: dict[int, TierEntry] = {}
+        self._recency: OrderedDict[int, None] = OrderedDict()  # published keys, least recently used first
+        self._machine: LifecycleMachine = (machines or default_machines())["tier-entry"]
+        self.keep_lookups = keep_lookups
+        self.lookups: list[tuple[int, str]] = []
+        """(key, state when counted) for every key a lookup counted, kept only when `keep_lookups` (tests)."""
+
+    def __iter__(self) -> Iterator[TierEntry]:
+        return iter(self.by_key.values())
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def get(self, key: int) -> TierEntry | None:
+        return self.by_key.get(key)
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        """Leading keys that are published now."""
+        count = 0
+        for key in keys:
+            entry = self.by_key.get(key)
+            if entry is None or entry.state != "published":
+                break
+            count += 1
+        if self.keep_lookups:
+            self.lookups.extend((key, self.by_key[key].state) for key in keys[:count])
+        return count
+
+    def reserve(self, key: int, slot: int | None = None) -> TierEntry | None:
+        """A new entry writing `key` (at `slot`), or None when the key is already held in any state."""
+        if key in self.by_key:
+            return None
+        entry = TierEntry(key, slot)
+        self._machine.fire(entry, "reserve")
+        self.by_key[key] = entry
+        return entry
+
+    def publish(self, entry: TierEntry, checksum: int) -> None:
+        self._machine.fire(entry, "write-done", checksum=checksum)
+        self._recency[entry.key] = None
+
+    def write_failed(self, entry: TierEntry) -> None:
+        self._machine.fire(entry, "write-failed")
+        del self.by_key[entry.key]
+
+    def pin(self, key: int) -> TierEntry | None:
+        """The published entry of `key`, now reading; None (and no change) when it is not published."""
+        entry = self.by_key.get(key)
+        if entry is None or entry.state != "published":
+            return None
+        self._machine.fire(entry, "pin")
+        self._recency.move_to_end(key)
+        return entry
+
+    def read_done(self, entry: TierEntry) -> None:
+        self._machine.fire(entry, "read-done")
+
+    def read_failed(self, entry: TierEntry) -> None:
+        self._machine.fire(entry, "read-failed")
+        self._drop(entry)
+
+    def evict(self, key: int) -> TierEntry | None:
+        """Evict `key` if it is published (not being written or read); the evicted entry, else None."""
+        entry = self.by_key.get(key)
+        if entry is None or entry.state != "published":
+            return None
+        self._machine.fire(entry, "evict")
+        self._drop(entry)
+        return entry
+
+    def least_recent_evictable(self) -> int | None:
+        """The published key used longest ago; reading keys are pinned and skipped."""
+        return next((k for k in self._recency if self.by_key[k].state == "published"), None)
+
+    def _drop(self, entry: TierEntry) -> None:
+        del self.by_key[entry.key]
+        self._recency.pop(entry.key, None)

@@ -1,0 +1,243 @@
+"""The disk tier: publish after write, pinned reads, own eviction, a restart that starts empty, and each fault it
+meets in service ending as a miss or a failed fetch the engine recomputes, with nothing wrong loaded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from kvfsm.config import DiskTierConfig, OffloadConfig
+from kvfsm.executor.sim import SimDevice
+from kvfsm.testing.harness import Harness
+from kvfsm.testing.tier_faults import FAULTS
+from kvfsm.tiers.base import LowerTier, TierFailure, TierMisuse
+from kvfsm.tiers.disk import DiskTier, DiskTierError
+from kvfsm.tiers.io import ManualIo
+
+BLOCK = 64
+
+
+def _tier(path: Path, slots: int = 2) -> DiskTier:
+    return DiskTier("disk", path, slots * BLOCK, BLOCK, ManualIo())
+
+
+def _block(value: int) -> memoryview:
+    return memoryview(np.full(BLOCK, value, dtype=np.uint8))
+
+
+def test_disk_tier_implements_the_lower_tier_protocol(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    assert isinstance(tier, LowerTier)
+    tier.close()
+
+
+def test_a_key_is_published_only_after_its_write_returned(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.submit_write(1, [7], [_block(3)])
+    assert tier.lookup([7]) == 0 and tier.entries.get(7).state == "writing"  # type: ignore[union-attr]
+    tier._io.run_all()  # type: ignore[attr-defined]
+    assert tier.lookup([7]) == 0, "bytes written but not yet polled: not published"
+    assert [c.ok for c in tier.poll()] == [True]
+    assert tier.lookup([7]) == 1 and tier.stored_bytes(7) == bytes(_block(3))
+    tier.close()
+
+
+def test_a_read_returns_the_bytes_written(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.submit_write(1, [7, 8], [_block(3), _block(4)])
+    tier._io.run_all()  # type: ignore[attr-defined]
+    tier.poll()
+    out = [np.zeros(BLOCK, dtype=np.uint8) for _ in range(2)]
+    tier.submit_read(2, [7, 8], [memoryview(o) for o in out])
+    tier._io.run_all()  # type: ignore[attr-defined]
+    assert [c.ok for c in tier.poll()] == [True]
+    assert out[0].tolist() == [3] * BLOCK and out[1].tolist() == [4] * BLOCK
+    tier.close()
+
+
+def test_a_read_pins_its_entry_so_a_full_tier_refuses_a_write_instead_of_evicting_it(tmp_path: Path) -> None:
+    tier = _tier(tmp_path, slots=1)
+    tier.submit_write(1, [7], [_block(3)])
+    tier._io.run_all()  # type: ignore[attr-defined]
+    tier.poll()
+    tier.submit_read(2, [7], [memoryview(np.zeros(BLOCK, dtype=np.uint8))])
+    tier.submit_write(3, [8], [_block(4)])
+    tier._io.run_all()  # type: ignore[attr-defined]
+    outcomes = {c.job_id: dict(c.failed) for c in tier.poll()}
+    assert outcomes == {2: {}, 3: {8: TierFailure.full}}
+    tier.close()
+
+
+def test_the_tier_evicts_its_least_recently_used_key_when_full(tmp_path: Path) -> None:
+    tier = _tier(tmp_path, slots=2)
+    for job, key in enumerate((1, 2, 3)):
+        tier.submit_write(job, [key], [_block(key)])
+        tier._io.run_all()  # type: ignore[attr-defined]
+        tier.poll()
+    assert (tier.lookup([1]), tier.lookup([2]), tier.lookup([3])) == (0, 1, 1)
+    tier.close()
+
+
+def test_a_restart_starts_empty(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.submit_write(1, [7], [_block(3)])
+    tier._io.run_all()  # type: ignore[attr-defined]
+    tier.poll()
+    tier._io = ManualIo()  # a crash: the process dies without closing the tier
+    again = _tier(tmp_path)
+    assert again.lookup([7]) == 0 and len(again.entries) == 0
+    assert os.path.getsize(again.file) == 2 * BLOCK and again.file.read_bytes() == bytes(2 * BLOCK)
+    again.close()
+
+
+def test_misuse_raises_before_anything_changes(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    with pytest.raises(TierMisuse):
+        tier.submit_write(1, [7], [memoryview(np.zeros(BLOCK - 1, dtype=np.uint8))])
+    with pytest.raises(TierMisuse):
+        tier.submit_write(1, [7, 7], [_block(1), _block(2)])
+    assert len(tier.entries) == 0 and not tier.busy
+    tier.close()
+
+
+def test_a_disk_that_cannot_hold_the_tier_is_a_clear_error_at_start(tmp_path: Path) -> None:
+    with pytest.raises(DiskTierError, match="cannot preallocate"):
+        DiskTier("disk", tmp_path, 1 << 62, BLOCK, ManualIo())
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", [
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 0}]},
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 64, "io_threads": 0}]},
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "tape", "path": "/tmp", "capacity_bytes": 64}]},
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 64}] * 2},
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/etc/hostname", "capacity_bytes": 64}]},
+    {"cpu_blocks": 4, "writeback_max_bytes_in_flight": 0},
+])
+def test_tier_settings_are_validated(bad: dict) -> None:
+    with pytest.raises(ValidationError):
+        OffloadConfig.model_validate(bad)
+
+
+def test_valid_tier_settings_load() -> None:
+    config = OffloadConfig.model_validate({"cpu_blocks": 4, "lower_tiers": [
+        {"kind": "disk", "path": "/tmp/kv", "capacity_bytes": 1 << 30, "writeback": "eager"}]})
+    assert isinstance(config.lower_tiers[0], DiskTierConfig) and config.lower_tiers[0].tier_name == "disk"
+
+
+# --- faults end as a miss or a failed fetch the engine recomputes ---------------------------------------------
+
+A, B = (11, 12, 13, 14), (21, 22, 23, 24)
+WRITE_FAULTS = {"disk-full", "write-io-error"}
+
+
+def _serve(h: Harness, prompt: tuple[int, ...]) -> None:
+    h.engine.reset_prefix_cache()
+    h.add_request(prompt, 1)
+    h.drain()
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_tier_fault_ends_as_a_miss_or_failed_fetch_and_nothing_wrong_is_loaded(fault: str) -> None:
+    h = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=2, disk_slots=4)
+    try:
+        if fault in WRITE_FAULTS:
+            h.tier_faults.inject(fault)  # A's write-back meets it
+        _serve(h, A + (1,))
+        _serve(h, B + (2,))  # pushes A out of the CPU pool; A stays on disk unless its write-back failed
+        h.engine.reset_prefix_cache()
+        if fault not in WRITE_FAULTS | {"stall"}:
+            h.tier_faults.inject(fault)
+        h.add_request(A + (3,), 1)
+        h.engine.step()  # A's lookup orders the fetch and defers; the worker submits the read
+        if fault == "stall":
+            h.tier_faults.inject(fault)  # the disk hangs before the read returns
+            h.engine.step()
+        h.drain()
+        stats = h.connector.scheduler.tiers.stats  # type: ignore[union-attr]
+        seen = ", ".join(f"{reason} x{n}" for reason, n in stats.failures.items()) or "no failure"
+        print(f"\n{fault}: engine saw {seen}; fetched {sum(stats.blocks_fetched.values())} blocks; "
+              f"violations {h.final_violations()}")
+        assert h.final_violations() == []
+        assert stats.failures, f"{fault} was injected but no tier job failed"
+    finally:
+        h.close()
+
+
+def test_without_a_fault_the_returning_prefix_is_fetched_from_disk() -> None:
+    """The control of the fault table: the same run without a fault serves the prefix from disk."""
+    h = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=2, disk_slots=4)
+    try:
+        _serve(h, A + (1,))
+        _serve(h, B + (2,))
+        _serve(h, A + (3,))
+        stats = h.connector.scheduler.tiers.stats  # type: ignore[union-attr]
+        assert h.final_violations() == [] and not stats.failures
+        assert stats.blocks_fetched["disk"] == 2 and stats.tokens_loaded_from["disk"] == 4
+    finally:
+        h.close()
+
+
+# --- every transition of the tier lifecycles is taken -------------------------------------------------------
+
+TIER_CPU_TRIGGERS = {"write-back", "written-back", "allocate-fetch", "fetch-done", "fetch-failed", "abandon-fetch"}
+
+
+def _declared_tier_edges() -> set[tuple[str, str, str, str]]:
+    from kvfsm.machines import default_machines
+    from kvfsm.testing.coverage import declared_edges
+
+    return {e for e in declared_edges(default_machines().spec)
+            if e[0] in ("tier-entry", "tier-job") or (e[0] == "cpu-block" and (
+                e[2] in TIER_CPU_TRIGGERS or (e[2] == "reset" and e[1] in ("writing-back", "fetching"))))}
+
+
+def _edges_of_a_returning_prefix(fault: str | None, reset: str | None) -> set[tuple[str, str, str, str]]:
+    h = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=2, disk_slots=3)
+    try:
+        if fault in WRITE_FAULTS:
+            h.tier_faults.inject(fault)
+        h.add_request(A + (1,), 1)
+        while not h.connector.scheduler.tiers.jobs:  # type: ignore[union-attr]
+            h.engine.step()
+            h.device.run_until_idle()  # the device, not the disk: the write-back's write has not run
+        if reset == "write-back":
+            h.connector.reset_cache()
+        _serve(h, A + (1,))
+        _serve(h, B + (2,))
+        h.tier_faults.evict_one(0) if fault == "tier-evicts" else None
+        h.engine.reset_prefix_cache()
+        if fault not in WRITE_FAULTS | {"stall", None, "tier-evicts"}:
+            h.tier_faults.inject(fault)
+        h.add_request(A + (3,), 1)
+        h.engine.step()
+        if fault == "stall":
+            h.tier_faults.inject(fault)
+            h.engine.step()
+        if reset == "fetch":
+            h.connector.reset_cache()
+        h.drain()
+        _serve(h, (31, 32, 33, 34, 5))  # a third prefix: the full disk evicts its least recent key
+        assert h.final_violations() == []
+        return h.trace.edges
+    finally:
+        h.close()
+
+
+def test_the_tier_scenarios_take_every_transition_of_the_tier_lifecycles() -> None:
+    taken: set[tuple[str, str, str, str]] = set()
+    for fault in (None, "tier-evicts", *FAULTS):
+        for reset in (None, "fetch", "write-back"):
+            taken |= _edges_of_a_returning_prefix(fault, reset)
+    missing = _declared_tier_edges() - taken
+    assert not missing, f"tier transitions no scenario takes: {sorted(missing)}"
+
+
+def test_the_fault_free_path_alone_leaves_tier_transitions_untaken() -> None:
+    """The control of the coverage check: without faults and resets, failure and orphan edges are missing."""
+    missing = _declared_tier_edges() - _edges_of_a_returning_prefix(None, None)
+    assert ("tier-job", "submitted", "abandon", "abandoned") in missing
