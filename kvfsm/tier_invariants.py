@@ -11,8 +11,10 @@ from collections import Counter
 
 from kvfsm.invariants import World
 from kvfsm.registry import REGISTRY
+from kvfsm.states import CpuBlockState as Cpu
+from kvfsm.states import TierEntryState as Entry
+from kvfsm.states import TierJobState as Job
 
-READ_PINNED = "reading"
 
 
 @REGISTRY.invariant("publish-after-write")
@@ -22,9 +24,9 @@ def publish_after_write(world: World) -> list[str]:
     found = []
     for tier in world.tiers:
         for entry in tier.entries:
-            if entry.state == "writing" and entry.checksum is not None:
+            if entry.state == Entry.WRITING and entry.checksum is not None:
                 found.append(f"{tier.name}: key {entry.key:#x} is writing but already has a checksum")
-            if entry.state in ("published", "reading") and entry.checksum is None:
+            if entry.state in (Entry.PUBLISHED, Entry.READING) and entry.checksum is None:
                 found.append(f"{tier.name}: key {entry.key:#x} is {entry.state} without a checksum")
     return found
 
@@ -32,20 +34,20 @@ def publish_after_write(world: World) -> list[str]:
 @REGISTRY.invariant("lookup-published")
 def lookup_published(world: World) -> list[str]:
     return [f"{tier.name}: a lookup counted key {key:#x} while it was {state}"
-            for tier in world.tiers for key, state in tier.entries.lookups if state != "published"]
+            for tier in world.tiers for key, state in tier.entries.lookups if state != Entry.PUBLISHED]
 
 
 @REGISTRY.invariant("read-pins-entry")
 def read_pins_entry(world: World) -> list[str]:
     reading = Counter((job.tier, key) for job in world.tier_jobs.values()
-                      if job.kind == "fetch" and job.state in ("submitted", "abandoned") for key in job.keys)
+                      if job.kind == "fetch" and job.state in (Job.SUBMITTED, Job.ABANDONED) for key in job.keys)
     found = []
     for tier in world.tiers:
         for entry in tier.entries:
             readers = reading.get((tier.name, entry.key), 0)
-            if entry.state == READ_PINNED and readers != 1:
+            if entry.state == Entry.READING and readers != 1:
                 found.append(f"{tier.name}: key {entry.key:#x} is reading with {readers} fetches in flight")
-            if readers and entry.state != READ_PINNED:
+            if readers and entry.state != Entry.READING:
                 found.append(f"{tier.name}: key {entry.key:#x} is {entry.state} while a fetch reads it")
             if readers > 1:
                 found.append(f"{tier.name}: key {entry.key:#x} has {readers} fetches in flight")
@@ -63,9 +65,9 @@ def writeback_pins_slot(world: World) -> list[str]:
     found = [f"CPU slot {slot} has {n} write-backs in flight" for slot, n in writers.items() if n > 1]
     for block in world.cpu_blocks:
         n = writers.get(block.slot, 0)
-        if n and block.state not in ("writing-back", "orphaned"):
+        if n and block.state not in (Cpu.WRITING_BACK, Cpu.ORPHANED):
             found.append(f"CPU slot {block.slot} is {block.state} while a write-back reads it")
-        if block.state == "writing-back" and n != 1:
+        if block.state == Cpu.WRITING_BACK and n != 1:
             found.append(f"CPU slot {block.slot} is writing-back with {n} write-backs in flight")
     return found
 
@@ -77,16 +79,16 @@ def fetch_lands_private(world: World) -> list[str]:
     found = [f"CPU slot {slot} has {n} fetches in flight" for slot, n in fetches.items() if n > 1]
     for block in world.cpu_blocks:
         n = fetches.get(block.slot, 0)
-        if n and block.state not in ("fetching", "orphaned"):
+        if n and block.state not in (Cpu.FETCHING, Cpu.ORPHANED):
             found.append(f"CPU slot {block.slot} is {block.state} while a fetch writes it")
         if n and transfers.get(block.slot):
             found.append(f"CPU slot {block.slot} is written by a fetch and moved by a transfer at once")
-        if block.state == "fetching" and n != 1:
+        if block.state == Cpu.FETCHING and n != 1:
             found.append(f"CPU slot {block.slot} is fetching with {n} fetches in flight")
         writer = world.tier_jobs.get(block.writer_job) if block.writer_job is not None else None
-        landed = writer is not None and (writer.state == "done" or (
-            writer.state == "failed" and block.block_hash not in writer.failed_keys))  # a failed job's other keys
-        if writer is not None and block.state in ("ready", "loading", "writing-back") and not landed:
+        landed = writer is not None and (writer.state == Job.DONE or (
+            writer.state == Job.FAILED and block.block_hash not in writer.failed_keys))  # a failed job's other keys
+        if writer is not None and block.state in (Cpu.READY, Cpu.LOADING, Cpu.WRITING_BACK) and not landed:
             found.append(f"CPU slot {block.slot} is {block.state} but the fetch that fills it is {writer.state}")
     return found
 
@@ -95,24 +97,24 @@ def fetch_lands_private(world: World) -> list[str]:
 def lost_key_is_miss(world: World) -> list[str]:
     found = []
     for job in world.tier_jobs.values():
-        if job.kind != "fetch" or job.state != "failed":
+        if job.kind != "fetch" or job.state != Job.FAILED:
             continue
         if job.job_id not in world.reported_failed:
             found.append(f"fetch {job.job_id} failed without being reported")
         for key, slot in zip(job.keys, job.cpu_slots):
             block = world.cpu_blocks[slot]
-            if key in job.failed_keys and block.writer_job == job.job_id and block.state not in ("free", "orphaned",
-                                                                                                 "fetching"):
+            if key in job.failed_keys and block.writer_job == job.job_id and block.state not in (Cpu.FREE, Cpu.ORPHANED,
+                                                                                                 Cpu.FETCHING):
                 found.append(f"fetch {job.job_id} failed for key {key:#x} but left CPU slot {slot} {block.state}")
     return found
 
 
 @REGISTRY.invariant("late-io-holds-slot")
 def late_io_holds_slot(world: World) -> list[str]:
-    held = {"fetch": ("orphaned",), "write-back": ("writing-back", "orphaned")}
+    held = {"fetch": (Cpu.ORPHANED,), "write-back": (Cpu.WRITING_BACK, Cpu.ORPHANED)}
     return [f"{job.kind} {job.job_id} was abandoned at its deadline but its CPU slot {slot} is "
             f"{world.cpu_blocks[slot].state}"
-            for job in world.tier_jobs.values() if job.state == "abandoned"
+            for job in world.tier_jobs.values() if job.state == Job.ABANDONED
             for slot in job.cpu_slots if world.cpu_blocks[slot].state not in held[job.kind]]
 
 

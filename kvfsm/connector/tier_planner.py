@@ -27,6 +27,8 @@ from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
 from kvfsm.tiers.base import LowerTier
 from kvfsm.records import TierJob
+from kvfsm.states import CpuBlockState as Cpu
+from kvfsm.states import TierEntryState, TierJobState
 
 
 @dataclass
@@ -115,7 +117,7 @@ class TierPlanner:
         for tier in self.tiers:
             eager_tier = self.policies[tier.name] == "eager"
             candidates = eager if eager_tier else self._next_victims(self.lookahead[tier.name])
-            eligible = [s for s in candidates if blocks[s].state == "ready" and not self._held_by(tier, s)
+            eligible = [s for s in candidates if blocks[s].state == Cpu.READY and not self._held_by(tier, s)
                         and (tier.name, blocks[s].block_hash) not in self._gave_up]
             picked, left = eligible[:max(room, 0)], eligible[max(room, 0):]
             if left:
@@ -144,9 +146,9 @@ class TierPlanner:
             if slot is None or slot in slots:
                 continue
             state = self.manager.blocks[slot].state
-            if state == "ready":
+            if state == Cpu.READY:
                 slots[slot] = None
-            elif state in ("pending-store", "submitted", "loading", "writing-back"):
+            elif state in (Cpu.PENDING_STORE, Cpu.SUBMITTED, Cpu.LOADING, Cpu.WRITING_BACK):
                 self._eager.append(block_hash)  # not readable for a write-back now: later
         return list(slots)
 
@@ -155,7 +157,7 @@ class TierPlanner:
         blocks = self.manager.blocks
         n = room
         while n > 0:
-            victims = self.manager.policy.victims(n, lambda s: blocks[s].state == "ready")
+            victims = self.manager.policy.victims(n, lambda s: blocks[s].state == Cpu.READY)
             if victims is not None:
                 return victims
             n //= 2
@@ -185,7 +187,7 @@ class TierPlanner:
                 del self._holding[report.job_id]
                 self._release(job)
             return
-        if job is None or job.state != "submitted" or worker in self._reports.get(report.job_id, {}):
+        if job is None or job.state != TierJobState.SUBMITTED or worker in self._reports.get(report.job_id, {}):
             raise KeyError(f"worker {worker} reported tier job {report.job_id}, which is not in flight for it")
         reports = self._reports[report.job_id]
         reports[worker] = report
@@ -207,7 +209,7 @@ class TierPlanner:
         self.reported_failed.add(job.job_id)
         if job.kind == "fetch":
             blocks = self.manager.blocks
-            self.manager.abandon_fetch([s for s in job.cpu_slots if blocks[s].state == "fetching"])
+            self.manager.abandon_fetch([s for s in job.cpu_slots if blocks[s].state == Cpu.FETCHING])
             for key in job.keys:
                 self._origin.pop(key, None)
         else:
@@ -251,7 +253,7 @@ class TierPlanner:
     def reset(self) -> None:
         """A cache reset: drop what the lower tiers publish; keys of write-backs in flight are dropped when they end."""
         for tier in self.tiers:
-            tier.discard([e.key for e in tier.entries if e.state == "published"])
+            tier.discard([e.key for e in tier.entries if e.state == TierEntryState.PUBLISHED])
         self._stale = {j.job_id for j in self.jobs.values() if j.kind == "write-back" and j.in_flight}
         self._eager.clear()
         self._origin.clear()

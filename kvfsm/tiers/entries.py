@@ -12,6 +12,9 @@ from typing import Iterator, Sequence
 
 from kvfsm.machines import LifecycleMachine, MachineSet, default_machines
 from kvfsm.records import TierEntry
+from kvfsm.states import TierEntryState
+
+PUBLISHED = TierEntryState.PUBLISHED
 
 
 class TierEntries:
@@ -39,7 +42,7 @@ class TierEntries:
         count = 0
         for key in keys:
             entry = self.by_key.get(key)
-            if entry is None or entry.state != "published":
+            if entry is None or entry.state != PUBLISHED:
                 break
             count += 1
         if self.keep_lookups:
@@ -66,7 +69,7 @@ class TierEntries:
     def pin(self, key: int) -> TierEntry | None:
         """The published entry of `key`, now reading; None (and no change) when it is not published."""
         entry = self.by_key.get(key)
-        if entry is None or entry.state != "published":
+        if entry is None or entry.state != PUBLISHED:
             return None
         self._machine.fire(entry, "pin")
         self._recency.move_to_end(key)
@@ -82,7 +85,7 @@ class TierEntries:
     def evict(self, key: int) -> TierEntry | None:
         """Evict `key` if it is published (not being written or read); the evicted entry, else None."""
         entry = self.by_key.get(key)
-        if entry is None or entry.state != "published":
+        if entry is None or entry.state != PUBLISHED:
             return None
         self._machine.fire(entry, "evict")
         self._drop(entry)
@@ -90,7 +93,7 @@ class TierEntries:
 
     def least_recent_evictable(self) -> int | None:
         """The published key used longest ago; reading keys are pinned and skipped."""
-        return next((k for k in self._recency if self.by_key[k].state == "published"), None)
+        return next((k for k in self._recency if self.by_key[k].state == PUBLISHED), None)
 
     def _drop(self, entry: TierEntry) -> None:
         del self.by_key[entry.key]
