@@ -91,7 +91,7 @@ class _Replay:
         self.harness = Harness(SimDevice(), num_gpu_blocks=workload.num_gpu_blocks, cpu_blocks=workload.cpu_blocks,
                                block_size_factor=workload.block_size_factor, mutant=mutant,
                                per_layer=workload.per_layer, layer_loads=workload.layer_loads,
-                               layer_stores=workload.layer_stores),
+                               layer_stores=workload.layer_stores,
                                disk_slots=workload.disk_slots, writeback_bound_blocks=workload.writeback_bound_blocks)
         self.host_index = 0
 
