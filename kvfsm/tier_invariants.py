@@ -111,7 +111,7 @@ def lost_key_is_miss(world: World) -> list[str]:
 
 @REGISTRY.invariant("late-io-holds-slot")
 def late_io_holds_slot(world: World) -> list[str]:
-    held = {"fetch": (Cpu.ORPHANED,), "write-back": (Cpu.WRITING_BACK, Cpu.ORPHANED)}
+    held = {"fetch": (Cpu.ORPHANED,), "write-back": (Cpu.ORPHANED,)}
     return [f"{job.kind} {job.job_id} was abandoned at its deadline but its CPU slot {slot} is "
             f"{world.cpu_blocks[slot].state}"
             for job in world.tier_jobs.values() if job.state == Job.ABANDONED

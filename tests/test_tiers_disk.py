@@ -184,7 +184,8 @@ def test_without_a_fault_the_returning_prefix_is_fetched_from_disk() -> None:
 
 # --- every transition of the tier lifecycles is taken -------------------------------------------------------
 
-TIER_CPU_TRIGGERS = {"write-back", "written-back", "allocate-fetch", "fetch-done", "fetch-failed", "abandon-fetch"}
+TIER_CPU_TRIGGERS = {"write-back", "written-back", "allocate-fetch", "fetch-done", "fetch-failed", "abandon-fetch",
+                     "abandon-write-back"}
 
 
 def _declared_tier_edges() -> set[tuple[str, str, str, str]]:
@@ -207,6 +208,9 @@ def _edges_of_a_returning_prefix(fault: str | None, reset: str | None) -> set[tu
             h.device.run_until_idle()  # the device, not the disk: the write-back's write has not run
         if reset == "write-back":
             h.connector.reset_cache()
+        if reset == "stall-write-back":  # the disk hangs past the write-back's deadline
+            h.tier_faults.inject("stall")
+            h.engine.step()
         _serve(h, A + (1,))
         _serve(h, B + (2,))
         h.tier_faults.evict_one(0) if fault == "tier-evicts" else None
@@ -231,7 +235,7 @@ def _edges_of_a_returning_prefix(fault: str | None, reset: str | None) -> set[tu
 def test_the_tier_scenarios_take_every_transition_of_the_tier_lifecycles() -> None:
     taken: set[tuple[str, str, str, str]] = set()
     for fault in (None, "tier-evicts", *FAULTS):
-        for reset in (None, "fetch", "write-back"):
+        for reset in (None, "fetch", "write-back", "stall-write-back"):
             taken |= _edges_of_a_returning_prefix(fault, reset)
     missing = _declared_tier_edges() - taken
     assert not missing, f"tier transitions no scenario takes: {sorted(missing)}"

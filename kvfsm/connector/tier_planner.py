@@ -202,7 +202,8 @@ class TierPlanner:
                 self._finish(job, failed, step)
 
     def _abandon(self, job: TierJob, failed: dict[int, str], step: int) -> None:
-        """Failed at the deadline, I/O still running: the request stops waiting; the slots stay held."""
+        """Failed at the deadline, I/O still running: nobody waits for it (its slots leave the catalogue), but the
+        slots stay held, orphaned, until its release."""
         job.failed_keys = job.keys
         self._machine.fire(job, "abandon", step=step)
         self.stats.failures.update(failed.values())
@@ -213,10 +214,12 @@ class TierPlanner:
             for key in job.keys:
                 self._origin.pop(key, None)
         else:
+            blocks = self.manager.blocks
+            self.manager.abandon_write_back([s for s in job.cpu_slots if blocks[s].state == Cpu.WRITING_BACK])
             self._gave_up.update((job.tier, key) for key in job.keys)
 
     def _release(self, job: TierJob) -> None:
-        """The abandoned job's I/O returned: its slots are free (a fetch's) or ready again (a write-back's)."""
+        """The abandoned job's I/O returned: its orphaned slots are free."""
         self._machine.fire(job, "release")
         self._unmap(job)
         if job.kind == "fetch":

@@ -220,11 +220,23 @@ class OffloadingManager:
     def abandon_fetch(self, slots: Sequence[int]) -> None:
         """A fetch failed at its deadline while its read may still land: its slots leave the catalogue as orphaned,
         held (never free, loadable or reused) until `complete_fetch` frees them once the read returned."""
-        picked = self._picked(slots, "abandon-fetch")
-        hashes = [b.block_hash for b in picked]  # read before `abandon-fetch` forgets them
-        self._machine.fire_many(picked, "abandon-fetch")
-        for block_hash in hashes:
+        self._abandon(slots, "abandon-fetch")
+
+    def abandon_write_back(self, slots: Sequence[int]) -> None:
+        """A write-back failed at its deadline while its write may still read the slots: they leave the catalogue
+        (a lookup misses them instead of waiting on a hung disk) as orphaned, held until `complete_write_back`."""
+        self._abandon(slots, "abandon-write-back")
+
+    def _abandon(self, slots: Sequence[int], trigger: str) -> None:
+        picked = self._picked(slots, trigger)
+        hashes = [b.block_hash for b in picked]  # read before the trigger forgets them
+        self._machine.fire_many(picked, trigger)
+        for slot, block_hash in zip(slots, hashes):
             del self.catalogue[block_hash]  # type: ignore[arg-type]
+            if slot in self.policy:
+                self.policy.remove(slot)
+        if hashes and trigger == "abandon-write-back" and self._keep_events:
+            self._events.append(BlockRemoved(tuple(hashes)))  # type: ignore[arg-type]
 
     def pin_for_write_back(self, slots: Sequence[int]) -> None:
         """Pin ready blocks while a write-back reads them: not evicted, rewritten or loaded until it ends."""
