@@ -29,6 +29,7 @@ from kvfsm.connector.metadata import (
     StoreOrder,
 )
 from kvfsm.connector.stats import ConnectorStats
+from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.connector.validation import (
     UnknownJob,
     UnknownRequest,
@@ -39,7 +40,6 @@ from kvfsm.connector.validation import (
     check_scheduler,
     check_step,
 )
-from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager

@@ -30,6 +30,7 @@ from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.checksums import SlotChecksums
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
+from kvfsm.connector.tier_runner import TierRunner
 from kvfsm.connector.validation import (
     NotRegistered,
     check_halves,
@@ -37,7 +38,6 @@ from kvfsm.connector.validation import (
     check_registered_caches,
     check_registration,
 )
-from kvfsm.connector.tier_runner import TierRunner
 from kvfsm.executor.device import Device, Event
 from kvfsm.executor.layouts import KVCaches, register_kv_caches
 from kvfsm.executor.pool import HostPool
