@@ -110,7 +110,6 @@ class Ledger:
                     self.result.load_errors[record.req_id] = record.failed_blocks
                     record.failed_blocks = ()
         if dest == RequestState.RELEASED:
-            record.store_due = 0  # a step that still names it goes past the fast path, to the check that refuses it
             if trigger in ENDS_OF_JOBS:
                 self.result.released.add(record.req_id)
             self.deferrals.pop(record.req_id, None)

@@ -190,7 +190,7 @@ class SchedulerConnector:
 
     def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
         """This step's loads, the stores to prepare after its forward pass, and the stores to flush first."""
-        check_step(self, output)
+        due = check_step(self, output)
         self.step += 1
         ledger = self.ledger
         for req_id in output.preempted:
@@ -208,11 +208,7 @@ class SchedulerConnector:
                                                    cpu_slots=job.cpu_slots, gpu_offset=job.gpu_offset))
         self._new_loads = []
         stores = []
-        requests = ledger.requests
-        for scheduled in output.scheduled:
-            record = requests[scheduled.req_id]  # check_step refused requests it does not track
-            if scheduled.num_computed_tokens < record.store_due:
-                continue  # no CPU block completed since the last store: nothing to do for it
+        for record, scheduled in due:  # check_step passed over the batch once; only these completed a CPU block
             order = self._order_store(record, scheduled.block_ids, scheduled.num_computed_tokens)
             if order is not None:
                 stores.append(order)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvfsm.config import OffloadConfig
-from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
+from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.states import RequestState
 
@@ -259,9 +259,12 @@ def check_alloc(sched: SchedulerHalf, request: object, block_ids: Sequence[objec
                            f"blocks after its {needed - tokens // block_size} cached ones needs {needed} or more")
 
 
-def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> None:
+def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any, ScheduledRequest]]:
     """`build_connector_meta`: every named request tracked, each named once, preempted ones running,
-    computed tokens not negative and block ids inside the cache."""
+    computed tokens not negative and block ids inside the cache.
+
+    Returns the scheduled requests whose next CPU block is due (with their records): the only ones the step has
+    to plan for, so this one pass over the batch is the step's whole per-request cost."""
     call = "build_connector_meta"
     _instance(call, "output", output, SchedulerOutput)
     for req_id in output.preempted:
@@ -276,15 +279,19 @@ def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> None:
     if both:
         raise ContradictoryStep(f"{call}: requests {sorted(both)} are both preempted and scheduled; legal: one")
     k = sched.config.block_size_factor
+    requests = sched.requests
+    due = []
     for s in output.scheduled:
-        record = _tracked(sched, s.req_id)
-        if record is None:
+        record = requests.get(s.req_id)
+        if record is None or record.state == RequestState.RELEASED:
             raise UnknownRequest(f"{call}: scheduled request {s.req_id!r} is not tracked by the connector")
-        if s.num_computed_tokens < 0:
-            raise NegativeTokenCount(
-                f"{call}: request {s.req_id!r} has num_computed_tokens {s.num_computed_tokens}; legal: 0 or more")
         if s.num_computed_tokens >= record.store_due:  # only then can its blocks enter an order: O(new blocks)
             _in_cache(call, s.block_ids[record.stored_cpu_blocks * k:], sched.num_gpu_blocks, f"request {s.req_id!r}")
+            due.append((record, s))
+        elif s.num_computed_tokens < 0:
+            raise NegativeTokenCount(
+                f"{call}: request {s.req_id!r} has num_computed_tokens {s.num_computed_tokens}; legal: 0 or more")
+    return due
 
 
 def check_reports(sched: SchedulerHalf, output: ConnectorOutput) -> None:
