@@ -259,6 +259,9 @@ def check_alloc(sched: SchedulerHalf, request: object, block_ids: Sequence[objec
                            f"blocks after its {needed - tokens // block_size} cached ones needs {needed} or more")
 
 
+_REQ_ID = operator.attrgetter("req_id")
+
+
 def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any, ScheduledRequest]]:
     """`build_connector_meta`: every named request tracked, each named once, preempted ones running,
     computed tokens not negative and block ids inside the cache.
@@ -272,18 +275,18 @@ def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any,
         if record is None:
             raise UnknownRequest(f"{call}: preempted request {req_id!r} is not tracked by the connector")
         _state_allows(call, sched, req_id, record.state, "preempt")
-    scheduled = {s.req_id for s in output.scheduled}
+    scheduled = set(map(_REQ_ID, output.scheduled))
     if len(scheduled) != len(output.scheduled) or len(set(output.preempted)) != len(output.preempted):
         raise ContradictoryStep(f"{call}: a request is scheduled or preempted twice in one step; name each once")
     both = scheduled.intersection(output.preempted)
     if both:
         raise ContradictoryStep(f"{call}: requests {sorted(both)} are both preempted and scheduled; legal: one")
     k = sched.config.block_size_factor
-    requests = sched.requests
+    tracked, released = sched.requests.get, RequestState.RELEASED
     due = []
     for s in output.scheduled:
-        record = requests.get(s.req_id)
-        if record is None or record.state == RequestState.RELEASED:
+        record = tracked(s.req_id)
+        if record is None or record.state == released:
             raise UnknownRequest(f"{call}: scheduled request {s.req_id!r} is not tracked by the connector")
         if s.num_computed_tokens >= record.store_due:  # only then can its blocks enter an order: O(new blocks)
             _in_cache(call, s.block_ids[record.stored_cpu_blocks * k:], sched.num_gpu_blocks, f"request {s.req_id!r}")
