@@ -230,3 +230,9 @@ TIER_WORKLOADS: dict[str, Workload] = {
 """A one-block prefix written back to disk, pushed out of a one-slot CPU pool by another, and fetched back when it
 returns; the same with its key evicted between the lookup and the fetch; and with the disk hanging past the
 fetch's deadline."""
+
+EXPLORER_UNREACHABLE: dict[str, str] = {
+    "unbounded-write-back": "needs two CPU blocks written back at once; the tier workloads have a one-slot CPU pool",
+    "lookup-counts-writing": "needs a lookup of a key while its write-back runs; no tier workload returns a prefix then",
+}
+"""Tier mutants the small tier workloads cannot show (the generated interleavings catch them)."""
