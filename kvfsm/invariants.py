@@ -181,6 +181,8 @@ def pool_accounting(world: World) -> list[str]:
         should = block.state not in (C.FREE, C.ORPHANED)
         if listed != should:
             found.append(f"CPU slot {block.slot} is {block.state} but {'is' if listed else 'is not'} catalogued")
+        if not should and block.block_hash is not None:
+            found.append(f"CPU slot {block.slot} is {block.state} but still names hash {block.block_hash:#x}")
     return found
 
 

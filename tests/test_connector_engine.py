@@ -17,6 +17,7 @@ from kvfsm.connector.scheduler import StepResult
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import Deferral
 from kvfsm.machines import IllegalTrigger, MachineSet
+from kvfsm.states import TransferJobState
 from kvfsm.testing.harness import SHAPE, Harness
 from kvfsm.testing.mutants import MUTANTS
 
@@ -189,6 +190,33 @@ def test_a_worker_that_does_not_flush_on_preemption_corrupts_data() -> None:
     assert any(line.startswith("fence:") for line in found)
     assert any(line.startswith("ready-means-written:") for line in found)
     assert any(line.startswith("output:") for line in found)
+
+
+def run_preempt_mid_copy(h: Harness) -> list[str]:
+    """Preempt a request whose store was submitted a step earlier and is still on the (lagging) copy stream, then
+    drop the GPU prefix cache so its freed blocks are rewritten; compute goes first whenever it can."""
+    h.add_request(PREFIX[:12], 4, "a")
+    step_lagging(h)
+    step_lagging(h)
+    stores = [j for j in h.connector.worker.jobs.values() if j.kind == "store"]
+    assert [j.state for j in stores] == [TransferJobState.SUBMITTED], "the scenario needs a store on the copy stream"
+    h.engine.preempt("a")
+    step_lagging(h)
+    h.engine.reset_prefix_cache()
+    step_lagging(h)
+    return finish(h)
+
+
+def test_preemption_waits_for_a_store_already_on_the_copy_stream() -> None:
+    h = harness()
+    assert run_preempt_mid_copy(h) == []
+    assert h.engine.preemptions == 1
+
+
+def test_a_preemption_that_skips_stores_already_copying_is_caught() -> None:
+    found = run_preempt_mid_copy(harness(control=mutant("flush-waits-pending-only")))
+    assert any(line.startswith("fence:") for line in found)
+    assert any(line.startswith("ready-means-written:") for line in found)
 
 
 # finished requests hold their blocks -----------------------------------------------------------------------

@@ -45,6 +45,19 @@ def test_control_load_before_readers_fails_integrity() -> None:
     assert not result.ok
 
 
+def test_control_preemption_without_flush_fails_integrity() -> None:
+    result = run_demo(small(mutant="no-preemption-flush"))
+    assert "fence" in result.offloaded.violations
+    assert not result.ok
+
+
+def test_a_control_that_kvfsm_refuses_fails_integrity_without_a_traceback() -> None:
+    """no-load-dedup pins a block already loading: the machine refuses, and the run ends as a failed verdict."""
+    result = run_demo(DemoConfig(device=DeviceKind.cpu, mutant="no-load-dedup"))
+    assert "refused" in result.offloaded.violations
+    assert not result.ok
+
+
 def test_unbounded_gpu_cache_computes_the_minimum() -> None:
     """The 'recomputed' figure is measured against `minimum_compute`; with room for everything none is recomputed."""
     result = run_demo(small(gpu_blocks=1000))

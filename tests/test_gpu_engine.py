@@ -115,7 +115,7 @@ class CudaInterleavings(OffloadInterleavings):
         """The GPU schedules itself; what hypothesis chooses instead is how long compute sleeps next step."""
         self.h.engine.compute_delay_cycles = data.draw(st.sampled_from([0, 200_000, 2_000_000]), label="delay")
 
-    def run_device(self, data: st.DataObject, count: int) -> None:  # type: ignore[override]
+    def run_device(self, data: st.DataObject, count: int, hold: frozenset[str]) -> None:  # type: ignore[override]
         """Nothing to pick: the GPU runs its streams by itself."""
 
 

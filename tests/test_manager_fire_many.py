@@ -1,7 +1,12 @@
-"""`CompiledLifecycle.fire_many` is `fire` on each model in order: same states, counters, trace and refusals."""
+"""`CompiledLifecycle.fire_many` is `fire` on each model in order: same states, counters, trace and refusals.
+
+Checked on the two lifecycles the connector fires in batches: CPU blocks (no guards) and GPU-block fences (whose
+`unfence` branches are chosen by guards).
+"""
 
 from __future__ import annotations
 
+from dataclasses import astuple
 from typing import Any, Callable
 
 import pytest
@@ -10,77 +15,88 @@ from hypothesis import strategies as st
 
 from kvfsm.bindings import default_registry
 from kvfsm.machines import CompiledLifecycle, IllegalTrigger, default_machines
-from kvfsm.records import CpuBlock
+from kvfsm.records import CpuBlock, GpuBlock
 
-CPU = default_machines()["cpu-block"]
-TRIGGERS = sorted(CPU.lifecycle.triggers)
+MODELS: dict[str, Callable[[int], Any]] = {"cpu-block": CpuBlock, "gpu-block": GpuBlock}
+"""The batched lifecycles and how to build a model of each from an id."""
 
 
 class SkipsGuards(CompiledLifecycle):
-    """Control: a batch that takes the first branch of each (state, trigger) without asking its guards."""
+    """Control: `fire_many` exactly as shipped (effects, observers) except that it takes the first branch of each
+    (state, trigger) without asking its guards."""
 
     def fire_many(self, models: Any, trigger: str, **context: Any) -> None:
         for model in models:
-            branch = self.table[(model.state, trigger)][0]
+            source = model.state
+            branch = self.table[(source, trigger)][0]
             model.state = branch.dest
             for effect in branch.effects:
                 effect(model, **context)
+            self._notify(model, source, trigger)
 
 
-def walked_block(slot: int, walk: list[str]) -> CpuBlock:
-    """A block moved from `free` by the legal triggers of `walk` (illegal ones skipped), as the runtime would."""
-    block = CpuBlock(slot)
+def walked(lifecycle: str, index: int, walk: list[str]) -> Any:
+    """A model moved from its initial state by the legal triggers of `walk` (illegal ones skipped)."""
+    machine = default_machines()[lifecycle]
+    model = MODELS[lifecycle](index)
     for trigger in walk:
         try:
-            CPU.fire(block, trigger, block_hash=slot, job_id=slot)
+            machine.fire(model, trigger, block_hash=index, job_id=index)
         except IllegalTrigger:
             pass
-    return block
+    return model
 
 
-def snapshot(blocks: list[CpuBlock]) -> list[tuple]:
-    return [(b.state, b.readers, b.block_hash, b.writer_job) for b in blocks]
-
-
-def run(fire: Callable[[list[CpuBlock]], None], blocks: list[CpuBlock]) -> tuple:
+def run(machine: CompiledLifecycle, fire: Callable[[list[Any]], None], models: list[Any]) -> tuple:
     """Outcome of one batch: final fields, the trace the machine reported, and the refusal (type and message)."""
     trace: list[tuple] = []
-    observer = lambda _lc, model, source, trigger, dest: trace.append((model.slot, source, trigger, dest))  # noqa: E731
-    CPU.observers.append(observer)
+    observer = lambda _lc, model, source, trigger, dest: trace.append((id(model), source, trigger, dest))  # noqa: E731
+    machine.observers.append(observer)
     try:
-        fire(blocks)
+        fire(models)
         refusal = None
     except IllegalTrigger as err:
         refusal = (type(err), str(err))
     finally:
-        CPU.observers.remove(observer)
-    return snapshot(blocks), trace, refusal
+        machine.observers.remove(observer)
+    ids = {id(m): i for i, m in enumerate(models)}
+    return [astuple(m) for m in models], [(ids[m], *rest) for m, *rest in trace], refusal
 
 
-batches = st.lists(st.lists(st.sampled_from(TRIGGERS), max_size=8), min_size=1, max_size=8)
+def batch_outcomes(machine: CompiledLifecycle, walks: list[list[str]], trigger: str) -> tuple[tuple, tuple]:
+    """(fire on each, `machine.fire_many`) applied to two equal batches of models walked by `walks`."""
+    lifecycle = machine.lifecycle.name
+    reference = default_machines()[lifecycle]
+    one_by_one = [walked(lifecycle, i, w) for i, w in enumerate(walks)]
+    batched = [walked(lifecycle, i, w) for i, w in enumerate(walks)]
+
+    def each(models: list[Any]) -> None:
+        for model in models:
+            reference.fire(model, trigger, block_hash=99, job_id=7)
+
+    return (run(reference, each, one_by_one),
+            run(machine, lambda models: machine.fire_many(models, trigger, block_hash=99, job_id=7), batched))
 
 
-def check_equals_fire_each(machine: CompiledLifecycle, walks: list[list[str]], trigger: str) -> None:
-    one_by_one = [walked_block(i, w) for i, w in enumerate(walks)]
-    batched = [walked_block(i, w) for i, w in enumerate(walks)]
-
-    def each(blocks: list[CpuBlock]) -> None:
-        for block in blocks:
-            CPU.fire(block, trigger, block_hash=99, job_id=7)
-
-    expected = run(each, one_by_one)
-    assert run(lambda blocks: machine.fire_many(blocks, trigger, block_hash=99, job_id=7), batched) == expected
+def walks_of(lifecycle: str) -> st.SearchStrategy[tuple[list[list[str]], str]]:
+    triggers = st.sampled_from(sorted(default_machines()[lifecycle].lifecycle.triggers))
+    return st.tuples(st.lists(st.lists(triggers, max_size=8), min_size=1, max_size=8), triggers)
 
 
-@given(walks=batches, trigger=st.sampled_from(TRIGGERS))
-def test_fire_many_equals_fire_on_each(walks: list[list[str]], trigger: str) -> None:
-    check_equals_fire_each(CPU, walks, trigger)
+@pytest.mark.parametrize("lifecycle", sorted(MODELS))
+@given(data=st.data())
+def test_fire_many_equals_fire_on_each(lifecycle: str, data: st.DataObject) -> None:
+    walks, trigger = data.draw(walks_of(lifecycle))
+    each, batched = batch_outcomes(default_machines()[lifecycle], walks, trigger)
+    assert batched == each
 
 
-def test_control_that_skips_guards_is_caught() -> None:
-    control = SkipsGuards(CPU.lifecycle, default_registry())
-    # One reader: `unpin` must make the block ready, but the first declared branch keeps it loading.
-    walks = [["allocate", "submit", "store-done", "pin"]]
-    with pytest.raises(AssertionError):
-        check_equals_fire_each(control, walks, "unpin")
-
+def test_control_that_skips_guards_is_caught_for_the_guard() -> None:
+    machine = default_machines()["gpu-block"]
+    control = SkipsGuards(machine.lifecycle, default_registry())
+    # One store reads the block: `unfence` must make it writable; the first declared branch keeps it fenced.
+    (fields, trace, refusal), (bad_fields, bad_trace, bad_refusal) = batch_outcomes(control, [["fence"]], "unfence")
+    assert (fields, trace, refusal) != (bad_fields, bad_trace, bad_refusal)
+    assert [f[1] for f in fields] == ["writable"] and [f[1] for f in bad_fields] == ["fenced"]
+    assert [t[:3] for t in bad_trace] == [t[:3] for t in trace], "the control reports every transition it takes"
+    assert bad_refusal is refusal is None

@@ -70,6 +70,13 @@ class BlockPool:
             del self._cached[self._hash_of.pop(block)]
             self.to_poison.append(block)
 
+    def evict(self, blocks: Sequence[int]) -> None:
+        """Drop these blocks from the prefix cache; those no request holds once released are then poisoned."""
+        for block in blocks:
+            old = self._hash_of.pop(block, None)
+            if old is not None:
+                del self._cached[old]
+
     def take_poison(self) -> list[int]:
         blocks, self.to_poison = sorted(set(self.to_poison)), []
         return blocks

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from kvfsm.connector import Connector
-from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
+from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput, WorkerOutput
 from kvfsm.engine.blocks import BlockPool
 from kvfsm.engine.forward import Forward
 from kvfsm.engine.model import ModelShape, ToyModel
@@ -51,6 +51,10 @@ class EngineConfig:
     """CUDA only: the compute stream sleeps this long before each forward (`torch.cuda._sleep`)."""
     per_layer: bool = False
     """Compute layer by layer, calling the per-layer hooks, and compute a CPU hit in the step that loads it."""
+    report_lag: int = 0
+    """Steps a worker's transfer report waits before the connector hears of it. 1 is vLLM's async scheduling: step
+    N's output is processed after step N+1 was scheduled, so a preempted request can look up again while its
+    flushed stores are still unreported."""
 
 
 class Engine:
@@ -85,7 +89,9 @@ class Engine:
         self._next_handle = 0
         self.compute_delay_cycles = config.compute_delay_cycles
         """Settable between steps: tests delay the compute stream to widen race windows on the GPU."""
-        self._forced: set[str] = set()
+        self._reports: deque[WorkerOutput] = deque()
+        self._forced: dict[str, bool] = {}
+        """Requests to preempt at the next step, each with whether its blocks are reclaimed at once."""
         self.preemptions = 0
         self.computed_tokens = 0
         self.gpu_hit_tokens = 0
@@ -115,11 +121,13 @@ class Engine:
         self.loading.pop(request_id, None)
         self._finish(request, aborted=True)
 
-    def preempt(self, request_id: str) -> None:
-        """Preempt a running request at the next step, as memory pressure would (tests and demos force it)."""
+    def preempt(self, request_id: str, reclaim: bool = False) -> None:
+        """Preempt a running request at the next step (tests and demos force it). With `reclaim`, as memory pressure
+        would: its blocks leave the prefix cache and are rewritten in that step, as if another request took them;
+        without, they stay cached and the request may resume from them."""
         request = self.live.get(request_id)
         if request is not None and request.phase is Phase.RUNNING and request_id not in self.loading:
-            self._forced.add(request_id)
+            self._forced[request_id] = reclaim
 
     def reset_prefix_cache(self) -> None:
         """Drop the GPU prefix cache (blocks in use stay): a returning prefix must then come from CPU or compute."""
@@ -155,7 +163,8 @@ class Engine:
             self.forward.whole(work, self.step_count, self.compute_delay_cycles)
         if conn is not None:
             conn.worker.wait_for_save()
-            result = conn.update_connector_output(ConnectorOutput(workers=(conn.worker.get_finished(),)))
+            report = self._delivered(conn.worker.get_finished())
+            result = conn.update_connector_output(ConnectorOutput(workers=(report,)))
             self._after_transfers(result.loaded, result.released, result.load_errors)
         for w in work:
             if w.sample and w.request.finished and w.request in self.running:
@@ -163,11 +172,20 @@ class Engine:
                 if w.request.request_id not in self.loading:  # else it finishes once its load is reported
                     self._finish(w.request, aborted=False)
 
+    def _delivered(self, report: WorkerOutput) -> WorkerOutput:
+        """The worker report the connector hears of this step: this step's, or an earlier one's under `report_lag`."""
+        self._reports.append(report)
+        if len(self._reports) > self.config.report_lag:
+            return self._reports.popleft()
+        return WorkerOutput(worker=report.worker)
+
     def _schedule(self) -> tuple[list[Work], list[str]]:
         budget = self.config.max_batched_tokens
         work: list[Work] = []
         preempted: list[str] = []
         for request in [r for r in self.running if r.request_id in self._forced]:
+            if self._forced[request.request_id]:
+                self.pool.evict(request.blocks)
             self._preempt(request)
             preempted.append(request.request_id)
         self._forced.clear()

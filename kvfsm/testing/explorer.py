@@ -72,6 +72,12 @@ def preempt_first(h: Harness) -> None:
         h.engine.preempt(h.engine.running[0].request_id)
 
 
+def preempt_first_reclaiming(h: Harness) -> None:
+    """Preempt as memory pressure does: the request's blocks are rewritten in the preempting step."""
+    if h.engine.running:
+        h.engine.preempt(h.engine.running[0].request_id, reclaim=True)
+
+
 def forget_gpu_prefixes(h: Harness) -> None:
     h.engine.reset_prefix_cache()
 
@@ -203,11 +209,17 @@ SMALL_WORKLOADS: dict[str, Workload] = {
         actions=(add(_P + (1,), 2), step, preempt_first, step, forget_gpu_prefixes, step, step),
         num_gpu_blocks=6, cpu_blocks=3, per_layer=True, layer_stores=True,
     ),
+    "preempt-mid-copy": Workload(
+        actions=(add(_P + (1,), 3), step, step, preempt_first_reclaiming, step),
+        num_gpu_blocks=6, cpu_blocks=3,
+    ),
 }
 """Small workloads that between them reach every hazard: a stored prefix reloaded by two requests at once after
-the GPU forgot it; three requests sharing a prefix with a forced preemption; and a running request that preempts
-another mid-store to grow; and, with an engine that computes layer by layer and calls the per-layer hooks, a
-reload computed in the step that loads it, and a request preempted while its per-layer stores are in flight."""
+the GPU forgot it; three requests sharing a prefix with a forced preemption; a running request that preempts
+another mid-store to grow; with an engine that computes layer by layer and calls the per-layer hooks, a reload
+computed in the step that loads it, and a request preempted while its per-layer stores are in flight; and a request
+preempted under memory pressure a step after its store was submitted, so the store may still be on the copy stream
+when its blocks are rewritten (vLLM 29870)."""
 
 _A, _B = (11, 12), (21, 22)
 TIER_WORKLOADS: dict[str, Workload] = {

@@ -82,7 +82,7 @@ class Harness:
                  compute_delay_cycles: int = 0, checksum: bool = False, backend: Backend = "table",
                  per_layer: bool = False, layer_loads: bool = False, layer_stores: bool = False,
                  disk_slots: int = 0, writeback: Literal["eager", "on-evict"] = "eager",
-                 writeback_bound_blocks: int = 2) -> None:
+                 writeback_bound_blocks: int = 2, report_lag: int = 0) -> None:
         self.device = device
         self.shape = shape
         cpu_block_bytes = block_size_factor * shape.gpu_block_bytes
@@ -99,7 +99,7 @@ class Harness:
                                    machines=MachineSet(default_spec(), backend=backend), tier_io=lambda _: self.io)
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
                                           model=shape, compute_delay_cycles=compute_delay_cycles,
-                                          per_layer=per_layer),
+                                          per_layer=per_layer, report_lag=report_lag),
                              device, self.connector)
         self.poll_lag = 0
         """SimDevice only: device operations run inside a step, just before the worker polls for finished jobs

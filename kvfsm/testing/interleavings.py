@@ -9,16 +9,19 @@ so a new transition cannot go unexercised.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvfsm.executor.sim import SimDevice, first_runnable
+from kvfsm.states import TransferJobState
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.mutants import MUTANTS
 
 Trigger = tuple[str, str]
+COPYING = frozenset({TransferJobState.SUBMITTED})
+"""Job states whose copy may be on a copy stream right now."""
 
 STEP_DRIVEN: frozenset[Trigger] = frozenset({
     ("request", "lookup"), ("request", "allocate"), ("request", "load-done"), ("request", "load-failed"),
@@ -36,20 +39,41 @@ STEP_DRIVEN: frozenset[Trigger] = frozenset({
 })
 
 
+def _pick(candidates: Sequence[str], choice: int) -> str | None:
+    return candidates[choice % len(candidates)] if candidates else None
+
+
+def _with_jobs(harness: Harness, requests: Sequence[str], kind: str, states: frozenset[str]) -> list[str]:
+    """Those of `requests` with a `kind` job in one of `states`, as the scheduler half sees it."""
+    records = harness.connector.scheduler.requests
+    return [r for r in requests if r in records
+            and any(j.kind == kind and j.state in states for j in records[r].jobs.values())]
+
+
 def _preempt(harness: Harness, choice: int) -> None:
-    running = harness.engine.running
-    if running:
-        harness.engine.preempt(running[choice % len(running)].request_id)
+    """Preempt a running request, every other time one whose store is already on the copy stream (vLLM 29870);
+    half the time its blocks are reclaimed at once, as under memory pressure."""
+    running = [r.request_id for r in harness.engine.running]
+    copying = _with_jobs(harness, running, "store", COPYING)
+    target = _pick(copying if copying and choice % 2 == 0 else running, choice // 4)
+    if target is not None:
+        harness.engine.preempt(target, reclaim=choice // 2 % 2 == 1)
 
 
 def _abort(harness: Harness, choice: int) -> None:
-    """Abort a live request; every other time one with transfers in flight, the case that must not leak."""
+    """Abort a live request, cycling through the cases that must not leak: one loading, one whose stores are
+    being flushed, one whose stores are on the copy stream, then any."""
     live = sorted(harness.engine.live)
-    records = harness.connector.scheduler.requests
-    busy = [r for r in live if r in records and records[r].jobs_in_flight]
-    candidates = busy if busy and choice % 2 == 0 else live
-    if candidates:
-        harness.abort(candidates[choice // 2 % len(candidates)])
+    cases = (
+        [r for r in live if r in harness.engine.loading],
+        _with_jobs(harness, live, "store", frozenset({TransferJobState.FLUSHED_ON_PREEMPT})),
+        _with_jobs(harness, live, "store", COPYING | {TransferJobState.PENDING_STORE}),
+        live,
+    )
+    wanted = cases[choice % len(cases)]
+    target = _pick(wanted or live, choice // len(cases))
+    if target is not None:
+        harness.abort(target)
 
 
 def _reset(harness: Harness, choice: int) -> None:
@@ -92,6 +116,11 @@ EXTERNAL: dict[Trigger, Callable[[Harness, int], None]] = {
     ("tier-job", "abandon"): _stall,
 }
 
+IN_FLIGHT: tuple[Trigger, ...] = (("request", "abort"), ("cpu-block", "reset"), ("request", "preempt"))
+"""External triggers a step may provoke right after it, before the device ran any of its transfers: aborts during
+loads and flushes, resets during loads and stores. (Hypothesis runs a random subset of the rules in each example,
+so the separate rules alone rarely meet a transfer in flight.)"""
+
 PREFIXES = ((11, 12, 13, 14), (11, 12, 13, 14, 15, 16), (21, 22, 23, 24))
 PROMPTS = st.tuples(
     st.builds(lambda prefix, suffix: prefix + tuple(suffix), st.sampled_from(PREFIXES),
@@ -99,6 +128,10 @@ PROMPTS = st.tuples(
     st.integers(1, 3),
 )
 """(prompt, max new tokens): prompts drawn so that prefixes are often shared."""
+
+
+HOLDS = st.sampled_from([frozenset(), frozenset({"store"}), frozenset({"load"}), frozenset({"store", "load"})])
+"""Streams stalled while the device advances: copy engines lagging behind compute, one or both."""
 
 
 class OffloadInterleavings(RuleBasedStateMachine):
@@ -116,12 +149,15 @@ class OffloadInterleavings(RuleBasedStateMachine):
 
     @initialize(gpu_blocks=st.integers(6, 12), cpu_blocks=st.integers(2, 6), factor=st.sampled_from([1, 2]),
                 prompts=st.lists(PROMPTS, min_size=1, max_size=3), per_layer=st.booleans(),
-                layer_loads=st.booleans(), layer_stores=st.booleans(), data=st.data())
+                layer_loads=st.booleans(), layer_stores=st.booleans(), data=st.data(),
+                report_lag=st.sampled_from([0, 1, 2]))
     def setup(self, gpu_blocks: int, cpu_blocks: int, factor: int, prompts: list[tuple[tuple[int, ...], int]],
-              per_layer: bool, layer_loads: bool, layer_stores: bool, data: st.DataObject) -> None:
+              per_layer: bool, layer_loads: bool, layer_stores: bool, data: st.DataObject,
+              report_lag: int) -> None:
         """The engine computes whole forwards or layer by layer (calling the per-layer hooks, with or without
         loads computed in their own step and per-layer stores), unless the mutant under test needs one of them;
-        with or without a disk tier below the CPU pool (always, for a mutant of a tier rule)."""
+        with or without a disk tier below the CPU pool (always, for a mutant of a tier rule). `report_lag` 1 or 2
+        delivers transfer reports that many steps late, as vLLM's async scheduling does."""
         needs = MUTANTS[self.mutant] if self.mutant is not None else None
         if needs is not None and needs.per_layer is not None:
             per_layer = needs.per_layer
@@ -132,7 +168,7 @@ class OffloadInterleavings(RuleBasedStateMachine):
         self.harness = Harness(SimDevice(), num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                                block_size_factor=factor, mutant=self.mutant, per_layer=per_layer,
                                layer_loads=layer_loads, layer_stores=layer_stores, disk_slots=disk_slots,
-                               writeback=writeback)
+                               writeback=writeback, report_lag=report_lag)
         if disk_slots:  # warm the disk: each prefix stored, written back, and pushed out of CPU by the next
             for prefix in PREFIXES:
                 self.h.engine.reset_prefix_cache()
@@ -150,13 +186,15 @@ class OffloadInterleavings(RuleBasedStateMachine):
         self.h.device.scheduler = lambda options: data.draw(st.sampled_from(options), label="stream")
 
     @rule(data=st.data(), arrivals=st.lists(PROMPTS, max_size=2), lag=st.integers(0, 6), forget=st.booleans(),
-          poll_lag=st.sampled_from([0, 0, 3, 100]))
+          poll_lag=st.sampled_from([0, 0, 3, 100]), hold=HOLDS, then=st.sampled_from([None, *IN_FLIGHT]),
+          choice=st.integers(0, 7))
     def step(self, data: st.DataObject, arrivals: list[tuple[tuple[int, ...], int]], lag: int, forget: bool,
-             poll_lag: int) -> None:
+             poll_lag: int, hold: frozenset[str], then: Trigger | None, choice: int) -> None:
         """New requests arrive (after the GPU prefix cache is dropped if `forget`, so they reload from CPU), one
         engine step runs (the device running `poll_lag` operations inside it, before the worker polls: a job may
-        finish within its own step), then `lag` device operations: the host runs ahead of the GPU by a chosen
-        amount."""
+        finish within its own step), `then` is provoked while the step's transfers are still in flight, then `lag`
+        device operations run with the `hold` streams stalled: the host runs ahead of the GPU by a chosen amount,
+        and a copy stream can lag behind compute across steps."""
         self.h.poll_lag = poll_lag
         if forget:
             self.h.engine.reset_prefix_cache()
@@ -165,14 +203,17 @@ class OffloadInterleavings(RuleBasedStateMachine):
                 self.h.add_request(prompt, max_new)
         self._choose_with(data)
         self.h.engine.step()
-        self.run_device(data, lag)
+        if then is not None:
+            EXTERNAL[then](self.h, choice)
+        self.run_device(data, lag, hold)
 
-    @rule(data=st.data(), count=st.integers(1, 12))
-    def run_device(self, data: st.DataObject, count: int) -> None:
-        """Advance the device by `count` operations, hypothesis picking the stream each time (delays compute too)."""
+    @rule(data=st.data(), count=st.integers(1, 12), hold=HOLDS)
+    def run_device(self, data: st.DataObject, count: int, hold: frozenset[str]) -> None:
+        """Advance the device by `count` operations of the streams not in `hold`, hypothesis picking the stream each
+        time (delays compute too)."""
         device = self.h.device
         for _ in range(count):
-            options = device.runnable()
+            options = [s for s in device.runnable() if s not in hold]
             if not options:
                 return
             device.run_one(data.draw(st.sampled_from(options), label="stream"))

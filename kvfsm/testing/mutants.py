@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine
 from kvfsm.manager.catalogue import Lookup
-from kvfsm.states import CpuBlockState
+from kvfsm.states import CpuBlockState, TransferJobState
 from kvfsm.records import TransferJob
 from kvfsm.testing.tier_mutants import TIER_MUTANTS
 
@@ -41,6 +41,24 @@ def _no_compute_barrier(engine: Engine, connector: Connector) -> None:
 
 def _no_preemption_flush(engine: Engine, connector: Connector) -> None:
     connector.worker.handle_preemptions = lambda: None  # type: ignore[method-assign]
+
+
+def _flush_waits_pending_only(engine: Engine, connector: Connector) -> None:
+    """The preemption hook waits only for the flushed stores it submits itself, not for those already copying."""
+    worker = connector.worker
+    handle, wait = worker.handle_preemptions, worker.wait
+
+    def handle_preemptions() -> None:
+        jobs = worker.jobs
+        pending = {j for j in worker._meta.flush
+                   if j in jobs and jobs[j].state == TransferJobState.PENDING_STORE}
+        worker.wait = lambda job_ids: wait([j for j in job_ids if j in pending])  # type: ignore[method-assign]
+        try:
+            handle()
+        finally:
+            worker.wait = wait  # type: ignore[method-assign]
+
+    worker.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
 
 
 def _no_load_dedup(engine: Engine, connector: Connector) -> None:
@@ -140,6 +158,8 @@ MUTANTS: dict[str, Mutant] = {
     for m in (
         Mutant("no-compute-barrier", "store-after-compute (vLLM 31341, 46278)", _no_compute_barrier),
         Mutant("no-preemption-flush", "fence (vLLM 29870)", _no_preemption_flush),
+        Mutant("flush-waits-pending-only", "fence (vLLM 29870: a store already copying when its request is "
+               "preempted still reads the blocks the engine reuses)", _flush_waits_pending_only),
         Mutant("no-load-dedup", "single-load (vLLM 29087)", _no_load_dedup),
         Mutant("no-write-after-read-wait", "load-after-readers (vLLM 47282)", _no_write_after_read_wait),
         Mutant("no-fence", "fence (finished request's blocks reused mid-store)", _no_fence),
