@@ -13,7 +13,7 @@ import torch
 
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, WorkerOutput
 from kvfsm.connector.worker import WorkerConnector
-from tests.test_connector_worker import make_worker, step, store
+from test_connector_worker import make_worker, step, store
 
 FAULTS: dict[str, Callable[[], BaseException]] = {
     "runtime error": lambda: RuntimeError("injected"),
