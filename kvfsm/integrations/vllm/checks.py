@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.invariants import Deferral, check_all
 from kvfsm.machines import MachineSet
-from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TransferJob
+from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TierJob, TransferJob
 from kvfsm.testing.trace import TraceRecorder
 
 
@@ -25,6 +25,8 @@ class AdapterWorld:
     """kvfsm's `World` seen through the adapter's scheduler half; the worker's device log is not visible here."""
 
     accesses: Sequence[object] = ()
+    tiers: Sequence[object] = ()
+    """The adapter refuses lower tiers (their index lives in the worker process), so there are none to read."""
 
     def __init__(self, scheduler: SchedulerConnector) -> None:
         self._scheduler = scheduler
@@ -57,6 +59,15 @@ class AdapterWorld:
     @property
     def reported_failed(self) -> set[int]:
         return self._scheduler.reported_failed
+
+    @property
+    def tier_jobs(self) -> Mapping[int, TierJob]:
+        tiers = self._scheduler.tiers
+        return tiers.jobs if tiers is not None else {}
+
+    @property
+    def writeback_bound(self) -> int:
+        return self._scheduler.config.writeback_max_bytes_in_flight
 
 
 class SpecChecks:
