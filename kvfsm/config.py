@@ -49,7 +49,32 @@ class DiskTierConfig(_TierConfig):
         return path
 
 
-LowerTierConfig = Annotated[Union[DiskTierConfig], Field(discriminator="kind")]
+class MooncakeTierConfig(_TierConfig):
+    """A shared tier on Mooncake Store: engines that name the same master, model and KV layout reuse each other's
+    prefixes. Needs the `mooncake` extra (`pip install 'kvfsm[mooncake]'`); see docs/mooncake.md."""
+
+    kind: Literal["mooncake"] = "mooncake"
+    master: str = Field(pattern=r"^[^\s:]+:[0-9]{1,5}$")
+    """The `mooncake_master` RPC address, HOST:PORT."""
+    model_id: str = Field(min_length=1)
+    """The model and revision whose KV this engine computes: part of every key, so models never share KV."""
+    kv_dtype: str = Field(min_length=1)
+    """Element type of the KV cache (`bfloat16`, ...): part of every key."""
+    tenant: str | None = None
+    """A salt mixed into every key (as vLLM's `cache_salt`): engines with different tenants never share KV."""
+    segment_bytes: int = Field(default=0, ge=0)
+    """Memory this engine lends to the store; 0 leaves storage to segment hosts (the shared KV outlives engines)."""
+    op_timeout_s: float = Field(default=2.0, gt=0)
+    """A call still queued this long is cancelled; one already running is held until it returns."""
+    lookup_timeout_s: float = Field(default=0.05, gt=0)
+    """Longest a lookup waits for the store's answer on the scheduler's thread; a late answer counts as a miss."""
+    retry_after_s: float = Field(default=1.0, gt=0)
+    """After the store was unreachable or slow, calls are refused at once (misses) for this long."""
+    max_pending: PositiveInt = 32
+    """Calls queued or running beyond this are refused at once (the write-back or fetch fails, nothing waits)."""
+
+
+LowerTierConfig = Annotated[Union[DiskTierConfig, MooncakeTierConfig], Field(discriminator="kind")]
 """Every kind of lower tier kvfsm knows; a new tier adds its config class here and a factory in `kvfsm.tiers`."""
 
 

@@ -30,7 +30,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvfsm.config import DiskTierConfig, OffloadConfig
+from kvfsm.config import DiskTierConfig, LowerTierConfig, MooncakeTierConfig, OffloadConfig
+from kvfsm.mooncake.errors import TierFault
+from kvfsm.mooncake.local import LocalMooncake, MooncakeProcessError
 from kvfsm.connector import Connector
 from kvfsm.connector.scheduler import UnknownJob, UnknownRequest
 from kvfsm.connector.stats import ConnectorStats
@@ -100,6 +102,8 @@ class DemoConfig:
     """A directory for a disk tier below the CPU pool (None: no disk tier)."""
     disk_blocks: int = 4096
     writeback: Literal["eager", "on-evict"] = "eager"
+    mooncake_master: str | None = None
+    """HOST:PORT of a `mooncake_master` for a shared Mooncake tier below the CPU pool (and the disk, if any)."""
 
     def __post_init__(self) -> None:
         if self.mutant is not None and self.mutant not in MUTANTS:
@@ -237,11 +241,15 @@ def run_once(config: DemoConfig, kind: DeviceKind, engine_config: EngineConfig, 
     connector = None
     if offload:
         block_bytes = config.block_size_factor * shape.gpu_block_bytes
-        disk = (DiskTierConfig(path=config.disk, capacity_bytes=config.disk_blocks * block_bytes,
-                               writeback=config.writeback),) if config.disk is not None else ()
+        tiers: tuple[LowerTierConfig, ...] = (DiskTierConfig(
+            path=config.disk, capacity_bytes=config.disk_blocks * block_bytes, writeback=config.writeback),
+        ) if config.disk is not None else ()
+        if config.mooncake_master is not None:
+            tiers += (MooncakeTierConfig(master=config.mooncake_master, model_id="kvfsm-demo-toy",
+                                         kv_dtype=str(shape.dtype), writeback=config.writeback),)
         connector = Connector(OffloadConfig(cpu_blocks=config.cpu_blocks, block_size_factor=config.block_size_factor,
                                             gpu_block_size=shape.block_size, eviction=config.eviction.value,
-                                            lower_tiers=disk),
+                                            lower_tiers=tiers),
                               device, keep_history=True)
     engine = Engine(engine_config, device, connector)
     if connector is not None and config.mutant is not None:
@@ -346,14 +354,16 @@ def render(result: DemoResult) -> Table:
         table.add_row(name, str(without), str(with_))
 
     tiers = off.tier_stats
-    from_disk = sum(tiers.tokens_loaded_from.values()) if tiers is not None else 0
+    from_below = sum(tiers.tokens_loaded_from.values()) if tiers is not None else 0
     row("prefix tokens served from GPU", base.gpu_hit_tokens, off.gpu_hit_tokens)
-    row("prefix tokens served from CPU (reloaded)", 0, off.cpu_hit_tokens - from_disk)
+    row("prefix tokens served from CPU (reloaded)", 0, off.cpu_hit_tokens - from_below)
     if tiers is not None:
-        row("prefix tokens served from disk (fetched to CPU, reloaded)", 0, from_disk)
-        row("CPU→disk written back / disk→CPU fetched (blocks)", "-",
-            f"{sum(tiers.blocks_written_back.values())} / {sum(tiers.blocks_fetched.values())}")
-        row("disk keys that failed to move", "-", ", ".join(f"{k} {n}" for k, n in tiers.failures.items()) or "0")
+        for tier in tiers.blocks_written_back.keys() | tiers.tokens_loaded_from.keys():
+            row(f"prefix tokens served from {tier} (fetched to CPU, reloaded)", 0, tiers.tokens_loaded_from[tier])
+            row(f"CPU→{tier} written back / {tier}→CPU fetched (blocks)", "-",
+                f"{tiers.blocks_written_back[tier]} / {tiers.blocks_fetched[tier]}")
+        row("lower-tier keys that failed to move", "-",
+            ", ".join(f"{k} {n}" for k, n in tiers.failures.items()) or "0")
     row("tokens computed", base.computed_tokens, off.computed_tokens)
     row("  of which recomputed (beyond an unbounded cache)",
         max(0, base.computed_tokens - result.minimum_compute), max(0, off.computed_tokens - result.minimum_compute))
@@ -378,6 +388,16 @@ def render(result: DemoResult) -> Table:
 
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n")[0])
+
+
+@contextmanager
+def _mooncake_deployment(start: bool, address: str | None) -> Iterator[str | None]:
+    """The master the demo uses: the one given, one started on loopback for the run (and stopped after), or none."""
+    if address is not None or not start:
+        yield address
+        return
+    with LocalMooncake() as deployment:
+        yield str(deployment.address)
 
 
 @app.command()
@@ -407,21 +427,26 @@ def main(
     disk_blocks: int = typer.Option(DemoConfig.disk_blocks, help="Disk tier size in CPU blocks."),
     writeback: str = typer.Option(DemoConfig.writeback, help="When CPU blocks are written back to disk: eager "
                                                              "(after their store) or on-evict (before eviction)."),
+    mooncake: bool = typer.Option(False, help="Put a shared Mooncake tier below the CPU pool, on a local "
+                                              "mooncake_master started for the run (needs the mooncake extra)."),
+    mooncake_master: str = typer.Option(None, help="Use the Mooncake master at HOST:PORT instead of starting one."),
 ) -> None:
     """Serve a workload whose prefixes outgrow the GPU cache, without and with kvfsm; exit 1 on any integrity loss."""
     console = Console()
     try:
         shape = WorkloadShape(conversations=conversations, turns=turns, agents=agents)
+        lower = disk is not None or mooncake or mooncake_master is not None
         if cpu_blocks is None:
-            cpu_blocks = DISK_DEMO_CPU_BLOCKS if disk is not None else DemoConfig.cpu_blocks
+            cpu_blocks = DISK_DEMO_CPU_BLOCKS if lower else DemoConfig.cpu_blocks
         if writeback not in ("eager", "on-evict"):
             raise DemoConfigError(f"--writeback must be eager or on-evict, not {writeback!r}")
-        config = DemoConfig(shape, gpu_blocks, cpu_blocks, block_size_factor, eviction, device, seed, mutant, disk,
-                            disk_blocks, writeback)  # type: ignore[arg-type]
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
-                      TimeElapsedColumn(), console=console) as progress:
-            result = run_demo(config, progress)
-    except ValueError as err:  # DemoConfigError, WorkloadError, pydantic's ValidationError
+        with _mooncake_deployment(mooncake, mooncake_master) as master:
+            config = DemoConfig(shape, gpu_blocks, cpu_blocks, block_size_factor, eviction, device, seed, mutant,
+                                disk, disk_blocks, writeback, master)  # type: ignore[arg-type]
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("requests"), TimeElapsedColumn(), console=console) as progress:
+                result = run_demo(config, progress)
+    except (ValueError, MooncakeProcessError, TierFault) as err:  # bad options, or a Mooncake that cannot serve
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(code=2) from None
     console.print(render(result))

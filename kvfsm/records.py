@@ -260,6 +260,8 @@ class TierEntry:
     slot: int | None = None
     state: str = "empty"
     checksum: int | None = None
+    adopted: bool = False
+    """Published by another process in a shared store: its checksum is sealed inside the stored value."""
 
 
 @dataclass(slots=True, eq=False)
@@ -292,6 +294,11 @@ class TierJob:
 @REGISTRY.effect("tier-entry", "record-checksum")
 def _record_checksum(entry: TierEntry, checksum: int | None = None, **_: object) -> None:
     entry.checksum = checksum
+
+
+@REGISTRY.effect("tier-entry", "mark-adopted")
+def _mark_adopted(entry: TierEntry, **_: object) -> None:
+    entry.adopted = True
 
 
 @REGISTRY.effect("tier-entry", "forget-checksum")

@@ -7,6 +7,7 @@ from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.machines import IllegalTrigger, default_machines
+from kvfsm.mooncake import available as mooncake_available
 from kvfsm.testing.coverage import declared_edges
 from kvfsm.testing.interleavings import EXERCISED, EXTERNAL, STEP_DRIVEN, interleavings_for
 from kvfsm.testing.mutants import MUTANTS
@@ -60,6 +61,8 @@ MUTANT_BUDGET = 1500
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_mutant_is_caught(mutant: str) -> None:
+    if MUTANTS[mutant].tier == "mooncake" and not mooncake_available():
+        pytest.skip("Mooncake is not installed")
     machine = interleavings_for(mutant)
     hunt = settings(settings(), max_examples=MUTANT_BUDGET, phases=[Phase.generate], report_multiple_bugs=False,
                     print_blob=False, database=None)

@@ -45,7 +45,7 @@ from kvfsm.executor.transfer import Segments, Transfers
 from kvfsm.machines import MachineSet
 from kvfsm.records import TransferJob
 from kvfsm.states import TransferJobState
-from kvfsm.tiers.base import LowerTier
+from kvfsm.tiers.base import LowerTier, TierSite
 from kvfsm.tiers.factory import IoFactory, open_tiers
 
 _RUNNING = frozenset({TransferJobState.SUBMITTED, TransferJobState.FLUSHED_ON_PREEMPT})
@@ -98,8 +98,8 @@ class WorkerConnector:
                                     mechanism=self.config.mechanism)
         self._checksums = SlotChecksums(self._pool) if self.config.checksum else None
         if self.config.lower_tiers:
-            self._tiers = TierRunner(open_tiers(self.config, self._pool.slot_bytes, self.worker, self._tier_io,
-                                                self._keep_lookups, self._machines), self._pool)
+            site = TierSite(self.config, self._pool.slot_bytes, self.worker, caches, self._pool)
+            self._tiers = TierRunner(open_tiers(site, self._tier_io, self._keep_lookups, self._machines), self._pool)
         self._caches = caches
         return caches
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
@@ -16,7 +17,7 @@ from typing import Literal, Sequence
 import torch
 
 from kvfsm.bindings import default_spec
-from kvfsm.config import DiskTierConfig, OffloadConfig
+from kvfsm.config import DiskTierConfig, LowerTierConfig, MooncakeTierConfig, OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine, EngineConfig
 from kvfsm.engine.model import ModelShape
@@ -25,6 +26,7 @@ from kvfsm.executor.transfer import TransferError
 from kvfsm.invariants import check_all
 from kvfsm.machines import Backend, MachineSet
 from kvfsm.states import CpuBlockState
+from kvfsm.testing.mooncake_store import MooncakeFaults, tier_of
 from kvfsm.testing.mutants import MUTANTS
 from kvfsm.testing.oracle import BlockOracle, expected_tokens, poisoned
 from kvfsm.testing.tier_faults import TierFaults
@@ -82,21 +84,31 @@ class Harness:
                  compute_delay_cycles: int = 0, checksum: bool = False, backend: Backend = "table",
                  per_layer: bool = False, layer_loads: bool = False, layer_stores: bool = False,
                  disk_slots: int = 0, writeback: Literal["eager", "on-evict"] = "eager",
-                 writeback_bound_blocks: int = 2, report_lag: int = 0) -> None:
+                 writeback_bound_blocks: int = 2, report_lag: int = 0, mooncake_master: str | None = None,
+                 mooncake_options: dict[str, object] | None = None, tier_threads: bool = False) -> None:
         self.device = device
         self.shape = shape
         cpu_block_bytes = block_size_factor * shape.gpu_block_bytes
         self.disk_dir = Path(tempfile.mkdtemp(prefix="kvfsm-disk-")) if disk_slots else None
-        tiers = (DiskTierConfig(path=self.disk_dir, capacity_bytes=disk_slots * cpu_block_bytes, writeback=writeback,
-                                evict_lookahead_blocks=2),) if self.disk_dir else ()
+        tiers: tuple[LowerTierConfig, ...] = (DiskTierConfig(
+            path=self.disk_dir, capacity_bytes=disk_slots * cpu_block_bytes, writeback=writeback,
+            evict_lookahead_blocks=2),) if self.disk_dir else ()
+        if mooncake_master is not None:
+            # A tenant of its own per harness: examples sharing one master never see each other's keys.
+            options: dict[str, object] = dict(
+                master=mooncake_master, model_id="kvfsm-toy", kv_dtype=str(shape.dtype), tenant=uuid.uuid4().hex,
+                writeback=writeback, evict_lookahead_blocks=2, op_timeout_s=60.0, lookup_timeout_s=10.0)
+            tiers += (MooncakeTierConfig(**(options | (mooncake_options or {}))),)  # type: ignore[arg-type]
         config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=block_size_factor,
                                gpu_block_size=shape.block_size, checksum=checksum, layer_loads=layer_loads,
                                layer_stores=layer_stores, lower_tiers=tiers,
                                writeback_max_bytes_in_flight=writeback_bound_blocks * cpu_block_bytes)
         self.io = ManualIo()
-        """The disk tier's I/O queue: tests choose when each read or write runs, as they choose device streams."""
+        """The tiers' I/O queue: tests choose when each read or write runs, as they choose device streams (unless
+        `tier_threads`: the tiers' own threads, as in production)."""
         self.connector = Connector(config, device, keep_history=True,
-                                   machines=MachineSet(default_spec(), backend=backend), tier_io=lambda _: self.io)
+                                   machines=MachineSet(default_spec(), backend=backend),
+                                   tier_io=None if tier_threads else (lambda _: self.io))
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
                                           model=shape, compute_delay_cycles=compute_delay_cycles,
                                           per_layer=per_layer, report_lag=report_lag),
@@ -109,6 +121,8 @@ class Harness:
         self.connector.worker._transfers = self.faults  # type: ignore[assignment]
         disks = [t for t in self.connector.worker.lower_tiers if isinstance(t, DiskTier)]
         self.disk: DiskTier | None = disks[0] if disks else None
+        self.mooncake = tier_of(self.connector)
+        self.mooncake_faults = MooncakeFaults(self.mooncake)
         self.tier_faults = TierFaults(self.disk)
         if mutant is not None:
             MUTANTS[mutant].apply(self.engine, self.connector)
@@ -173,6 +187,7 @@ class Harness:
         found += [f"trace: {line}" for line in self.trace.check()]
         found += self._cpu_bytes()
         found += self._disk_bytes()
+        found += self._mooncake_bytes()
         return found
 
     def _cpu_bytes(self) -> list[str]:
@@ -197,6 +212,21 @@ class Harness:
                 expected = self.oracle.cpu_block_bytes(entry.key).numpy().tobytes()
                 if stored != expected:
                     found.append(f"publish-after-write: disk key {entry.key:#x} does not hold the bytes of its prefix")
+        return found
+
+    def _mooncake_bytes(self) -> list[str]:
+        """Every key the Mooncake tier counts as published is in the store with exactly the bytes of its prefix
+        (keys corrupted or removed in the store on purpose aside: their fetch must fail)."""
+        if self.mooncake is None:
+            return []
+        found = []
+        faults = self.mooncake_faults
+        for entry in self.mooncake.entries:
+            if entry.state in ("published", "reading") and entry.key not in faults.corrupted | faults.removed:
+                stored = self.mooncake.stored_bytes(entry.key)
+                if stored != self.oracle.cpu_block_bytes(entry.key).numpy().tobytes():
+                    found.append(f"publish-after-write: mooncake key {entry.key:#x} is not in the store with the "
+                                 "bytes of its prefix")
         return found
 
     def final_violations(self) -> list[str]:

@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvfsm.executor.sim import SimDevice, first_runnable
+from kvfsm.mooncake import available as shared_master_available
 from kvfsm.states import TransferJobState
 from kvfsm.testing.harness import Harness
+from kvfsm.testing.mooncake_store import shared_master
 from kvfsm.testing.mutants import MUTANTS
 
 Trigger = tuple[str, str]
@@ -90,10 +92,17 @@ def _fail_tier_write(harness: Harness, choice: int) -> None:
 
 def _fail_tier_read(harness: Harness, choice: int) -> None:
     harness.tier_faults.inject(("read-io-error", "corrupt-block")[choice % 2], choice)
+    harness.mooncake_faults.corrupt_value(choice)
 
 
 def _evict_before_fetch(harness: Harness, choice: int) -> None:
     harness.tier_faults.inject("evict-before-fetch")
+    harness.mooncake_faults.remove_in_store(choice)
+
+
+def _forget_published(harness: Harness, choice: int) -> None:
+    """A shared tier's keys become another engine's: forgotten here, the next lookup adopts them from the store."""
+    harness.mooncake_faults.forget(choice)
 
 
 def _stall(harness: Harness, choice: int) -> None:
@@ -114,6 +123,7 @@ EXTERNAL: dict[Trigger, Callable[[Harness, int], None]] = {
     ("cpu-block", "fetch-failed"): _evict_before_fetch,
     ("tier-entry", "evict"): _tier_evict,
     ("tier-job", "abandon"): _stall,
+    ("tier-entry", "adopt"): _forget_published,
 }
 
 IN_FLIGHT: tuple[Trigger, ...] = (("request", "abort"), ("cpu-block", "reset"), ("request", "preempt"))
@@ -139,8 +149,9 @@ class OffloadInterleavings(RuleBasedStateMachine):
 
     mutant: str | None = None
     examples = 0
-    disk_slots: tuple[int, ...] = (0, 6)
-    """Disk tier sizes drawn per example (0: no lower tier)."""
+    lower_tiers: tuple[str, ...] = ("none", "disk") + (("mooncake",) if shared_master_available() else ())
+    """The lower tier drawn per example: none, a 6-slot disk, or Mooncake Store (a real master, a tenant per
+    example)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -156,20 +167,22 @@ class OffloadInterleavings(RuleBasedStateMachine):
               report_lag: int) -> None:
         """The engine computes whole forwards or layer by layer (calling the per-layer hooks, with or without
         loads computed in their own step and per-layer stores), unless the mutant under test needs one of them;
-        with or without a disk tier below the CPU pool (always, for a mutant of a tier rule). `report_lag` 1 or 2
-        delivers transfer reports that many steps late, as vLLM's async scheduling does."""
+        with no lower tier, a disk tier or a Mooncake tier below the CPU pool (that tier, for a mutant of its
+        rule). `report_lag` 1 or 2 delivers transfer reports that many steps late, as vLLM's async scheduling
+        does."""
         needs = MUTANTS[self.mutant] if self.mutant is not None else None
         if needs is not None and needs.per_layer is not None:
             per_layer = needs.per_layer
         layer_loads = per_layer and (layer_loads or (needs is not None and needs.layer_loads))
         layer_stores = per_layer and (layer_stores or (needs is not None and needs.layer_stores))
-        disk_slots = data.draw(st.sampled_from(self.disk_slots), label="disk slots")
-        writeback = data.draw(st.sampled_from(["eager", "on-evict"]), label="write-back") if disk_slots else "eager"
+        tier = data.draw(st.sampled_from(self.lower_tiers), label="lower tier")
+        writeback = data.draw(st.sampled_from(["eager", "on-evict"]), label="write-back") if tier != "none" else "eager"
         self.harness = Harness(SimDevice(), num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                                block_size_factor=factor, mutant=self.mutant, per_layer=per_layer,
-                               layer_loads=layer_loads, layer_stores=layer_stores, disk_slots=disk_slots,
-                               writeback=writeback, report_lag=report_lag)
-        if disk_slots:  # warm the disk: each prefix stored, written back, and pushed out of CPU by the next
+                               layer_loads=layer_loads, layer_stores=layer_stores,
+                               disk_slots=6 if tier == "disk" else 0, writeback=writeback, report_lag=report_lag,
+                               mooncake_master=shared_master() if tier == "mooncake" else None)
+        if tier != "none":  # warm the tier: each prefix stored, written back, and pushed out of CPU by the next
             for prefix in PREFIXES:
                 self.h.engine.reset_prefix_cache()
                 self.h.add_request(prefix + (0,), 1)
@@ -280,7 +293,8 @@ for _trigger, _action in EXTERNAL.items():
 
 def interleavings_for(mutant: str | None) -> type[OffloadInterleavings]:
     """The state machine against kvfsm (None) or against one of `kvfsm.testing.mutants.MUTANTS`; a mutant of a
-    lower-tier rule always runs with the disk tier."""
-    disk = (6,) if mutant is not None and MUTANTS[mutant].tier else OffloadInterleavings.disk_slots
+    lower tier's rule always runs with that tier."""
+    tier = MUTANTS[mutant].tier if mutant is not None else None
+    tiers = (tier,) if tier is not None else OffloadInterleavings.lower_tiers
     return type(f"Interleavings_{mutant or 'kvfsm'}".replace("-", "_"), (OffloadInterleavings,),
-                {"mutant": mutant, "examples": 0, "disk_slots": disk})
+                {"mutant": mutant, "examples": 0, "lower_tiers": tiers})

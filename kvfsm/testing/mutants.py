@@ -15,6 +15,7 @@ from kvfsm.engine.engine import Engine
 from kvfsm.manager.catalogue import Lookup
 from kvfsm.states import CpuBlockState, TransferJobState
 from kvfsm.records import TransferJob
+from kvfsm.testing.mooncake_store import MOONCAKE_MUTANTS
 from kvfsm.testing.tier_mutants import TIER_MUTANTS
 
 
@@ -30,8 +31,8 @@ class Mutant:
     """Whether the bug needs loads computed in their own step (the connector's `layer_loads`)."""
     layer_stores: bool = False
     """Whether the bug needs stores started by `save_kv_layer`."""
-    tier: bool = False
-    """It breaks a lower-tier rule, so it only shows with a lower tier configured."""
+    tier: str | None = None
+    """The lower tier (`disk`, `mooncake`) whose rule it breaks: it only shows with that tier configured."""
 
 
 def _no_compute_barrier(engine: Engine, connector: Connector) -> None:
@@ -172,6 +173,7 @@ MUTANTS: dict[str, Mutant] = {
                _partial_load_report, per_layer=False),
         Mutant("flush-first-segment", "layer-stores-flushed (a flush waits for a store's first layer only)",
                _flush_first_segment, per_layer=True, layer_stores=True),
-        *(Mutant(name, breaks, apply, tier=True) for name, breaks, apply in TIER_MUTANTS),
+        *(Mutant(name, breaks, apply, tier="disk") for name, breaks, apply in TIER_MUTANTS),
+        *(Mutant(name, breaks, apply, tier="mooncake") for name, breaks, apply in MOONCAKE_MUTANTS),
     )
 }

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
 
+from kvfsm.config import OffloadConfig
+from kvfsm.executor.layouts import KVCaches
+from kvfsm.executor.pool import HostPool
 from kvfsm.tiers.entries import TierEntries
 
 T = TypeVar("T")
@@ -54,6 +57,21 @@ class TierCompletion:
     @property
     def ok(self) -> bool:
         return not self.failed
+
+
+@dataclass(frozen=True)
+class TierSite:
+    """Where a tier is opened: what a tier may need to know about the engine beside its own config."""
+
+    offload: OffloadConfig
+    block_bytes: int
+    """Bytes of one CPU block."""
+    worker: int
+    """This worker's index (its tensor-parallel rank); `offload.num_workers` is the world size."""
+    caches: KVCaches
+    """The registered KV caches: how the bytes of a block are laid out."""
+    pool: HostPool
+    """The CPU pool every view handed to the tier points into."""
 
 
 class IoExecutor(Protocol):

@@ -62,6 +62,17 @@ class TierEntries:
         self._machine.fire(entry, "write-done", checksum=checksum)
         self._recency[entry.key] = None
 
+    def adopt(self, key: int) -> TierEntry | None:
+        """A published entry for `key`, which a shared store showed complete though this process did not write it;
+        None (and no change) when the key is already held in any state."""
+        if key in self.by_key:
+            return None
+        entry = TierEntry(key)
+        self._machine.fire(entry, "adopt")
+        self.by_key[key] = entry
+        self._recency[key] = None
+        return entry
+
     def write_failed(self, entry: TierEntry) -> None:
         self._machine.fire(entry, "write-failed")
         del self.by_key[entry.key]

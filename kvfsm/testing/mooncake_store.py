@@ -1,0 +1,115 @@
+"""The Mooncake tier under generated interleavings: one shared local deployment, the store's faults, the mutants.
+
+Every example that draws the Mooncake tier talks to a real `mooncake_master` (started once per process, on
+loopback, stopped at exit and killed with the process) under a tenant of its own, so examples never see each
+other's keys. Faults are produced where real ones arise, in the store: a value overwritten with other bytes, an
+object removed (store-side eviction, an expired lease), and an engine forgetting what it published so that its
+next lookup must adopt keys from the store.
+"""
+
+from __future__ import annotations
+
+import atexit
+import zlib
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvfsm.connector import Connector
+from kvfsm.engine.engine import Engine
+from kvfsm.mooncake import available
+from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
+from kvfsm.records import TierEntry
+from kvfsm.tiers.mooncake import MooncakeTier
+
+_shared: LocalMooncake | None = None
+
+
+def shared_master() -> str | None:
+    """HOST:PORT of this process's shared deployment, started on first use; None when Mooncake is not installed."""
+    global _shared
+    if not available():
+        return None
+    if _shared is None:
+        _shared = LocalMooncake(DeploymentSettings(segment_bytes=256 << 20))
+        _shared.start()
+        atexit.register(_shared.stop)
+    return str(_shared.address)
+
+
+def tier_of(connector: Connector) -> MooncakeTier | None:
+    return next((t for t in connector.worker.lower_tiers if isinstance(t, MooncakeTier)), None)
+
+
+class MooncakeFaults:
+    """Faults of a shared store, applied to the real store under one engine's Mooncake tier."""
+
+    def __init__(self, tier: MooncakeTier | None) -> None:
+        self.tier = tier
+        self.corrupted: set[int] = set()
+        """Keys whose stored value was overwritten on purpose: their fetch must fail, never load."""
+        self.removed: set[int] = set()
+        """Keys removed from the store on purpose: a published entry may outlive its object (a miss later)."""
+
+    def _published(self) -> list[TierEntry]:
+        assert self.tier is not None
+        return sorted((e for e in self.tier.entries if e.state in ("published", "reading")), key=lambda e: e.key)
+
+    def corrupt_value(self, choice: int) -> None:
+        """Another writer puts other bytes (a flipped byte) under a published key."""
+        published = self._published() if self.tier is not None else []
+        if not published:
+            return
+        key = published[choice % len(published)].key
+        store, name = self.tier.client.raw(), self.tier.store_key(key)  # type: ignore[union-attr]
+        raw = bytearray(store.get(name))
+        if not raw:
+            return
+        raw[choice % len(raw)] ^= 0xFF
+        store.remove(name, True)
+        store.put(name, bytes(raw))
+        self.corrupted.add(key)
+
+    def remove_in_store(self, choice: int) -> None:
+        """The store drops a published key (its eviction, a lease that ran out): a later fetch finds it missing."""
+        published = self._published() if self.tier is not None else []
+        if not published:
+            return
+        key = published[choice % len(published)].key
+        self.tier.client.raw().remove(self.tier.store_key(key), True)  # type: ignore[union-attr]
+        self.removed.add(key)
+
+    def forget(self, choice: int) -> None:
+        """The engine forgets what it published (a cache reset does this): its next lookup adopts from the store."""
+        if self.tier is not None:
+            self.tier.discard([e.key for e in self._published() if e.state == "published"])
+
+
+def _tier(connector: Connector) -> MooncakeTier:
+    tier = tier_of(connector)
+    assert tier is not None, "a Mooncake mutant needs the Mooncake tier"
+    return tier
+
+
+def adopt_unasked(engine: Engine, connector: Connector) -> None:
+    """A lookup adopts every key it does not know without asking the store whether the store holds it."""
+    tier = _tier(connector)
+
+    def adopt_all(keys: Sequence[int]) -> None:
+        for key in keys:
+            if tier.entries.get(key) is None:
+                tier.entries.adopt(key)
+
+    tier._adopt_from_store = adopt_all  # type: ignore[method-assign]
+
+
+def unchecked_fetch(engine: Engine, connector: Connector) -> None:
+    """A fetched value is loaded without checking its trailer: a corrupted or foreign value goes to the GPU."""
+    _tier(connector).client.verify_value = lambda trailer, key, payload: zlib.crc32(np.asarray(payload))
+
+
+MOONCAKE_MUTANTS: tuple[tuple[str, str, Callable[[Engine, Connector], None]], ...] = (
+    ("mooncake-adopt-unasked", "publish-after-write (a key adopted that the shared store does not hold)",
+     adopt_unasked),
+    ("mooncake-unchecked-fetch", "ready-means-written (a corrupted shared value loaded)", unchecked_fetch),
+)

@@ -1,0 +1,283 @@
+"""A shared tier on Mooncake Store: one more `LowerTier`, whose keys other engines (other processes, other hosts)
+write and read too.
+
+How it differs from the disk tier, and why:
+- Keys are the store's: a block's prefix hash becomes an object key that also names the model, KV dtype and layout,
+  block size, tensor-parallel rank and world, and the tenant (`kvfsm.mooncake.keys`), so engines that must not
+  share KV never can. Capacity and eviction are the store's; a key it evicted between lookup and fetch is a miss.
+- A lookup asks the store (one `batch_is_exist`, waited at most `lookup_timeout_s` on the scheduler's thread) for
+  the keys this process does not know; a key it shows complete is *adopted* (`tier-entry` `adopt`): the store
+  exposes an object only once its put ended, and the value carries its own sealed checksum.
+- Bytes move zero-copy between the CPU slots and the store (`kvfsm.mooncake.client`), each value sealed with a
+  trailer (key tag, length, CRC-32) and checked on read: a torn, foreign or corrupted value is `corrupt`.
+- All calls run on the client's I/O executor; a call still queued at its deadline is cancelled (`timeout`); one
+  already running is reported failed at its deadline with `held=True` (the engine recomputes at once) and released
+  when it returns, since until then it may still touch the CPU slot. After a failure the client refuses calls at
+  once for a while, so a dead or slow master costs misses, never a blocked engine step.
+- `discard` forgets keys locally; it never removes them from the shared store, where other engines may use them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvfsm.config import MooncakeTierConfig
+from kvfsm.executor.layouts import KVCaches
+from kvfsm.machines import MachineSet
+from kvfsm.mooncake import value
+from kvfsm.mooncake.client import ClientSettings, MooncakeClient, Pending
+from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreFull, StoreTimeout, TierFault
+from kvfsm.mooncake.keys import KvNamespace, object_key
+from kvfsm.mooncake.local import MasterAddress
+from kvfsm.records import TierEntry
+from kvfsm.tiers.base import IoExecutor, TierCompletion, TierFailure, TierMisuse, TierSite
+from kvfsm.tiers.entries import TierEntries
+
+log = logging.getLogger(__name__)
+
+TRAILERS_PER_CHUNK = 1024
+
+
+def failure_of(fault: TierFault) -> TierFailure:
+    """The tier-level reason for a named Mooncake fault."""
+    if isinstance(fault, KeyMissing):
+        return TierFailure.missing
+    if isinstance(fault, ChecksumMismatch):
+        return TierFailure.corrupt
+    if isinstance(fault, StoreFull):
+        return TierFailure.full
+    if isinstance(fault, StoreTimeout):
+        return TierFailure.timeout
+    return TierFailure.io_error
+
+
+class TrailerArena:
+    """One value trailer per CPU slot, in chunks registered whole with Mooncake (slots are fixed addresses, so a
+    slot keeps its trailer for the life of the tier)."""
+
+    def __init__(self) -> None:
+        self._chunks: list[np.ndarray] = []
+        self._of_address: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def trailer_for(self, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The trailer of the slot `payload` views, and the chunk holding it (to register whole)."""
+        start = int(payload.ctypes.data)
+        if start not in self._of_address:
+            index = len(self._of_address)
+            if index % TRAILERS_PER_CHUNK == 0:
+                self._chunks.append(torch.zeros(TRAILERS_PER_CHUNK * value.TRAILER_BYTES, dtype=torch.uint8).numpy())
+            chunk = self._chunks[-1]
+            offset = (index % TRAILERS_PER_CHUNK) * value.TRAILER_BYTES
+            self._of_address[start] = (chunk[offset:offset + value.TRAILER_BYTES], chunk)
+        return self._of_address[start]
+
+
+@dataclass
+class _Job:
+    kind: str  # "write" or "read"
+    entries: list[TierEntry]
+    pending: Pending[list[int | TierFault]] | None
+    failed: dict[int, TierFailure] = field(default_factory=dict)
+    held: bool = False
+    """Reported failed (`timeout`) at its deadline while its call still runs; released when the call returns."""
+
+
+class MooncakeTier:
+    """A `LowerTier` on a Mooncake Store shared with other engines."""
+
+    def __init__(self, name: str, client: MooncakeClient, namespace: KvNamespace, block_bytes: int,
+                 tenant: str | None = None, lookup_timeout_s: float = 0.05, keep_lookups: bool = False,
+                 pool: np.ndarray | None = None, machines: MachineSet | None = None) -> None:
+        self.name = name
+        self.block_bytes = block_bytes
+        self.entries = TierEntries(name, keep_lookups=keep_lookups, machines=machines)
+        self.client = client
+        self.namespace = namespace
+        self.tenant = tenant
+        self.lookup_timeout_s = lookup_timeout_s
+        self._trailers = TrailerArena()
+        self._pool_units = [] if pool is None else [pool]
+        """Registered whole with the first call, so every slot view handed in later is covered."""
+        self._jobs: dict[int, _Job] = {}
+        self._shunned: set[int] = set()
+        """Keys whose stored value failed its check: not adopted again until this tier writes them itself (their
+        removal from the store is requested, but other engines may race it)."""
+
+    def store_key(self, key: int) -> str:
+        return object_key(self.namespace, key, self.tenant)
+
+    # --- LowerTier -------------------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        count = self._known_prefix(keys)
+        if count < len(keys) and self.entries.get(keys[count]) is None:
+            self._adopt_from_store(keys[count:])
+        return self.entries.lookup(keys)
+
+    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview]) -> None:
+        self._check(job_id, keys, sources)
+        entries, payloads = [], []
+        for key, view in zip(keys, sources):
+            entry = self.entries.reserve(key)
+            if entry is not None:  # a key published or being written already counts as moved
+                entries.append(entry)
+                payloads.append(np.frombuffer(view, dtype=np.uint8))
+        self._jobs[job_id] = _Job("write", entries, self._submit("write", entries, payloads))
+
+    def submit_read(self, job_id: int, keys: Sequence[int], destinations: Sequence[memoryview]) -> None:
+        self._check(job_id, keys, destinations)
+        job = _Job("read", [], None)
+        payloads = []
+        for key, view in zip(keys, destinations):
+            entry = self.entries.pin(key)
+            if entry is None:
+                job.failed[key] = TierFailure.missing
+                continue
+            job.entries.append(entry)
+            payloads.append(np.frombuffer(view, dtype=np.uint8))
+        job.pending = self._submit("read", job.entries, payloads)
+        self._jobs[job_id] = job
+
+    def poll(self) -> list[TierCompletion]:
+        finished = []
+        for job_id, job in list(self._jobs.items()):
+            results = job.pending.poll() if job.pending is not None else []
+            if results is None:
+                if job.pending is not None and job.pending.overdue and not job.held:
+                    job.held = True  # the engine recomputes now; the slots stay held until the call returns
+                    timed_out = {entry.key: TierFailure.timeout for entry in job.entries}
+                    log.warning("mooncake tier %s: %s job %d: StoreTimeout: still running past its deadline",
+                                self.name, job.kind, job_id)
+                    finished.append(TierCompletion(job_id, {**timed_out, **job.failed}, held=True))
+                continue
+            del self._jobs[job_id]
+            for entry, result in zip(job.entries, results, strict=True):
+                if isinstance(result, TierFault):
+                    log.warning("mooncake tier %s: %s of key %#x: %s: %s", self.name, job.kind, entry.key,
+                                type(result).__name__, result)
+                    job.failed[entry.key] = failure_of(result)
+                    self._settle_failed(job.kind, entry)
+                    if isinstance(result, ChecksumMismatch):
+                        self._shun(entry.key)
+                else:
+                    self._settle_ok(job.kind, entry, result)
+            finished.append(TierCompletion(job_id, release=True) if job.held else TierCompletion(job_id, job.failed))
+        return finished
+
+    def discard(self, keys: Sequence[int]) -> None:
+        """Forget `keys` here; the shared store keeps them for the other engines."""
+        for key in keys:
+            self.entries.evict(key)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # --- inspection ------------------------------------------------------------------------------------------
+
+    def stored_bytes(self, key: int) -> bytes | None:
+        """The payload the store holds under `key` now, trailer stripped (for checks; it does not verify)."""
+        raw = self.client.raw().get(self.store_key(key))
+        return bytes(raw[:self.block_bytes]) if len(raw) == self.block_bytes + value.TRAILER_BYTES else None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs)
+
+    # --- helpers ---------------------------------------------------------------------------------------------
+
+    def _known_prefix(self, keys: Sequence[int]) -> int:
+        count = 0
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is None or entry.state != "published":
+                break
+            count += 1
+        return count
+
+    def _adopt_from_store(self, keys: Sequence[int]) -> None:
+        """Adopt the leading `keys` the store shows complete, if it answers within `lookup_timeout_s`."""
+        answers = self.client.contains([self.store_key(key) for key in keys]).wait(self.lookup_timeout_s)
+        if answers is None:
+            log.warning("mooncake tier %s: lookup got no answer within %ss; counted as a miss", self.name,
+                        self.lookup_timeout_s)
+            return
+        for key, answer in zip(keys, answers):
+            if isinstance(answer, TierFault):
+                log.warning("mooncake tier %s: lookup: %s: %s", self.name, type(answer).__name__, answer)
+                return
+            if answer is not True or key in self._shunned:
+                return
+            if self.entries.get(key) is None:
+                self.entries.adopt(key)
+            elif self.entries.get(key).state != "published":  # type: ignore[union-attr]
+                return
+
+    def _submit(self, kind: str, entries: list[TierEntry], payloads: list[np.ndarray]
+                ) -> Pending[list[int | TierFault]] | None:
+        if not entries:
+            return None
+        keys = [self.store_key(entry.key) for entry in entries]
+        pairs = [self._trailers.trailer_for(payload) for payload in payloads]
+        trailers = [t for t, _ in pairs]
+        units = self._pool_units + list({id(c): c for _, c in pairs}.values())
+        if kind == "write":
+            return self.client.write_back(keys, payloads, trailers, units=units)
+        return self.client.fetch(keys, payloads, trailers, units=units)
+
+    def _shun(self, key: int) -> None:
+        self._shunned.add(key)
+        self.client.remove([self.store_key(key)])
+
+    def _settle_ok(self, kind: str, entry: TierEntry, checksum: int) -> None:
+        if kind == "write":
+            self.entries.publish(entry, checksum)
+            self._shunned.discard(entry.key)
+        else:
+            self.entries.read_done(entry)
+
+    def _settle_failed(self, kind: str, entry: TierEntry) -> None:
+        if kind == "write":
+            self.entries.write_failed(entry)
+        else:
+            self.entries.read_failed(entry)
+
+    def _check(self, job_id: int, keys: Sequence[int], views: Sequence[memoryview]) -> None:
+        if job_id in self._jobs:
+            raise TierMisuse(f"mooncake tier {self.name!r}: job {job_id} is already in flight")
+        if len(keys) != len(views) or len(set(keys)) != len(keys):
+            raise TierMisuse(f"mooncake tier {self.name!r}: job {job_id} names {len(keys)} keys (distinct?) "
+                             f"for {len(views)} blocks")
+        wrong = [v.nbytes for v in views if v.nbytes != self.block_bytes]
+        if wrong:
+            raise TierMisuse(f"mooncake tier {self.name!r}: blocks of {wrong} bytes, expected {self.block_bytes}")
+
+
+def layout_of(caches: KVCaches) -> str:
+    """Where each piece of a block lives in a CPU block: layouts per group, then each plane's name, piece count,
+    piece size and offset. Two engines whose KV bytes are arranged differently get different keys."""
+    groups = ",".join(f"{group}={layout}" for group, layout in sorted(caches.layouts.items()))
+    planes = ",".join(f"{p.name}:{p.pieces}x{p.piece_bytes}@{p.offset}" for p in caches.planes)
+    return f"{groups};{planes}"
+
+
+def open_mooncake(config: MooncakeTierConfig, site: TierSite, io: IoExecutor | None, keep_lookups: bool,
+                  machines: MachineSet | None = None) -> MooncakeTier:
+    """Connect to the configured master (bounded by the client's connect timeout), register the CPU pool for
+    zero-copy calls, and open the tier. A master that cannot be reached is `StoreUnavailable` here, at start-up,
+    where a wrong address is best reported."""
+    client = MooncakeClient(ClientSettings(
+        master=MasterAddress.parse(config.master), segment_bytes=config.segment_bytes,
+        op_timeout_s=config.op_timeout_s, retry_after_s=config.retry_after_s, max_pending=config.max_pending), io=io)
+    client.connect()
+    offload = site.offload
+    namespace = KvNamespace(model_id=config.model_id, dtype=config.kv_dtype, layout=layout_of(site.caches),
+                            block_tokens=offload.cpu_block_tokens, tp_rank=site.worker,
+                            tp_world_size=offload.num_workers)
+    return MooncakeTier(config.tier_name, client, namespace, site.block_bytes, tenant=config.tenant,
+                        lookup_timeout_s=config.lookup_timeout_s, keep_lookups=keep_lookups,
+                        pool=site.pool.buffer.numpy(), machines=machines)
