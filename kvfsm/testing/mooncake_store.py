@@ -104,12 +104,13 @@ def adopt_unasked(engine: Engine, connector: Connector) -> None:
 
 
 def unchecked_fetch(engine: Engine, connector: Connector) -> None:
-    """A fetched value is loaded without checking its trailer: a corrupted or foreign value goes to the GPU."""
+    """A fetched value is loaded without checking its trailer: a corrupted or foreign value goes to the GPU. The
+    control of `tests/mooncake/test_mooncake_tier.py`'s corrupted-value test (a generated interleaving reaches a
+    corrupted fetch too rarely for the mutant hunt's budget)."""
     _tier(connector).client.verify_value = lambda trailer, key, payload: zlib.crc32(np.asarray(payload))
 
 
 MOONCAKE_MUTANTS: tuple[tuple[str, str, Callable[[Engine, Connector], None]], ...] = (
     ("mooncake-adopt-unasked", "publish-after-write (a key adopted that the shared store does not hold)",
      adopt_unasked),
-    ("mooncake-unchecked-fetch", "ready-means-written (a corrupted shared value loaded)", unchecked_fetch),
 )

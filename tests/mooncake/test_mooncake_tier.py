@@ -14,6 +14,7 @@ pytest.importorskip("mooncake.store")
 
 from kvfsm.executor import SimDevice  # noqa: E402
 from kvfsm.testing.harness import Harness  # noqa: E402
+from kvfsm.testing.mooncake_store import unchecked_fetch  # noqa: E402
 
 PROMPT = tuple(range(3, 3 + 16))
 OTHER = tuple(range(500, 516))
@@ -111,7 +112,8 @@ def test_a_key_removed_between_lookup_and_fetch_is_a_miss(mooncake, tenant, capl
     clean(b)
 
 
-def test_a_corrupted_value_fails_its_fetch_and_the_engine_recomputes(mooncake, connect, tenant, caplog) -> None:
+def _corrupted_fetch(mooncake, connect, tenant: str, mutant: bool) -> Harness:
+    """Engine A stores a prefix; every value of it is corrupted in the store; engine B serves the prefix."""
     a = engine(mooncake, tenant=tenant)
     serve(a, PROMPT)
     hashes = [entry.key for entry in a.mooncake.entries]
@@ -123,14 +125,27 @@ def test_a_corrupted_value_fails_its_fetch_and_the_engine_recomputes(mooncake, c
         raw[0] ^= 0xFF
         assert store.remove(key, True) == 0 and store.put(key, bytes(raw)) == 0
     b = engine(mooncake, tenant=tenant)
+    if mutant:
+        unchecked_fetch(b.engine, b.connector)
     b.mooncake_faults.corrupted.update(hashes)
     b.add_request(PROMPT, max_new_tokens=3)
+    drive(b)
+    return b
+
+
+def test_a_corrupted_value_fails_its_fetch_and_the_engine_recomputes(mooncake, connect, tenant, caplog) -> None:
     with caplog.at_level(logging.WARNING):
-        drive(b)
+        b = _corrupted_fetch(mooncake, connect, tenant, mutant=False)
     assert failures(b).get("corrupt", 0) > 0 and "ChecksumMismatch" in caplog.text
     assert from_store(b) == 0
     clean(b)
 
+
+def test_control_without_the_value_check_a_corrupted_value_is_loaded_and_caught(mooncake, connect, tenant) -> None:
+    b = _corrupted_fetch(mooncake, connect, tenant, mutant=True)
+    found = b.final_violations()
+    b.close()
+    assert any(line.startswith(("ready-means-written", "output")) for line in found), found
 
 def serve_only(harness: Harness, *prompts: tuple[int, ...]) -> None:
     """Submit and step until every request finished, without waiting for the tiers to go idle."""
