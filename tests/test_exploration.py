@@ -7,8 +7,7 @@ import pytest
 from kvfsm.testing.explorer import EXPLORER_UNREACHABLE, SMALL_WORKLOADS, TIER_WORKLOADS, explore, fits
 from kvfsm.testing.mutants import MUTANTS
 
-WORKLOADS = {**SMALL_WORKLOADS, **TIER_WORKLOADS, **MOONCAKE_WORKLOADS}
-WORKLOADS_OF_TIER = {None: SMALL_WORKLOADS, "disk": TIER_WORKLOADS, "mooncake": MOONCAKE_WORKLOADS}
+WORKLOADS = {**SMALL_WORKLOADS, **TIER_WORKLOADS}
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvfsm.executor.sim import SimDevice
-from kvfsm.mooncake import available
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.mutants import MUTANTS
 
@@ -41,8 +40,6 @@ class Workload:
     disk_slots: int = 0
     """Slots of a disk tier below the CPU pool (0: none); its reads and writes are one more choice, "io"."""
     writeback_bound_blocks: int = 4
-    mooncake: bool = False
-    """A Mooncake tier below the CPU pool, on this process's shared local master; its calls are "io" choices."""
 
 
 @dataclass
@@ -90,15 +87,6 @@ def tier_fault(fault: str) -> HostAction:
         h.tier_faults.inject(fault)
 
     return inject
-
-
-def forget_published(h: Harness) -> None:
-    """The shared tier's keys become another engine's: the next lookup must adopt them from the store."""
-    h.mooncake_faults.forget(0)
-
-
-def corrupt_in_store(h: Harness) -> None:
-    h.mooncake_faults.corrupt_value(0)
 
 
 class _Replay:
@@ -260,19 +248,3 @@ EXPLORER_UNREACHABLE: dict[str, str] = {
     "lookup-counts-writing": "needs a lookup of a key while its write-back runs; no tier workload returns a prefix then",
 }
 """Tier mutants the small tier workloads cannot show (the generated interleavings catch them)."""
-
-MOONCAKE_WORKLOADS: dict[str, Workload] = {
-    "mooncake": Workload(
-        actions=(add(_A + (1,), 1), step, step, step, step, step, forget_gpu_prefixes, add(_B + (5,), 1), step, step,
-                 step, step, step, forget_published, forget_gpu_prefixes, add(_A + (2,), 1), step),
-        num_gpu_blocks=4, cpu_blocks=1, mooncake=True, writeback_bound_blocks=1, max_extra_steps=6,
-    ),
-    "mooncake-corrupt": Workload(
-        actions=(add(_A + (1,), 1), step, step, step, step, step, forget_gpu_prefixes, add(_B + (5,), 1), step, step,
-                 step, step, step, forget_published, corrupt_in_store, forget_gpu_prefixes, add(_A + (2,), 1), step),
-        num_gpu_blocks=4, cpu_blocks=1, mooncake=True, writeback_bound_blocks=1, max_extra_steps=6,
-    ),
-} if available() else {}
-"""The disk workload's shape on Mooncake Store: the prefix written back, forgotten by this engine (as if another
-engine had stored it), adopted by a lookup and fetched back; and the same with its value corrupted in the store.
-Empty when Mooncake is not installed."""

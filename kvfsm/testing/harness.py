@@ -26,6 +26,7 @@ from kvfsm.executor.transfer import TransferError
 from kvfsm.invariants import check_all
 from kvfsm.machines import Backend, MachineSet
 from kvfsm.states import CpuBlockState
+from kvfsm.states import TierEntryState as Entry
 from kvfsm.testing.mooncake_store import MooncakeFaults, tier_of
 from kvfsm.testing.mutants import MUTANTS
 from kvfsm.testing.oracle import BlockOracle, expected_tokens, poisoned
@@ -207,7 +208,7 @@ class Harness:
             return []
         found = []
         for entry in self.disk.entries:
-            if entry.state in ("published", "reading") and not self.tier_faults.is_corrupted(entry):
+            if entry.state in (Entry.PUBLISHED, Entry.READING) and not self.tier_faults.is_corrupted(entry):
                 stored = self.disk.stored_bytes(entry.key)
                 expected = self.oracle.cpu_block_bytes(entry.key).numpy().tobytes()
                 if stored != expected:
@@ -220,9 +221,9 @@ class Harness:
         if self.mooncake is None:
             return []
         found = []
-        faults = self.mooncake_faults
+        spoiled = self.mooncake_faults.corrupted | self.mooncake_faults.removed
         for entry in self.mooncake.entries:
-            if entry.state in ("published", "reading") and entry.key not in faults.corrupted | faults.removed:
+            if entry.state in (Entry.PUBLISHED, Entry.READING) and entry.key not in spoiled:
                 stored = self.mooncake.stored_bytes(entry.key)
                 if stored != self.oracle.cpu_block_bytes(entry.key).numpy().tobytes():
                     found.append(f"publish-after-write: mooncake key {entry.key:#x} is not in the store with the "

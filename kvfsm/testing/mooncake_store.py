@@ -20,6 +20,7 @@ from kvfsm.engine.engine import Engine
 from kvfsm.mooncake import available
 from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
 from kvfsm.records import TierEntry
+from kvfsm.states import TierEntryState as Entry
 from kvfsm.tiers.mooncake import MooncakeTier
 
 _shared: LocalMooncake | None = None
@@ -53,7 +54,7 @@ class MooncakeFaults:
 
     def _published(self) -> list[TierEntry]:
         assert self.tier is not None
-        return sorted((e for e in self.tier.entries if e.state in ("published", "reading")), key=lambda e: e.key)
+        return sorted((e for e in self.tier.entries if e.state in (Entry.PUBLISHED, Entry.READING)), key=lambda e: e.key)
 
     def corrupt_value(self, choice: int) -> None:
         """Another writer puts other bytes (a flipped byte) under a published key."""
@@ -82,7 +83,7 @@ class MooncakeFaults:
     def forget(self, choice: int) -> None:
         """The engine forgets what it published (a cache reset does this): its next lookup adopts from the store."""
         if self.tier is not None:
-            self.tier.discard([e.key for e in self._published() if e.state == "published"])
+            self.tier.discard([e.key for e in self._published() if e.state == Entry.PUBLISHED])
 
 
 def _tier(connector: Connector) -> MooncakeTier:

@@ -35,6 +35,7 @@ from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreFull, Store
 from kvfsm.mooncake.keys import KvNamespace, object_key
 from kvfsm.mooncake.local import MasterAddress
 from kvfsm.records import TierEntry
+from kvfsm.states import TierEntryState as Entry
 from kvfsm.tiers.base import IoExecutor, TierCompletion, TierFailure, TierMisuse, TierSite
 from kvfsm.tiers.entries import TierEntries
 
@@ -194,7 +195,7 @@ class MooncakeTier:
         count = 0
         for key in keys:
             entry = self.entries.get(key)
-            if entry is None or entry.state != "published":
+            if entry is None or entry.state != Entry.PUBLISHED:
                 break
             count += 1
         return count
@@ -214,7 +215,7 @@ class MooncakeTier:
                 return
             if self.entries.get(key) is None:
                 self.entries.adopt(key)
-            elif self.entries.get(key).state != "published":  # type: ignore[union-attr]
+            elif self.entries.get(key).state != Entry.PUBLISHED:  # type: ignore[union-attr]
                 return
 
     def _submit(self, kind: str, entries: list[TierEntry], payloads: list[np.ndarray]
