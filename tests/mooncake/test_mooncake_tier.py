@@ -70,6 +70,7 @@ def test_an_engine_loads_a_prefix_another_engine_stored(mooncake, tenant) -> Non
     b = engine(mooncake, tenant=tenant)
     serve(b, PROMPT)
     assert from_store(b) > 0, "the second engine recomputed what the first stored"
+    assert ("tier-entry", "empty", "adopt", "published") in b.trace.edges
     clean(b)
 
 
