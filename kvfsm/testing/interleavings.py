@@ -295,6 +295,9 @@ def interleavings_for(mutant: str | None) -> type[OffloadInterleavings]:
     """The state machine against kvfsm (None) or against one of `kvfsm.testing.mutants.MUTANTS`; a mutant of a
     lower tier's rule always runs with that tier."""
     tier = MUTANTS[mutant].tier if mutant is not None else None
-    tiers = (tier,) if tier is not None else OffloadInterleavings.lower_tiers
+    if mutant is None:
+        tiers = OffloadInterleavings.lower_tiers
+    else:  # a rule above the tiers shows without the (slower, networked) Mooncake tier
+        tiers = (tier,) if tier is not None else ("none", "disk")
     return type(f"Interleavings_{mutant or 'kvfsm'}".replace("-", "_"), (OffloadInterleavings,),
                 {"mutant": mutant, "examples": 0, "lower_tiers": tiers})
