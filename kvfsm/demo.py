@@ -427,8 +427,8 @@ def main(
     disk_blocks: int = typer.Option(DemoConfig.disk_blocks, help="Disk tier size in CPU blocks."),
     writeback: str = typer.Option(DemoConfig.writeback, help="When CPU blocks are written back to disk: eager "
                                                              "(after their store) or on-evict (before eviction)."),
-    mooncake: bool = typer.Option(False, help="Put a shared Mooncake tier below the CPU pool, on a local "
-                                              "mooncake_master started for the run (needs the mooncake extra)."),
+    mooncake: bool = typer.Option(False, "--mooncake", help="Put a shared Mooncake tier below the CPU pool, on a "
+                                  "local mooncake_master started for the run (needs the mooncake extra)."),
     mooncake_master: str = typer.Option(None, help="Use the Mooncake master at HOST:PORT instead of starting one."),
 ) -> None:
     """Serve a workload whose prefixes outgrow the GPU cache, without and with kvfsm; exit 1 on any integrity loss."""
