@@ -21,8 +21,6 @@ def test_every_schedule_of_a_small_workload_keeps_the_spec(name: str) -> None:
 @pytest.mark.parametrize("mutant", sorted(set(MUTANTS) - set(EXPLORER_UNREACHABLE)))
 def test_exhaustive_search_catches_mutant(mutant: str) -> None:
     caught = {}
-    if MUTANTS[mutant].tier == "mooncake":
-        pytest.skip("the explorer has no Mooncake workload (each replay would open a client: too slow)")
     for name, workload in (TIER_WORKLOADS if MUTANTS[mutant].tier == "disk" else SMALL_WORKLOADS).items():
         if not fits(workload, mutant):
             continue
