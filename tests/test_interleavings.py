@@ -42,6 +42,14 @@ NOT_GENERATED = {
     ("request", "loading", "load-failed", "running"):
         "failed loads stopped being generated when the per-layer path landed (not yet diagnosed)",
     ("request", "draining", "load-failed", "released"): "needs a failed load of an aborted request (as above)",
+    ("tier-entry", "reading", "read-failed", "empty"):
+        "needs a tier read fault on a key being fetched; taken by tests/test_tiers_disk.py's fault scenarios",
+    ("cpu-block", "fetching", "abandon-fetch", "orphaned"):
+        "needs a fetch past its deadline (a stalled disk); taken by tests/test_tiers_disk.py and the explorer's "
+        "disk-stall workload",
+    ("cpu-block", "orphaned", "fetch-failed", "free"): "the late end of an abandoned fetch (as above)",
+    ("cpu-block", "writing-back", "abandon-write-back", "orphaned"):
+        "needs a write-back past its deadline (a stalled disk); taken by tests/test_tiers_disk.py's scenarios",
 }
 """Declared transitions the generated interleavings do not take within COVERAGE_EXAMPLES, each with what it needs."""
 
