@@ -88,6 +88,19 @@ class TierMisuse(ValueError):
     wrong size); nothing was changed."""
 
 
+def check_job(tier: str, jobs_in_flight: Mapping[int, object], block_bytes: int, job_id: int,
+              keys: Sequence[int], views: Sequence[memoryview]) -> None:
+    """Refuse a job a tier cannot take as asked (a misuse, not a fault): a reused job id, keys that do not match
+    the blocks one to one, or blocks of another size. Every tier's submit calls it before touching anything."""
+    if job_id in jobs_in_flight:
+        raise TierMisuse(f"{tier}: job {job_id} is already in flight")
+    if len(keys) != len(views) or len(set(keys)) != len(keys):
+        raise TierMisuse(f"{tier}: job {job_id} names {len(keys)} keys (distinct?) for {len(views)} blocks")
+    wrong = [v.nbytes for v in views if v.nbytes != block_bytes]
+    if wrong:
+        raise TierMisuse(f"{tier}: blocks of {wrong} bytes, expected {block_bytes}")
+
+
 @runtime_checkable
 class LowerTier(Protocol):
     """One store below the CPU pool, holding whole CPU blocks addressed by their prefix hash (the key)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kvfsm.machines import MachineSet
-from kvfsm.tiers.base import IoExecutor, TierCompletion, TierFailure, TierMisuse
+from kvfsm.tiers.base import IoExecutor, TierCompletion, TierFailure, check_job
 from kvfsm.tiers.entries import TierEntries
 from kvfsm.records import TierEntry
 
@@ -117,7 +117,7 @@ class DiskTier:
         return self.entries.lookup(keys)
 
     def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview]) -> None:
-        self._check(job_id, keys, sources)
+        check_job(f"disk tier {self.name!r}", self._jobs, self.block_bytes, job_id, keys, sources)
         job = self._jobs[job_id] = _Job("write", self._clock() + self.io_timeout_s)
         for key, source in zip(keys, sources):
             if self.entries.get(key) is not None:
@@ -131,7 +131,7 @@ class DiskTier:
             job.parts.append((entry, self._io.submit(lambda s=slot, b=source: self._write(s, b))))
 
     def submit_read(self, job_id: int, keys: Sequence[int], destinations: Sequence[memoryview]) -> None:
-        self._check(job_id, keys, destinations)
+        check_job(f"disk tier {self.name!r}", self._jobs, self.block_bytes, job_id, keys, destinations)
         job = self._jobs[job_id] = _Job("read", self._clock() + self.io_timeout_s)
         for key, destination in reversed(list(zip(keys, destinations))):  # the head pinned last: most recent
             entry = self.entries.pin(key)
@@ -192,15 +192,6 @@ class DiskTier:
 
     # --- helpers ---------------------------------------------------------------------------------------------
 
-    def _check(self, job_id: int, keys: Sequence[int], views: Sequence[memoryview]) -> None:
-        if job_id in self._jobs:
-            raise TierMisuse(f"disk tier {self.name!r}: job {job_id} is already in flight")
-        if len(keys) != len(views) or len(set(keys)) != len(keys):
-            raise TierMisuse(f"disk tier {self.name!r}: job {job_id} names {len(keys)} keys (distinct?) "
-                             f"for {len(views)} blocks")
-        wrong = [v.nbytes for v in views if v.nbytes != self.block_bytes]
-        if wrong:
-            raise TierMisuse(f"disk tier {self.name!r}: blocks of {wrong} bytes, expected {self.block_bytes}")
 
     def _take_slot(self) -> int | None:
         if self._free:

@@ -36,7 +36,7 @@ from kvfsm.mooncake.keys import KvNamespace, object_key
 from kvfsm.mooncake.local import MasterAddress
 from kvfsm.records import TierEntry
 from kvfsm.states import TierEntryState as Entry
-from kvfsm.tiers.base import IoExecutor, TierCompletion, TierFailure, TierMisuse, TierSite
+from kvfsm.tiers.base import IoExecutor, TierCompletion, TierFailure, TierSite, check_job
 from kvfsm.tiers.entries import TierEntries
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class MooncakeTier:
         return self.entries.lookup(keys)
 
     def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview]) -> None:
-        self._check(job_id, keys, sources)
+        check_job(f"mooncake tier {self.name!r}", self._jobs, self.block_bytes, job_id, keys, sources)
         entries, payloads = [], []
         for key, view in zip(keys, sources):
             entry = self.entries.reserve(key)
@@ -131,7 +131,7 @@ class MooncakeTier:
         self._jobs[job_id] = _Job("write", entries, self._submit("write", entries, payloads))
 
     def submit_read(self, job_id: int, keys: Sequence[int], destinations: Sequence[memoryview]) -> None:
-        self._check(job_id, keys, destinations)
+        check_job(f"mooncake tier {self.name!r}", self._jobs, self.block_bytes, job_id, keys, destinations)
         job = _Job("read", [], None)
         payloads = []
         for key, view in zip(keys, destinations):
@@ -247,15 +247,6 @@ class MooncakeTier:
         else:
             self.entries.read_failed(entry)
 
-    def _check(self, job_id: int, keys: Sequence[int], views: Sequence[memoryview]) -> None:
-        if job_id in self._jobs:
-            raise TierMisuse(f"mooncake tier {self.name!r}: job {job_id} is already in flight")
-        if len(keys) != len(views) or len(set(keys)) != len(keys):
-            raise TierMisuse(f"mooncake tier {self.name!r}: job {job_id} names {len(keys)} keys (distinct?) "
-                             f"for {len(views)} blocks")
-        wrong = [v.nbytes for v in views if v.nbytes != self.block_bytes]
-        if wrong:
-            raise TierMisuse(f"mooncake tier {self.name!r}: blocks of {wrong} bytes, expected {self.block_bytes}")
 
 
 def layout_of(caches: KVCaches) -> str:
