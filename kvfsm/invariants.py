@@ -49,6 +49,8 @@ class TierView(Protocol):
     name: str
     entries: TierEntriesView
 
+    def reads_in_flight(self) -> list[int]: ...
+
 
 class World(Protocol):
     cpu_blocks: Sequence[CpuBlock]

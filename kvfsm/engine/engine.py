@@ -12,7 +12,8 @@ With `per_layer`, the forward runs layer by layer on the compute stream and call
 not asynchronous (its `layer_loads`), a request with a CPU hit is computed in the very step its load goes out, each
 layer behind that layer's segment of the load. Until the load is
 reported it computes nothing more, is neither preempted nor finished; a failed load rolls back that step's sample
-and recomputes from the first block that did not land.
+and recomputes from the first block that did not land, and an abort meanwhile drops that sample (the aborted
+request never hears whether its load landed).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class Engine:
             self.waiting.remove(request)
         if request in self.running:
             self.running.remove(request)
-        self.loading.pop(request_id, None)
+        if self.loading.pop(request_id, None) is not None and request.phase is Phase.RUNNING:
+            self._drop_last_sample(request)  # computed on an inline load whose outcome it will never hear
         self._finish(request, aborted=True)
 
     def preempt(self, request_id: str, reclaim: bool = False) -> None:
@@ -319,8 +321,7 @@ class Engine:
         for index in range(min(landed, len(request.prompt) // block_size)):
             self.pool.cache(request.blocks[index], request.block_hashes[index])
         if bad:
-            request.sampled.pop()
-            request.num_sampled -= 1
+            self._drop_last_sample(request)
             request.num_computed = landed * block_size
         if request.finished:  # its last sample was this load's step (the load may land within that step)
             if request in self.running:
@@ -328,6 +329,14 @@ class Engine:
             self._finish(request, aborted=False)
         elif request not in self.running:
             self.running.append(request)
+
+    @staticmethod
+    def _drop_last_sample(request: EngineRequest) -> None:
+        """Take back the sample of an inline load's step: it read KV that did not land, or that an aborted request
+        never hears landed (the connector releases an aborted request without a load outcome). vLLM likewise
+        delivers nothing of a step in flight to a request aborted meanwhile."""
+        request.sampled.pop()
+        request.num_sampled -= 1
 
     # --- results -------------------------------------------------------------------------------------------
 

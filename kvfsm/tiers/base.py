@@ -130,6 +130,11 @@ class LowerTier(Protocol):
         lookup misses it instead of fetching it again. While a key is read it is pinned: not evicted, not
         rewritten."""
 
+    def reads_in_flight(self) -> list[int]:
+        """The key of every entry a read in flight holds, once per read: from the `submit_read` that pinned it until
+        the `poll` that reported its job (for a job held past its deadline, its release). This tier's own record of
+        its reads, which the `read-pins-entry` check holds its entries against."""
+
     def poll(self) -> list[TierCompletion]:
         """Jobs that finished (or passed their deadline, or were released after it) since the last poll, in
         submission order. Entry transitions (publish, unpin, drop) fire here, on the caller's thread: I/O threads

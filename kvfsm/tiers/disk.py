@@ -190,6 +190,9 @@ class DiskTier:
         """Some job was submitted and not yet reported by `poll`."""
         return bool(self._jobs)
 
+    def reads_in_flight(self) -> list[int]:
+        return [entry.key for job in self._jobs.values() if job.kind == "read" for entry, _ in job.parts]
+
     # --- helpers ---------------------------------------------------------------------------------------------
 
 

@@ -189,6 +189,9 @@ class MooncakeTier:
     def busy(self) -> bool:
         return bool(self._jobs)
 
+    def reads_in_flight(self) -> list[int]:
+        return [entry.key for job in self._jobs.values() if job.kind == "read" for entry in job.entries]
+
     # --- helpers ---------------------------------------------------------------------------------------------
 
     def _known_prefix(self, keys: Sequence[int]) -> int:
