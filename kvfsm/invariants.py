@@ -65,6 +65,7 @@ class World(Protocol):
     tiers: Sequence[TierView]  # the open lower tiers, in lookup order
     tier_jobs: Mapping[int, TierJob]  # every write-back and fetch of the run (ids shared with `jobs`)
     writeback_bound: int  # configured bound on the bytes of write-backs in flight
+    num_workers: int  # ranks whose reports a job waits for
 
 
 Pair = tuple[tuple[Actor, Mode], tuple[Actor, Mode]]
@@ -267,6 +268,25 @@ def fence_count(world: World) -> list[str]:
             found.append(f"GPU block {block.block_id} is {block.state} with {block.store_readers} store readers, "
                          f"{expect} stores read it")
     return found
+
+
+@REGISTRY.invariant("every-rank-reports")
+def every_rank_reports(world: World) -> list[str]:
+    return [
+        f"{job.kind} job {job.job_id} is {job.state} with reports from ranks {sorted(job.reports)} "
+        f"of {world.num_workers}"
+        for job in world.jobs.values()
+        if job.state in (J.DONE, J.FAILED) and len(job.reports) != world.num_workers
+    ]
+
+
+@REGISTRY.invariant("fail-everywhere")
+def fail_everywhere(world: World) -> list[str]:
+    return [
+        f"{job.kind} job {job.job_id} is done although ranks {failed} failed it"
+        for job in world.jobs.values()
+        if job.state == J.DONE and (failed := sorted(rank for rank, ok in job.reports.items() if not ok))
+    ]
 
 
 def check_all(world: World, names: Sequence[str] | None = None) -> dict[str, list[str]]:

@@ -53,6 +53,8 @@ class TransferJob:
     segments: int = 0
     """Layer segments the worker moves this job in (0: the scheduler's view, which tracks no segments)."""
     landed_segments: int = 0
+    reports: dict[int, bool] = field(default_factory=dict)
+    """The scheduler's log of which ranks reported the job and whether it succeeded there (empty on a worker)."""
 
     @property
     def in_flight(self) -> bool:

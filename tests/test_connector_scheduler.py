@@ -22,9 +22,10 @@ from kvfsm.connector.metadata import (
     WorkerOutput,
 )
 from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult
-from kvfsm.connector.validation import UnknownJob
+from kvfsm.connector.validation import UnknownJob, UnknownWorker
 from kvfsm.machines import IllegalTrigger
 from kvfsm.manager import BlockRemoved, BlockStored
+from kvfsm.testing.mutants import complete_on_first_report, publish_on_partial_failure
 
 BLOCK = 4
 """Tokens per GPU block in these tests."""
@@ -293,8 +294,10 @@ def check_waits_for_every_worker(sched: SchedulerConnector) -> None:
 
 def test_with_two_workers_a_job_completes_when_both_reported() -> None:
     check_waits_for_every_worker(connector(workers=2))
+    control = connector(workers=2)
+    complete_on_first_report(control)
     with pytest.raises(AssertionError):
-        check_waits_for_every_worker(connector(workers=1))  # control: the scheduler counts one worker
+        check_waits_for_every_worker(control)
 
 
 def test_with_two_workers_a_job_fails_if_either_failed() -> None:
@@ -305,20 +308,42 @@ def test_with_two_workers_a_job_fails_if_either_failed() -> None:
     assert sched.jobs[job_id].state == "failed" and sched.manager.catalogue == {}
 
 
-@pytest.mark.parametrize("case", ["duplicate", "unknown", "finished"])
-def test_a_report_for_a_job_not_in_flight_raises_unknown_job(case: str) -> None:
+@pytest.mark.parametrize(("case", "error"), [("duplicate", UnknownJob), ("never ordered", UnknownJob),
+                                             ("finished", UnknownJob), ("no such rank", UnknownWorker)])
+def test_a_report_the_scheduler_cannot_place_is_a_named_error(case: str, error: type[Exception]) -> None:
     sched = connector(workers=2)
     job_id = two_worker_store(sched)
     report(sched, done=[job_id], worker=0)
-    if case == "duplicate":
-        bad = (job_id, 0)
-    elif case == "unknown":
-        bad = (job_id + 100, 1)
-    else:
+    bad = {"duplicate": (job_id, 0), "never ordered": (job_id + 100, 1), "finished": (job_id, 1),
+           "no such rank": (job_id, 2)}[case]
+    if case == "finished":
         report(sched, done=[job_id], worker=1)
-        bad = (job_id, 1)
-    with pytest.raises(UnknownJob):
+    with pytest.raises(error):
         report(sched, done=[bad[0]], worker=bad[1])
+
+
+def test_an_output_with_a_bad_report_applies_none_of_its_reports() -> None:
+    sched = connector(workers=2)
+    job_id = two_worker_store(sched)
+    report(sched, done=[job_id], worker=0)
+    output = ConnectorOutput(workers=(WorkerOutput(worker=1, done=(job_id,)), WorkerOutput(worker=0, done=(job_id,))))
+    with pytest.raises(UnknownJob):
+        sched.update_connector_output(output)
+    assert sched.jobs[job_id].state == "submitted" and sched.jobs[job_id].reports == {0: True}, \
+        "rank 1's good report was applied although the output was refused"
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_job_any_rank_failed_publishes_none_of_its_slots(control: bool) -> None:
+    sched = connector(workers=2)
+    if control:
+        publish_on_partial_failure(sched)
+    job_id = two_worker_store(sched)
+    report(sched, failed=[job_id], worker=0)
+    assert sched.jobs[job_id].state == "submitted", "a job failed before every rank reported it"
+    report(sched, done=[job_id], worker=1)
+    published = sched.jobs[job_id].state != "failed" or sched.manager.catalogue != {}
+    assert published == control, "a job one rank failed published its slots" if published else "control missed"
 
 
 # request lifetime ------------------------------------------------------------------------------------------

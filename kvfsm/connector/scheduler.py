@@ -28,6 +28,7 @@ from kvfsm.connector.metadata import (
     SchedulerOutput,
     StoreOrder,
 )
+from kvfsm.connector.ranks import every_rank_verdict, rank_reports
 from kvfsm.connector.stats import ConnectorStats
 from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.connector.validation import (
@@ -47,7 +48,7 @@ from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, Transfe
 from kvfsm.states import CpuBlockState, RequestState, TransferJobState
 from kvfsm.tiers.base import LowerTier
 
-__all__ = ["RequestView", "SchedulerConnector", "StepResult", "UnknownJob", "UnknownRequest"]
+__all__ = ["RequestView", "SchedulerConnector", "StepResult", "UnknownRequest"]
 
 _WRITING = frozenset({CpuBlockState.PENDING_STORE, CpuBlockState.SUBMITTED, CpuBlockState.FETCHING})
 
@@ -89,7 +90,6 @@ class SchedulerConnector:
         self._next_job = 0
         self._new_loads: list[TransferJob] = []
         self._prepared: list[TransferJob] = []
-        self._reports: dict[int, dict[int, bool]] = {}
         self._load_errors: set[int] = set()
         self._cpu_block_tokens = config.cpu_block_tokens
         self.tiers = TierPlanner(config, tiers, self.manager, config.block_size_factor * gpu_block_bytes,
@@ -252,19 +252,16 @@ class SchedulerConnector:
     # --- completions -----------------------------------------------------------------------------------
 
     def update_connector_output(self, output: ConnectorOutput) -> StepResult:
-        """Complete the jobs every worker reported; a job fails if any worker failed it."""
+        """Log each rank's reports (all checked first: one bad report applies none) and finish the jobs every rank
+        reported; a job fails if any rank failed it."""
         check_reports(self, output)
         self._load_errors = set()
+        for rank, job, ok in rank_reports(output, self.ledger.jobs):
+            job.reports[rank] = ok
+            verdict = self._verdict(job)
+            if verdict is not None:
+                self._finish(job, verdict)
         for worker in output.workers:
-            for job_id, ok in [*((j, True) for j in worker.done), *((j, False) for j in worker.failed)]:
-                job = self.ledger.jobs[job_id]
-                reports = self._reports.get(job_id)
-                if reports is None:
-                    reports = self._reports[job_id] = {}
-                reports[worker.worker] = ok
-                if len(reports) == self.config.num_workers:
-                    del self._reports[job_id]
-                    self._finish(job, all(reports.values()))
             if worker.tiers and self.tiers is None:
                 raise UnknownJob(f"worker {worker.worker} reported tier jobs, but no lower tier is configured")
             for report in worker.tiers:
@@ -273,6 +270,10 @@ class SchedulerConnector:
         for blocks in result.load_errors.values():
             self._load_errors.update(blocks)
         return result
+
+    def _verdict(self, job: TransferJob) -> bool | None:
+        """Whether the job succeeded on every rank, once every rank reported it (the TP controls replace this)."""
+        return every_rank_verdict(job, self.config.num_workers)
 
     def _finish(self, job: TransferJob, ok: bool) -> None:
         """The job's end; the spec's couplings move its CPU slots, its GPU fences and its request."""

@@ -33,7 +33,6 @@ class SchedulerHalf(Protocol):
     machines: Any
     jobs: Mapping[int, Any]
     requests: Mapping[str, Any]
-    _reports: Mapping[int, Mapping[int, bool]]
 
 
 class WorkerHalf(Protocol):
@@ -310,7 +309,7 @@ def check_reports(sched: SchedulerHalf, output: ConnectorOutput) -> None:
         for job_id in (*report.done, *report.failed):
             job = sched.jobs.get(job_id)
             if (job is None or not job.in_flight or (report.worker, job_id) in seen
-                    or report.worker in sched._reports.get(job_id, ())):
+                    or report.worker in job.reports):
                 raise UnknownJob(f"{call}: worker {report.worker} reported job {job_id}, which is not in flight "
                                  "for it; legal: each job in flight, once per worker")
             seen.add((report.worker, job_id))

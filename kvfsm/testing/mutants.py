@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvfsm.connector import Connector
+from kvfsm.connector import Connector, SchedulerConnector
 from kvfsm.engine.engine import Engine
 from kvfsm.manager.catalogue import Lookup
 from kvfsm.states import CpuBlockState, TransferJobState
@@ -152,6 +152,27 @@ def _flush_first_segment(engine: Engine, connector: Connector) -> None:
                 worker.device.synchronize(events[0])
 
     worker.wait = wait  # type: ignore[method-assign]
+
+
+def complete_on_first_report(scheduler: SchedulerConnector) -> None:
+    """A job finishes on the first rank's report (later ones are only logged): its slots are published while other
+    ranks may still copy into them. A control for tensor parallelism: with one worker it is kvfsm."""
+
+    def first_report(job: TransferJob) -> bool | None:
+        return next(iter(job.reports.values())) if len(job.reports) == 1 else None
+
+    scheduler._verdict = first_report  # type: ignore[method-assign]
+
+
+def publish_on_partial_failure(scheduler: SchedulerConnector) -> None:
+    """Once every rank reported, a job succeeds if any rank's copy did: slots holding some heads are published. A
+    control for tensor parallelism: with one worker it is kvfsm."""
+    workers = scheduler.config.num_workers
+
+    def any_rank_succeeded(job: TransferJob) -> bool | None:
+        return any(job.reports.values()) if len(job.reports) == workers else None
+
+    scheduler._verdict = any_rank_succeeded  # type: ignore[method-assign]
 
 
 MUTANTS: dict[str, Mutant] = {

@@ -68,6 +68,10 @@ class EngineWorld:
         return getattr(self.engine.device, "accesses", ())
 
     @property
+    def num_workers(self) -> int:
+        return self.connector.config.num_workers
+
+    @property
     def idle(self) -> bool:
         tiers = self.connector.scheduler.tiers
         return (not self.engine.has_work and getattr(self.engine.device, "idle", True)

@@ -69,6 +69,10 @@ class AdapterWorld:
     def writeback_bound(self) -> int:
         return self._scheduler.config.writeback_max_bytes_in_flight
 
+    @property
+    def num_workers(self) -> int:
+        return self._scheduler.config.num_workers
+
 
 class SpecChecks:
     """Traces the machines from construction on; `after_step` and `after_idle` raise `SpecViolation`."""

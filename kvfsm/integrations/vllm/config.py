@@ -1,7 +1,9 @@
 """kvfsm's configuration from vLLM's: the user's `kv_connector_extra_config`, checked against the engine.
 
 Settings vLLM already decides (tokens per block, how many workers report each job) are taken from vLLM; a user who
-also sets them must agree with it, or start-up fails naming both values.
+also sets them must agree with it, or start-up fails naming both values. Every worker of the engine reports each
+job: vLLM's `KVOutputAggregator` counts `parallel_config.world_size` of them (tensor x pipeline x prefill-context
+parallel; pipeline stages other than the last pass their connector output through), so that is `num_workers`.
 """
 
 from __future__ import annotations

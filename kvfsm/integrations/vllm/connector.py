@@ -49,7 +49,7 @@ class KvfsmConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         config = offload_config(vllm_config)
         self._scheduler = SchedulerSide(config, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = (WorkerSide(config, kv_cache_config, default_device(), worker_rank())
+        self._worker = (WorkerSide(config, kv_cache_config, default_device(), worker_rank(config.num_workers))
                         if role == KVConnectorRole.WORKER else None)
 
     @property

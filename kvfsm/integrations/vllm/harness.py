@@ -1,5 +1,8 @@
 """vLLM's real `Scheduler` on a CPU, driven step by step with a fake worker: what the vLLM adapter tests run on.
 
+With tensor parallelism (`FakeRanks`) each rank is a fake worker of its own, and their outputs reach the scheduler
+through vLLM's own `KVOutputAggregator`, as vLLM's executors deliver them.
+
 The fake worker reads kvfsm's orders from `scheduler_output.kv_connector_metadata` and completes each job a chosen
 number of steps after it was ordered, as a GPU would report it; flushed stores complete in the step that flushes
 them (the real worker waits for them before the forward pass). It reports a failed load's GPU blocks as vLLM's
@@ -24,7 +27,15 @@ from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 
 platforms._current_platform = CpuPlatform()
 
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -50,6 +61,10 @@ class HeldBlockReleased(AssertionError):
     """vLLM freed a GPU block that an unfinished, unflushed kvfsm job still reads or writes."""
 
 
+class ComputedWhileLoading(AssertionError):
+    """vLLM scheduled compute for a request while a rank was still loading its blocks."""
+
+
 def tiny_model(folder: Path) -> Path:
     """A model folder vLLM accepts without weights or tokenizer: only a Llama config."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -70,7 +85,7 @@ KVFSM_CONNECTOR = "KvfsmConnector"
 
 def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
                 connector: str | None = KVFSM_CONNECTOR, max_batched_tokens: int = 512,
-                max_seqs: int = 32) -> VllmConfig:
+                max_seqs: int = 32, tensor_parallel_size: int = 1) -> VllmConfig:
     """vLLM's configuration with `connector` (kvfsm's, one of vLLM's own by name, or None for none)."""
     transfer = None if connector is None else KVTransferConfig(
         kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra,
@@ -80,7 +95,7 @@ def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
         model_config=model, cache_config=CacheConfig(block_size=BLOCK_SIZE),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_batched_tokens, max_num_seqs=max_seqs,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
-        kv_transfer_config=transfer)
+        kv_transfer_config=transfer, parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
     config.cache_config.num_gpu_blocks = num_gpu_blocks
     return config
 
@@ -122,6 +137,7 @@ class _Job:
 class FakeWorker:
     """Completes kvfsm jobs `load_steps` / `store_steps` steps after their order; fails loads of `fail_loads`."""
 
+    rank: int = 0
     load_steps: int = 1
     store_steps: int = 1
     fail_loads: set[str] = field(default_factory=set)
@@ -148,7 +164,7 @@ class FakeWorker:
         for job in finished:
             del self.pending[job.job_id]
         self.finished += finished
-        report = WorkerOutput(worker=0, done=tuple(j.job_id for j in finished if j.ok),
+        report = WorkerOutput(worker=self.rank, done=tuple(j.job_id for j in finished if j.ok),
                               failed=tuple(j.job_id for j in finished if not j.ok))
         invalid = {b for j in finished if not j.ok and j.kind == "load" for b in j.gpu_blocks}
         return KVConnectorOutput(
@@ -161,6 +177,31 @@ class FakeWorker:
     @property
     def pending_jobs(self) -> bool:
         return bool(self.pending)
+
+
+class FakeRanks:
+    """Tensor-parallel ranks, each a `FakeWorker`; their outputs are combined by vLLM's `KVOutputAggregator`, as
+    vLLM's executors combine every worker's output before the scheduler sees it."""
+
+    def __init__(self, workers: list[FakeWorker]) -> None:
+        self.workers = workers
+        self._aggregator = KVOutputAggregator(expected_finished_count=len(workers))
+
+    def step(self, step: int, output: SchedulerOutput, scheduler: Scheduler) -> KVConnectorOutput:
+        # One object per worker, as each arrives from its own process (vLLM's empty-output helper hands out a shared
+        # instance, which the aggregator writes into).
+        outputs = [ModelRunnerOutput(req_ids=[], req_id_to_index={},
+                                     kv_connector_output=w.step(step, output, scheduler)) for w in self.workers]
+        aggregated = self._aggregator.aggregate(outputs)  # type: ignore[arg-type]
+        assert aggregated is not None and aggregated.kv_connector_output is not None
+        return aggregated.kv_connector_output
+
+    def in_flight(self, flushed: tuple[int, ...] = ()) -> list[_Job]:
+        return [job for w in self.workers for job in w.in_flight(flushed)]
+
+    @property
+    def pending_jobs(self) -> bool:
+        return any(w.pending_jobs for w in self.workers)
 
 
 @dataclass
@@ -228,7 +269,7 @@ class AdapterWorker:
 class Driver:
     """One vLLM scheduler with the kvfsm adapter, stepped by hand against a `FakeWorker` or an `AdapterWorker`."""
 
-    def __init__(self, config: VllmConfig, worker: "FakeWorker | AdapterWorker",
+    def __init__(self, config: VllmConfig, worker: "FakeWorker | FakeRanks | AdapterWorker",
                  cache: KVCacheConfig | None = None) -> None:
         init_none_hash(sha256)
         self.blocks = config.cache_config.num_gpu_blocks
@@ -267,6 +308,7 @@ class Driver:
         orders = output.kv_connector_metadata.orders
         self.check_held(orders.flush)
         self.check_block_tables(output)
+        self.check_not_loading(output)
         first = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
         first.update((r, n) for r, n in zip(cached.req_ids, cached.num_computed_tokens) if r in cached.resumed_req_ids)
@@ -312,6 +354,13 @@ class Driver:
             if tables[req_id] != held:
                 raise AssertionError(f"step {self.step_no}: the adapter has {req_id}'s blocks as {tables[req_id]}, "
                                      f"vLLM holds {held}")
+
+    def check_not_loading(self, output: SchedulerOutput) -> None:
+        """No request is computed while any rank still loads its blocks (checked before the workers see the step)."""
+        for job in self.worker.in_flight():
+            if job.kind == "load" and job.req_id in output.num_scheduled_tokens:
+                raise ComputedWhileLoading(f"step {self.step_no}: {job.req_id} was scheduled while load job "
+                                           f"{job.job_id} was still in flight")
 
     def reset_gpu_prefix_cache(self) -> None:
         if not self.scheduler.reset_prefix_cache():

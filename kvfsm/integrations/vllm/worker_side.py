@@ -29,9 +29,16 @@ def default_device() -> Device:
     return CudaDevice() if torch.cuda.is_available() else SimDevice()
 
 
-def worker_rank() -> int:
-    """This worker's id in job reports: its rank among the workers, 0 when it is the only one."""
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+def engine_rank(global_rank: int, world_size: int) -> int:
+    """A worker's place among its engine's `world_size` workers (TP x PP x PCP, the count vLLM's
+    `KVOutputAggregator` waits for): with data parallelism vLLM offsets each replica's ranks by
+    `data_parallel_rank * world_size`."""
+    return global_rank % world_size
+
+
+def worker_rank(world_size: int) -> int:
+    """This worker's id in job reports: its place in its engine, 0 when it is the only one."""
+    return engine_rank(torch.distributed.get_rank(), world_size) if torch.distributed.is_initialized() else 0
 
 
 class WorkerSide:
