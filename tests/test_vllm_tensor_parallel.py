@@ -4,36 +4,43 @@ failed fails for both and vLLM recomputes. Skipped when vLLM is not installed.""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.harness import (  # noqa: E402
     BLOCK_SIZE,
     ComputedWhileLoading,
     Driver,
     FakeRanks,
     FakeWorker,
-    model_config,
     vllm_config,
 )
 from kvfsm.integrations.vllm.worker_side import engine_rank  # noqa: E402
 from kvfsm.testing.mutants import complete_on_first_report  # noqa: E402
+from vllm_support import model  # noqa: E402,F401  (the tiny model fixture)
 
 pytestmark = pytest.mark.vllm
 
 PROMPT = list(range(100, 100 + 4 * BLOCK_SIZE)) + [1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    return model_config(Path(tmp_path_factory.mktemp("tiny-llama")))
+@pytest.fixture
+def two_ranks(model) -> Iterator:
+    """Builds drivers of two fake ranks on the tiny model and stops their tracing when the test ends."""
+    opened: list[Driver] = []
 
+    def build(*workers: FakeWorker) -> Driver:
+        d = Driver(vllm_config(model, {"cpu_blocks": 32}, 64, tensor_parallel_size=2), FakeRanks(list(workers)))
+        opened.append(d)
+        return d
 
-def two_ranks(model, *workers: FakeWorker) -> Driver:
-    return Driver(vllm_config(model, {"cpu_blocks": 32}, 64, tensor_parallel_size=2), FakeRanks(list(workers)))
+    yield build
+    for d in opened:
+        d.close()
 
 
 def reload(d: Driver) -> int:
@@ -47,30 +54,40 @@ def reload(d: Driver) -> int:
     return next(log.first_computed["reader"] for log in d.log if "reader" in log.first_computed)
 
 
-def test_num_workers_is_vllms_world_size(model) -> None:
-    d = two_ranks(model, FakeWorker(rank=0), FakeWorker(rank=1))
+def test_num_workers_is_vllms_world_size(two_ranks) -> None:
+    d = two_ranks(FakeWorker(rank=0), FakeWorker(rank=1))
     assert d.connector.scheduler_side.kvfsm.config.num_workers == 2
 
 
-def test_a_rank_is_its_place_in_its_engine_with_data_parallel_ranks_offset(model) -> None:
+def test_a_rank_is_its_place_in_its_engine_with_data_parallel_ranks_offset() -> None:
     assert [engine_rank(global_rank, world_size=2) for global_rank in range(6)] == [0, 1, 0, 1, 0, 1]
 
 
-def test_a_load_waits_for_the_slower_rank(model) -> None:
-    d = two_ranks(model, FakeWorker(rank=0, load_steps=1), FakeWorker(rank=1, load_steps=3))
+def test_a_load_waits_for_the_slower_rank(two_ranks) -> None:
+    d = two_ranks(FakeWorker(rank=0, load_steps=1), FakeWorker(rank=1, load_steps=3))
     assert reload(d) == len(PROMPT) - len(PROMPT) % BLOCK_SIZE
     assert d.cpu_pool_drained()
 
 
-def test_control_completing_on_the_first_rank_report_computes_on_a_loading_rank(model) -> None:
-    d = two_ranks(model, FakeWorker(rank=0, load_steps=1), FakeWorker(rank=1, load_steps=3))
+def test_control_completing_on_the_first_rank_report_breaks_every_rank_reports(two_ranks) -> None:
+    d = two_ranks(FakeWorker(rank=0, load_steps=1), FakeWorker(rank=1, load_steps=3))
     complete_on_first_report(d.connector.scheduler_side.kvfsm)
+    with pytest.raises(SpecViolation, match="every-rank-reports: load job .* reports from ranks \\[0\\] of 2"):
+        reload(d)
+
+
+def test_control_completing_on_the_first_rank_report_computes_on_a_loading_rank(two_ranks) -> None:
+    """The hazard `every-rank-reports` rules out, seen from vLLM with kvfsm's own checks off: the request is
+    scheduled while the slower rank still loads its heads."""
+    d = two_ranks(FakeWorker(rank=0, load_steps=1), FakeWorker(rank=1, load_steps=3))
+    complete_on_first_report(d.connector.scheduler_side.kvfsm)
+    d.checks.after_step = lambda step: None  # type: ignore[method-assign]
     with pytest.raises(ComputedWhileLoading):
         reload(d)
 
 
-def test_a_load_one_rank_failed_fails_on_both_and_is_recomputed(model) -> None:
-    d = two_ranks(model, FakeWorker(rank=0), FakeWorker(rank=1, fail_loads={"reader"}))
+def test_a_load_one_rank_failed_fails_on_both_and_is_recomputed(two_ranks) -> None:
+    d = two_ranks(FakeWorker(rank=0), FakeWorker(rank=1, fail_loads={"reader"}))
     assert reload(d) == 0, "vLLM used blocks that one rank never loaded"
     kvfsm = d.connector.scheduler_side.kvfsm
     assert kvfsm.stats.loads_failed == 1 and d.first_token.keys() == {"writer", "reader"}
