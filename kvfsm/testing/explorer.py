@@ -128,7 +128,7 @@ class _Replay:
                             sorted((j.job_id, j.state) for j in h.connector.scheduler.jobs.values()),
                             sorted((r.request_id, r.phase.name, r.num_computed, r.num_sampled)
                                    for r in h.engine.live.values()),
-                            len(h.io.queue), sorted((e.key, e.state) for t in h.world.tiers for e in t.entries),
+                            h.io.numbers, sorted((e.key, e.state) for t in h.world.tiers for e in t.entries),
                             sorted((j.job_id, j.state) for j in h.world.tier_jobs.values()))).encode())
         for cache in h.engine.caches:
             digest.update(cache.numpy().tobytes())

@@ -22,15 +22,22 @@ class ManualIo:
 
     def __init__(self) -> None:
         self.queue: list[tuple[Future, Callable[[], object]]] = []
+        self.numbers: list[int] = []
+        """The submission number of each queued operation (0 for the first ever submitted), in queue order: which
+        operations are still pending, not just how many (an operation may submit another as it runs)."""
+        self._submitted = 0
 
     def submit(self, fn: Callable[[], T], /) -> Future[T]:
         future: Future[T] = Future()
         self.queue.append((future, fn))  # type: ignore[arg-type]
+        self.numbers.append(self._submitted)
+        self._submitted += 1
         return future
 
     def run_one(self, index: int = 0) -> None:
         """Run the `index`-th queued operation (oldest first), settling its future with its result or error."""
         future, fn = self.queue.pop(index)
+        self.numbers.pop(index)
         try:
             future.set_result(fn())
         except BaseException as error:  # an I/O error is the operation's outcome, delivered through its future
