@@ -1,12 +1,13 @@
 """Exhaustive exploration of every schedule of a small workload, breadth first, deduplicating states.
 
 A schedule is the sequence of choices nothing in the code fixes: whether the host takes its next action (an engine
-step, a new request, a preemption) or one of the device's runnable streams executes its next operation. The
+step, a new request, a preemption), one of the device's runnable streams executes its next operation, or a lower
+tier's oldest queued read or write runs ("io": a disk, or a real Mooncake store on a local master). The
 explorer enumerates them all for a small workload (2–3 requests sharing a prefix, a handful of GPU blocks, a CPU
 pool of a few blocks, one preemption), checking the same invariants, bytes and outputs as the generated
 interleavings at every state. Engine, connector and device state cannot be copied (operations are closures), so
-each state is rebuilt by replaying its choices; states whose fingerprint (host progress, queued operations,
-memory bytes, job and request states) was already seen are not expanded again. Host blocking inside
+each state is rebuilt by replaying its choices; states whose fingerprint (host progress, queued operations and tier
+I/O, memory and disk bytes, job, request and tier-entry states) was already seen are not expanded again. Host blocking inside
 `handle_preemptions` runs the device in a fixed order: its interleavings are the one thing not enumerated.
 """
 
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvfsm.executor.sim import SimDevice
 from kvfsm.testing.harness import Harness
+from kvfsm.testing.mooncake_store import shared_master
 from kvfsm.testing.mutants import MUTANTS
 
 HostAction = Callable[[Harness], None]
@@ -39,7 +42,19 @@ class Workload:
     layer_stores: bool = False
     disk_slots: int = 0
     """Slots of a disk tier below the CPU pool (0: none); its reads and writes are one more choice, "io"."""
+    mooncake: bool = False
+    """A Mooncake tier below the CPU pool, on this process's shared local master (a tenant of its own per replay);
+    its calls queue like the disk's, the same "io" choice."""
     writeback_bound_blocks: int = 4
+    device_eager: bool = False
+    """The device runs every operation as soon as it is queued: only the host and the tier's I/O are choices (the
+    streams' interleavings are the other workloads' subject; each replay of a Mooncake workload does real network
+    I/O, so its schedules are kept few)."""
+
+    @property
+    def tier(self) -> str | None:
+        """The lower tier this workload runs with, as `kvfsm.testing.mutants.Mutant.tier` names it."""
+        return "mooncake" if self.mooncake else "disk" if self.disk_slots else None
 
 
 @dataclass
@@ -82,6 +97,11 @@ def forget_gpu_prefixes(h: Harness) -> None:
     h.engine.reset_prefix_cache()
 
 
+def reset_offload_cache(h: Harness) -> None:
+    """A cache reset of the connector: CPU blocks leave the catalogue, write-backs in flight are orphaned."""
+    h.connector.reset_cache()
+
+
 def tier_fault(fault: str) -> HostAction:
     def inject(h: Harness) -> None:
         h.tier_faults.inject(fault)
@@ -98,7 +118,8 @@ class _Replay:
                                block_size_factor=workload.block_size_factor, mutant=mutant,
                                per_layer=workload.per_layer, layer_loads=workload.layer_loads,
                                layer_stores=workload.layer_stores,
-                               disk_slots=workload.disk_slots, writeback_bound_blocks=workload.writeback_bound_blocks)
+                               disk_slots=workload.disk_slots, writeback_bound_blocks=workload.writeback_bound_blocks,
+                               mooncake_master=shared_master() if workload.mooncake else None)
         self.host_index = 0
 
     def host_can_act(self) -> bool:
@@ -116,6 +137,8 @@ class _Replay:
         actions = self.workload.actions
         (actions[self.host_index] if self.host_index < len(actions) else step)(self.harness)
         self.host_index += 1
+        if self.workload.device_eager:
+            self.harness.device.run_until_idle()
 
     def choices(self) -> list[Choice]:
         return ((["host"] if self.host_can_act() else []) + list(self.harness.device.runnable())
@@ -138,7 +161,11 @@ class _Replay:
         return digest.hexdigest()
 
 
-def _visit(workload: Workload, mutant: str | None, path: tuple[Choice, ...]) -> tuple[str, list[str], list[Choice]]:
+Closer = Callable[[Harness], None]
+
+
+def _visit(workload: Workload, mutant: str | None, path: tuple[Choice, ...],
+           close: Closer = Harness.close) -> tuple[str, list[str], list[Choice]]:
     """Rebuild the state `path` leads to: its fingerprint, what is wrong there, and the choices it offers."""
     replay = _Replay(workload, mutant)
     try:
@@ -152,7 +179,7 @@ def _visit(workload: Workload, mutant: str | None, path: tuple[Choice, ...]) -> 
     except Exception as error:  # a refused trigger or a broken engine is a finding, not a crash
         key, found, options = repr(path), [f"{type(error).__name__}: {error}"], []
     finally:
-        replay.harness.close()
+        close(replay.harness)
     return key, found, options
 
 
@@ -165,12 +192,51 @@ def fits(workload: Workload, mutant: str) -> bool:
 
 def explore(workload: Workload, mutant: str | None = None, max_states: int = 5000) -> Exploration:
     """Breadth-first search over schedules; stops at the first violation (a shortest counterexample)."""
+    if not workload.mooncake:
+        return _search(workload, mutant, max_states, Harness.close)
+    with _BatchCloser() as closer:
+        return _search(workload, mutant, max_states, closer.close)
+
+
+class _BatchCloser:
+    """Closes replays' harnesses in batches, each batch's closes at once on threads.
+
+    A Mooncake client's close waits about a second for its own threads (without the GIL), and a client set up while
+    another closes waits for that close: closing each replay inline, or in the background, costs a second a state.
+    Closed together, a batch costs about one second."""
+
+    def __init__(self, batch: int = 32) -> None:
+        self.batch = batch
+        self._open: list[Harness] = []
+        self._threads = ThreadPoolExecutor(max_workers=batch, thread_name_prefix="kvfsm-explorer-close")
+
+    def close(self, harness: Harness) -> None:
+        self._open.append(harness)
+        if len(self._open) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        closing, self._open = self._open, []
+        for _ in self._threads.map(Harness.close, closing):
+            pass  # a close that failed raises here: a finding too
+
+    def __enter__(self) -> _BatchCloser:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.flush()
+        finally:
+            self._threads.shutdown()
+
+
+def _search(workload: Workload, mutant: str | None, max_states: int, close: Closer) -> Exploration:
     result = Exploration()
     seen: set[str] = set()
     frontier: deque[tuple[Choice, ...]] = deque([()])
     while frontier and result.states < max_states:
         path = frontier.popleft()
-        key, found, options = _visit(workload, mutant, path)
+        key, found, options = _visit(workload, mutant, path, close)
         if key in seen:
             continue
         seen.add(key)
@@ -223,6 +289,11 @@ when its blocks are rewritten (vLLM 29870)."""
 
 _A, _B = (11, 12), (21, 22)
 TIER_WORKLOADS: dict[str, Workload] = {
+    "disk-reset": Workload(
+        actions=(add(_A + (13, 14, 1), 1), step, step, step, step, reset_offload_cache, forget_gpu_prefixes,
+                 add(_A + (13, 14, 2), 1), step),
+        num_gpu_blocks=6, cpu_blocks=2, disk_slots=2, writeback_bound_blocks=1, max_extra_steps=6,
+    ),
     "disk": Workload(
         actions=(add(_A + (1,), 1), step, step, step, step, step, forget_gpu_prefixes, add(_B + (5,), 1), step, step, step, step, step,
                  forget_gpu_prefixes, add(_A + (2,), 1), step),
@@ -239,16 +310,21 @@ TIER_WORKLOADS: dict[str, Workload] = {
         num_gpu_blocks=4, cpu_blocks=1, disk_slots=2, writeback_bound_blocks=1, max_extra_steps=6,
     ),
 }
-"""A one-block prefix written back to disk, pushed out of a one-slot CPU pool by another, and fetched back when it
-returns; the same with its key evicted between the lookup and the fetch; and with the disk hanging past the
-fetch's deadline."""
+"""A two-block prefix stored at once (two write-back candidates against a one-block bound) whose cache is reset while
+its write-back may still run, then looked up again (the disk still writing its key); a one-block prefix written
+back to disk, pushed out of a one-slot CPU pool by another, and fetched back when it returns; the same with its
+key evicted between the lookup and the fetch; and with the disk hanging past the fetch's deadline. The cheapest
+first: a mutant's search stops at the first workload that shows it."""
 
-EXPLORER_UNREACHABLE: dict[str, str] = {
-    "unbounded-write-back": "needs two CPU blocks written back at once; the tier workloads have a one-slot CPU pool",
-    "lookup-counts-writing": "needs a lookup of a key while its write-back runs; no tier workload returns a prefix then",
-    "publish-before-written": "needs a fetch of a key while its write-back still runs; no tier workload returns a "
-                              "prefix then (found surviving every schedule at the session's end; not yet widened)",
-    "mooncake-adopt-unasked": "needs a Mooncake workload; none is explored, as each replay would open a client to a "
-                              "real master (minutes per workload on the CI machine)",
+MOONCAKE_WORKLOADS: dict[str, Workload] = {
+    "mooncake-reset": Workload(
+        actions=(add(_A + (1,), 1), step, step, step, step, step, reset_offload_cache, forget_gpu_prefixes,
+                 add(_A + (2,), 1), step),
+        num_gpu_blocks=4, cpu_blocks=1, mooncake=True, writeback_bound_blocks=1, max_extra_steps=6,
+        device_eager=True,
+    ),
 }
-"""Tier mutants the small tier workloads cannot show (the generated interleavings catch them)."""
+"""A one-block prefix written back to a shared Mooncake store, then its cache reset (CPU blocks and the tier's
+own index forgotten, the store keeping the object, as if another engine had written it) while the write may still
+run, and the prefix looked up again: the lookup asks the store and adopts the key if the store holds it whole, and
+fetches it. The device runs eagerly: the store's calls against the host's steps are what is enumerated."""
