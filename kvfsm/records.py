@@ -65,9 +65,9 @@ class TransferJob:
 class RequestRecord:
     """A request as the connector tracks it; `jobs` holds its transfer jobs still in flight.
 
-    Beside the lifecycle state it keeps what the scheduler plans with, so a step costs one lookup per request:
-    the engine's view of it, its GPU blocks, how many CPU blocks were ordered stored, and the computed-token
-    count at which its next CPU block completes (a decode step below it has nothing to store).
+    Beside the lifecycle state it keeps what the scheduler plans with: the engine's view of it, its GPU blocks and
+    how many CPU blocks were ordered stored. When its next CPU block completes is kept beside the records, in
+    `Ledger.store_due`, so a step compares every request with it in C.
     """
 
     req_id: str
@@ -78,7 +78,6 @@ class RequestRecord:
     view: Any = None
     block_ids: Sequence[int] = ()
     stored_cpu_blocks: int = 0
-    store_due: int = 0
     match: tuple[int, int] | None = None
     """(first GPU block, GPU blocks offered) by the last lookup, until the engine allocates."""
 

@@ -123,7 +123,7 @@ MALFORMED: dict[str, tuple[type[Exception], Malformed]] = {
         scheduled=(ScheduledRequest(req_id=r, block_ids=(), num_computed_tokens=0),), preempted=(r,)))),
     "step-block-beyond-the-cache": (BlockIdOutOfRange, lambda h, n: _running_step(h, n, lambda r: SchedulerOutput(
         scheduled=(ScheduledRequest(req_id=r, block_ids=(*h.connector.scheduler.requests[r].block_ids, GPU_BLOCKS + n),
-                                    num_computed_tokens=h.connector.scheduler.requests[r].store_due),)))),
+                                    num_computed_tokens=h.connector.scheduler.store_due[r]),)))),
     "step-negative-computed": (NegativeTokenCount, lambda h, n: _running_step(h, n, lambda r: SchedulerOutput(
         scheduled=(ScheduledRequest(req_id=r, block_ids=(), num_computed_tokens=-1 - n),)))),
     "report-unknown-job": (UnknownJob, lambda h, n: _report(h, WorkerOutput(done=(10_000 + n,)))),
@@ -245,7 +245,7 @@ def test_control_a_malformed_call_that_gets_through_is_caught(monkeypatch: pytes
     """With the step check removed, a scheduled block beyond the cache is not refused: the rule fails."""
     def unchecked(sched, output):  # type: ignore[no-untyped-def]  # what check_step hands the planner, unchecked
         records = [(sched.requests[s.req_id], s) for s in output.scheduled]
-        return [(r, s) for r, s in records if s.num_computed_tokens >= r.store_due]
+        return [(r, s) for r, s in records if s.num_computed_tokens >= sched.store_due[s.req_id]]
 
     monkeypatch.setattr("kvfsm.connector.scheduler.check_step", unchecked)
     machine = MalformedCalls()

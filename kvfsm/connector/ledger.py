@@ -51,8 +51,14 @@ class Ledger:
         self.fences = GpuFences(machines["gpu-block"], num_gpu_blocks)
         self.jobs: dict[int, TransferJob] = {}
         """Jobs in flight (every job of the run with `keep_history`)."""
-        self.requests: dict[str, RequestRecord] = {}
+        self.tracked: dict[str, RequestRecord] = {}
+        """Requests not yet released: the ones an engine may name (a step's check is one set comparison with it)."""
+        self.requests: dict[str, RequestRecord] = {} if keep_history else self.tracked
         """Requests not yet released (every request of the run with `keep_history`)."""
+        self.store_due: dict[str, int] = {}
+        """Each tracked request's computed-token count at which its next CPU block completes: a step in which the
+        engine reports fewer has nothing of it to store. Beside the records, not in them, so that a step reads every
+        request's in one C-level pass (`map(store_due.__getitem__, ...)`)."""
         self.deferrals: dict[str, Deferral] = {}
         self.reported_failed: set[int] = set()
         """Failed jobs reported to the engine; kept with the history it is checked against, else not at all."""
@@ -113,11 +119,15 @@ class Ledger:
             if trigger in ENDS_OF_JOBS:
                 self.result.released.add(record.req_id)
             self.deferrals.pop(record.req_id, None)
-            if not self.keep_history:
-                del self.requests[record.req_id]
+            del self.tracked[record.req_id], self.store_due[record.req_id]
         return dest
 
     # --- records -------------------------------------------------------------------------------------------
+
+    def track(self, record: RequestRecord) -> None:
+        """A request the engine named for the first time (or again after it was released)."""
+        self.tracked[record.req_id] = self.requests[record.req_id] = record
+        self.store_due[record.req_id] = 0  # not allocated yet: the step looks at it, and plans nothing
 
     def add_job(self, job: TransferJob) -> None:
         self.jobs[job.job_id] = job

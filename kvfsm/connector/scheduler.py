@@ -10,7 +10,7 @@ the scheduler moves it to `submitted` when it builds step N+1's metadata; a pree
 stores are flushed in the next metadata, which the worker executes before the engine reuses any GPU block.
 
 Cost: a step pays per request only a dict lookup and one comparison unless the request completed a CPU block
-(`RequestRecord.store_due`), and per CPU block a bounded number of batched transitions.
+(`Ledger.store_due`), and per CPU block a bounded number of batched transitions.
 """
 
 from __future__ import annotations
@@ -107,6 +107,16 @@ class SchedulerConnector:
         return self.ledger.requests
 
     @property
+    def tracked(self) -> dict[str, RequestRecord]:
+        """Requests not yet released."""
+        return self.ledger.tracked
+
+    @property
+    def store_due(self) -> dict[str, int]:
+        """Each tracked request's computed-token count at which its next CPU block completes."""
+        return self.ledger.store_due
+
+    @property
     def gpu_blocks(self) -> dict[int, GpuBlock]:
         return self.ledger.fences.fenced()
 
@@ -164,7 +174,7 @@ class SchedulerConnector:
         record = self._get(request.request_id)
         record.block_ids = tuple(block_ids)
         record.stored_cpu_blocks = 0
-        record.store_due = self._cpu_block_tokens
+        self.ledger.store_due[record.req_id] = self._cpu_block_tokens
         match, record.match = record.match, None
         count = num_external_tokens // self.config.gpu_block_size
         self.ledger.fire_request(record, "allocate", external_tokens=count)
@@ -228,7 +238,7 @@ class SchedulerConnector:
         full_cpu = min(num_computed_tokens // self._cpu_block_tokens, len(cpu_hashes), len(block_ids) // k)
         start = record.stored_cpu_blocks
         record.stored_cpu_blocks = max(start, full_cpu)
-        record.store_due = (record.stored_cpu_blocks + 1) * self._cpu_block_tokens
+        self.ledger.store_due[record.req_id] = (record.stored_cpu_blocks + 1) * self._cpu_block_tokens
         if full_cpu <= start:
             return None
         plan = self.manager.prepare_store(cpu_hashes[start:full_cpu], self._next_job)
@@ -292,8 +302,8 @@ class SchedulerConnector:
 
         Engines call this for every request that ends, including ones the connector never looked up."""
         check_finished(self, request_id, aborted)
-        record = self.ledger.requests.get(request_id)
-        if record is None or record.state == RequestState.RELEASED:
+        record = self.ledger.tracked.get(request_id)
+        if record is None:
             return False
         return self.ledger.fire_request(record, "abort" if aborted else "finish") != RequestState.RELEASED
 
@@ -347,15 +357,15 @@ class SchedulerConnector:
         return hashes[k - 1::k] if k > 1 else hashes
 
     def _track(self, request: RequestView) -> RequestRecord:
-        requests = self.ledger.requests
-        record = requests.get(request.request_id)
-        if record is None or record.state == RequestState.RELEASED:
-            record = requests[request.request_id] = RequestRecord(request.request_id)
+        record = self.ledger.tracked.get(request.request_id)
+        if record is None:
+            record = RequestRecord(request.request_id)
+            self.ledger.track(record)
         record.view = request
         return record
 
     def _get(self, request_id: str) -> RequestRecord:
-        record = self.ledger.requests.get(request_id)
-        if record is None or record.state == RequestState.RELEASED:
+        record = self.ledger.tracked.get(request_id)
+        if record is None:
             raise UnknownRequest(f"request {request_id!r} is not tracked by the connector")
         return record
