@@ -351,7 +351,7 @@ class Driver:
         tables = self.connector.scheduler_side.block_tables
         for req_id in output.num_scheduled_tokens:
             held = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
-            if tables[req_id] != held:
+            if list(tables[req_id]) != held:
                 raise AssertionError(f"step {self.step_no}: the adapter has {req_id}'s blocks as {tables[req_id]}, "
                                      f"vLLM holds {held}")
 
