@@ -172,6 +172,11 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _generations(collected: dict[str, int]) -> str:
+    """`gen0/gen1/gen2` counts of the collections a timed part ran."""
+    return "/".join(str(collected[f"gen{g}"]) for g in range(3))
+
+
 def _print(result: dict[str, Any]) -> None:
     if "mechanisms" in result:
         from kvfsm.bench import transfer
@@ -206,11 +211,13 @@ def _print(result: dict[str, Any]) -> None:
         st = s["steps"]
         table.add_row("SchedulerConnector per step", f"{st['us_per_cpu_block_transition']:.3f}",
                       f"{st['running_requests']} running x {st['prompt_tokens']}-token prompts: "
-                      f"{st['us_per_step']:.0f} µs/step, {st['us_per_transition']:.3f} µs per transition of any kind")
+                      f"{st['us_per_step']:.0f} µs/step, {st['us_per_transition']:.3f} µs per transition of any kind; "
+                      f"GC on, collections {_generations(st['gc_collections'])}")
         sd = s["steady"]
         table.add_row("SchedulerConnector, quiet decode step", "—",
                       f"{sd['running_requests']} running, none completing a block: {sd['us_per_step']:.1f} µs/step "
-                      f"(median of {sd['steps']}, slowest {sd['us_per_step_max']:.0f} µs)")
+                      f"(median of {sd['steps']}, slowest {sd['us_per_step_max']:.0f} µs); "
+                      f"GC on, collections {_generations(sd['gc_collections'])}")
         console.print(table)
     if "disk" in result:
         d = result["disk"]
