@@ -190,6 +190,9 @@ REFUSALS: dict[str, tuple[type[Exception], Case]] = {
     "step-negative-computed-tokens": (
         NegativeTokenCount, lambda w: lambda: w.connector.build_connector_meta(SchedulerOutput(
             scheduled=(scheduled("running", (4, 5, 6), -1),)))),
+    "step-columns-of-different-lengths": (  # validation refuses this; an output built with model_construct can
+        ContradictoryStep, lambda w: lambda: w.connector.build_connector_meta(SchedulerOutput.model_construct(
+            req_ids=("running",), block_ids=(), num_computed_tokens=(8,)))),
     # update_connector_output
     "report-of-an-unknown-job": (
         UnknownJob, lambda w: lambda: w.connector.update_connector_output(ConnectorOutput(workers=(done(999),)))),

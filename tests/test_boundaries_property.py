@@ -244,8 +244,8 @@ def test_malformed_calls_between_steps_are_refused_by_name_and_change_nothing() 
 def test_control_a_malformed_call_that_gets_through_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the step check removed, a scheduled block beyond the cache is not refused: the rule fails."""
     def unchecked(sched, output):  # type: ignore[no-untyped-def]  # what check_step hands the planner, unchecked
-        records = [(sched.requests[s.req_id], s) for s in output.scheduled]
-        return [(r, s) for r, s in records if s.num_computed_tokens >= sched.store_due[s.req_id]]
+        return [(sched.requests[s.req_id], s.block_ids, s.num_computed_tokens) for s in output.scheduled
+                if s.num_computed_tokens >= sched.store_due[s.req_id]]
 
     monkeypatch.setattr("kvfsm.connector.scheduler.check_step", unchecked)
     machine = MalformedCalls()

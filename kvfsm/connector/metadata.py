@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Message(BaseModel):
@@ -64,11 +64,8 @@ class ConnectorMetadata(_Message):
 
 
 class ScheduledRequest(NamedTuple):
-    """A request the engine computes this step, with all its GPU blocks and its computed tokens after the step.
-
-    A typed tuple, not a model: an engine makes one per running request every step, and a model cost 1.5 µs and
-    three objects for the garbage collector to make, and a slow attribute to read, per request per step.
-    `SchedulerOutput` validates every field of each one when it is built (`model_construct` trusts them)."""
+    """A request the engine computes this step, with all its GPU blocks and its computed tokens after the step:
+    one row of a `SchedulerOutput`, which validates its fields."""
 
     req_id: str
     block_ids: tuple[int, ...]
@@ -76,11 +73,40 @@ class ScheduledRequest(NamedTuple):
 
 
 class SchedulerOutput(_Message):
-    """The part of an engine's schedule the connector needs to build the step's orders (validated on
-    construction, each `ScheduledRequest` with it)."""
+    """The part of an engine's schedule the connector needs to build the step's orders.
 
-    scheduled: tuple[ScheduledRequest, ...] = ()
+    Held as columns (request i is `req_ids[i]`, `block_ids[i]`, `num_computed_tokens[i]`), not as a record per
+    request: the connector reads every scheduled request every step, and a column is read in C while a record per
+    request costs an object to make and an attribute to read, per request per step. An engine that has rows passes
+    them as `scheduled=` (validated like the columns); `scheduled` gives them back."""
+
+    req_ids: tuple[str, ...] = ()
+    block_ids: tuple[tuple[int, ...], ...] = ()
+    """All of each request's GPU blocks."""
+    num_computed_tokens: tuple[int, ...] = ()
+    """Each request's computed tokens after the step."""
     preempted: tuple[str, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rows_to_columns(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "scheduled" in data:
+            data = dict(data)
+            rows = tuple(data.pop("scheduled"))
+            data["req_ids"], data["block_ids"], data["num_computed_tokens"] = tuple(zip(*rows)) or ((), (), ())
+        return data
+
+    @model_validator(mode="after")
+    def _columns_align(self) -> "SchedulerOutput":
+        if not len(self.req_ids) == len(self.block_ids) == len(self.num_computed_tokens):
+            raise ValueError(f"{len(self.req_ids)} req_ids, {len(self.block_ids)} block_ids and "
+                                  f"{len(self.num_computed_tokens)} num_computed_tokens; one of each per request")
+        return self
+
+    @property
+    def scheduled(self) -> tuple[ScheduledRequest, ...]:
+        """The scheduled requests as rows."""
+        return tuple(map(ScheduledRequest, self.req_ids, self.block_ids, self.num_computed_tokens))
 
 
 class WorkerOutput(_Message):

@@ -218,8 +218,8 @@ class SchedulerConnector:
                                                    cpu_slots=job.cpu_slots, gpu_offset=job.gpu_offset))
         self._new_loads = []
         stores = []
-        for record, scheduled in due:  # check_step passed over the batch once; only these completed a CPU block
-            order = self._order_store(record, scheduled.block_ids, scheduled.num_computed_tokens)
+        for record, block_ids, computed in due:  # check_step read the batch in C; only these completed a CPU block
+            order = self._order_store(record, block_ids, computed)
             if order is not None:
                 stores.append(order)
         # Built from records this connector validated itself: construct without re-validating (a StoreOrder per

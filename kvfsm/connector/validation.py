@@ -17,7 +17,7 @@ from itertools import compress
 from typing import Any, Protocol
 
 from kvfsm.config import OffloadConfig
-from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, ScheduledRequest, SchedulerOutput
+from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
 from kvfsm.executor.layouts import KVCaches
 
 DEVICE_METHODS = ("tensor_device", "new_event", "record", "wait", "query", "synchronize", "enqueue", "pin_host",
@@ -99,7 +99,7 @@ class TooFewBlocks(IllegalCall):
 
 
 class ContradictoryStep(IllegalCall):
-    """A step names a request twice, or both preempts and schedules it."""
+    """A step names a request twice, both preempts and schedules it, or has columns of different lengths."""
 
 
 class NotRegistered(IllegalCall, RuntimeError):
@@ -259,14 +259,14 @@ def check_alloc(sched: SchedulerHalf, request: object, block_ids: Sequence[objec
                            f"blocks after its {needed - tokens // block_size} cached ones needs {needed} or more")
 
 
-def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any, ScheduledRequest]]:
+def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any, Sequence[int], int]]:
     """`build_connector_meta`: every named request tracked, each named once, preempted ones running,
     computed tokens not negative and block ids inside the cache.
 
-    Returns the scheduled requests whose next CPU block is due (with their records): the only ones the step has
-    to plan for. Every scheduled request is read once, in C (a transposition, a set, one comparison of
-    computed tokens with `Ledger.store_due` per request); Python touches only the due ones, so a decode
-    step in which no request completes a CPU block costs a few passes at C speed, whatever the batch."""
+    Returns (record, block ids, computed tokens) of the scheduled requests whose next CPU block is due: the only
+    ones the step has to plan for. The batch is read column by column in C (a set of its ids, a minimum of its
+    token counts, one comparison per request with `Ledger.store_due`); Python touches only the due requests, so a
+    decode step in which none completes a CPU block costs a few passes at C speed, whatever the batch."""
     call = "build_connector_meta"
     _instance(call, "output", output, SchedulerOutput)
     for req_id in output.preempted:
@@ -276,10 +276,12 @@ def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any,
         _state_allows(call, sched, req_id, record.state, "preempt")
     if len(set(output.preempted)) != len(output.preempted):
         raise ContradictoryStep(f"{call}: a request is preempted twice in one step; name each once")
-    scheduled = output.scheduled
-    if not scheduled:
+    req_ids, block_ids, computed = output.req_ids, output.block_ids, output.num_computed_tokens
+    if not req_ids:
         return []
-    req_ids, _, computed = zip(*scheduled)
+    if not len(req_ids) == len(block_ids) == len(computed):  # a validated output cannot, a constructed one can
+        raise ContradictoryStep(f"{call}: {len(req_ids)} req_ids, {len(block_ids)} block_ids and {len(computed)} "
+                                "num_computed_tokens; legal: one of each per scheduled request")
     named = set(req_ids)
     if len(named) != len(req_ids):
         raise ContradictoryStep(f"{call}: a request is scheduled twice in one step; name each once")
@@ -287,20 +289,18 @@ def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any,
     if both:
         raise ContradictoryStep(f"{call}: requests {sorted(both)} are both preempted and scheduled; legal: one")
     if min(computed) < 0:
-        s = next(s for s in scheduled if s.num_computed_tokens < 0)
-        raise NegativeTokenCount(
-            f"{call}: request {s.req_id!r} has num_computed_tokens {s.num_computed_tokens}; legal: 0 or more")
+        req_id, tokens = next((r, c) for r, c in zip(req_ids, computed) if c < 0)
+        raise NegativeTokenCount(f"{call}: request {req_id!r} has num_computed_tokens {tokens}; legal: 0 or more")
     try:  # the tracked requests are exactly those with a store_due
         is_due = list(map(operator.ge, computed, map(sched.store_due.__getitem__, req_ids)))
     except KeyError as ghost:
         raise UnknownRequest(f"{call}: scheduled request {ghost} is not tracked by the connector") from None
     if True not in is_due:  # a quiet decode step ends here
         return []
-    tracked = sched.tracked
-    due = [(tracked[s.req_id], s) for s in compress(scheduled, is_due)]
-    for record, s in due:  # only then can its blocks enter an order: O(new blocks)
-        _in_cache(call, s.block_ids[record.stored_cpu_blocks * sched.config.block_size_factor:],
-                  sched.num_gpu_blocks, f"request {s.req_id!r}")
+    tracked, k = sched.tracked, sched.config.block_size_factor
+    due = [(tracked[req_ids[i]], block_ids[i], computed[i]) for i in compress(range(len(req_ids)), is_due)]
+    for record, blocks, _ in due:  # only then can its blocks enter an order: O(new blocks)
+        _in_cache(call, blocks[record.stored_cpu_blocks * k:], sched.num_gpu_blocks, f"request {record.req_id!r}")
     return due
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput
 
-from kvfsm.connector.metadata import ConnectorMetadata, ScheduledRequest, SchedulerOutput, WorkerOutput
+from kvfsm.connector.metadata import ConnectorMetadata, SchedulerOutput, WorkerOutput
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -138,15 +138,14 @@ class BlockTables:
 def scheduler_output(output: VllmSchedulerOutput, tables: BlockTables) -> SchedulerOutput:
     """The requests computed this step (group-0 blocks, computed tokens after the step) and the preempted ones.
 
-    Built from vLLM's own typed scheduler output: constructed without re-validating, and column by column at C
-    speed (a `ScheduledRequest` per running request per step, nothing else per request: this conversion was the
-    adapter's largest per-step cost)."""
+    Built from vLLM's own typed scheduler output: constructed without re-validating, column by column at C speed
+    (no object per request: building a record per running request per step was the adapter's largest cost)."""
     tables.update(output)
     before = computed_before(output)
     req_ids = tuple(output.num_scheduled_tokens)
     computed = map(operator.add, map(before.__getitem__, req_ids), output.num_scheduled_tokens.values())
-    scheduled = tuple(map(ScheduledRequest, req_ids, tables.of(req_ids), computed))
-    return SchedulerOutput.model_construct(scheduled=scheduled,
+    return SchedulerOutput.model_construct(req_ids=req_ids, block_ids=tuple(tables.of(req_ids)),
+                                           num_computed_tokens=tuple(computed),
                                            preempted=tuple(sorted(output.preempted_req_ids or ())))
 
 
