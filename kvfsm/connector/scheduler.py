@@ -9,8 +9,9 @@ Timing the spec relies on: a store ordered in step N is submitted by the workers
 the scheduler moves it to `submitted` when it builds step N+1's metadata; a preempted or aborted request's
 stores are flushed in the next metadata, which the worker executes before the engine reuses any GPU block.
 
-Cost: a step pays per request only a dict lookup and one comparison unless the request completed a CPU block
-(`Ledger.store_due`), and per CPU block a bounded number of batched transitions.
+Cost: a step reads its scheduled requests column by column in C (`check_step`: one comparison per request with
+`Ledger.store_due`); Python work goes only to the requests that completed a CPU block, and per CPU block to a
+bounded number of batched transitions.
 """
 
 from __future__ import annotations
