@@ -52,7 +52,7 @@ class Ledger:
         self.jobs: dict[int, TransferJob] = {}
         """Jobs in flight (every job of the run with `keep_history`)."""
         self.tracked: dict[str, RequestRecord] = {}
-        """Requests not yet released: the ones an engine may name (a step's check is one set comparison with it)."""
+        """Requests not yet released: the ones an engine may name."""
         self.requests: dict[str, RequestRecord] = {} if keep_history else self.tracked
         """Requests not yet released (every request of the run with `keep_history`)."""
         self.store_due: dict[str, int] = {}

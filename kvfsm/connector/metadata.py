@@ -100,7 +100,7 @@ class SchedulerOutput(_Message):
     def _columns_align(self) -> "SchedulerOutput":
         if not len(self.req_ids) == len(self.block_ids) == len(self.num_computed_tokens):
             raise ValueError(f"{len(self.req_ids)} req_ids, {len(self.block_ids)} block_ids and "
-                                  f"{len(self.num_computed_tokens)} num_computed_tokens; one of each per request")
+                             f"{len(self.num_computed_tokens)} num_computed_tokens; one of each per request")
         return self
 
     @property

@@ -277,11 +277,11 @@ def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any,
     if len(set(output.preempted)) != len(output.preempted):
         raise ContradictoryStep(f"{call}: a request is preempted twice in one step; name each once")
     req_ids, block_ids, computed = output.req_ids, output.block_ids, output.num_computed_tokens
-    if not req_ids:
-        return []
     if not len(req_ids) == len(block_ids) == len(computed):  # a validated output cannot, a constructed one can
         raise ContradictoryStep(f"{call}: {len(req_ids)} req_ids, {len(block_ids)} block_ids and {len(computed)} "
                                 "num_computed_tokens; legal: one of each per scheduled request")
+    if not req_ids:
+        return []
     named = set(req_ids)
     if len(named) != len(req_ids):
         raise ContradictoryStep(f"{call}: a request is scheduled twice in one step; name each once")
