@@ -48,9 +48,6 @@ NOT_GENERATED = {
         "needs a fetch past its deadline (a stalled disk); taken by tests/test_tiers_disk.py and the explorer's "
         "disk-stall workload",
     ("cpu-block", "orphaned", "fetch-failed", "free"): "the late end of an abandoned fetch (as above)",
-    ("tier-entry", "empty", "adopt", "published"):
-        "needs a key another engine wrote to a shared store: kvfsm's own run draws no Mooncake tier (see "
-        "OffloadInterleavings.setup); taken by the two-engine sharing test in tests/mooncake/",
     ("cpu-block", "writing-back", "abandon-write-back", "orphaned"):
         "needs a write-back past its deadline (a stalled disk); taken by tests/test_tiers_disk.py's scenarios",
 }

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvfsm.executor.sim import SimDevice, first_runnable
+from kvfsm.mooncake import available as mooncake_available
 from kvfsm.states import TransferJobState
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.mooncake_store import shared_master
@@ -148,11 +149,10 @@ class OffloadInterleavings(RuleBasedStateMachine):
 
     mutant: str | None = None
     examples = 0
-    lower_tiers: tuple[str, ...] = ("none", "disk")
-    # Mooncake ("mooncake", a real master with a tenant per example) is drawn only for its mutant for now: with
-    # report_lag it shows a key published again while the scheduler still counts its fetch in flight (read-pins-entry).
-    """The lower tier drawn per example: none, a 6-slot disk, or Mooncake Store (a real master, a tenant per
-    example)."""
+    lower_tiers: tuple[str, ...] = ("none", "disk", "mooncake") if mooncake_available() else ("none", "disk")
+    """The lower tiers an example may draw: none, a 6-slot disk, or Mooncake Store (one real master shared by the
+    process, a tenant per example). Mooncake is drawn half as often as each other one: its examples cost about a
+    second more each (mostly the client's close), which the main suite's time budget counts."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -170,24 +170,21 @@ class OffloadInterleavings(RuleBasedStateMachine):
         loads computed in their own step and per-layer stores), unless the mutant under test needs one of them;
         with no lower tier, a disk tier or a Mooncake tier below the CPU pool (that tier, for a mutant of its
         rule). `report_lag` 1 or 2 delivers transfer reports that many steps late, as vLLM's async scheduling
-        does, on runs without a lower tier: `read-pins-entry` compares the worker's tier entries with the
-        scheduler's view of its fetches, which late reports leave stale (a read done on the worker, its fetch still
-        in flight for the scheduler). Open finding: with a disk tier, same-step per-layer loads and an abort, a
-        request read a poisoned block; kvfsm's own run leaves that combination out until it is diagnosed."""
+        does, with or without a lower tier. A lower tier is warmed first: every prefix written back and pushed out
+        of CPU, so lookups fetch from it and the GPU blocks freed meanwhile hold poison."""
         needs = MUTANTS[self.mutant] if self.mutant is not None else None
         if needs is not None and needs.per_layer is not None:
             per_layer = needs.per_layer
         layer_loads = per_layer and (layer_loads or (needs is not None and needs.layer_loads))
         layer_stores = per_layer and (layer_stores or (needs is not None and needs.layer_stores))
-        tier = data.draw(st.sampled_from(self.lower_tiers), label="lower tier")
-        if tier != "none" and needs is None:
-            layer_loads = False
+        shares = [tier for tier in self.lower_tiers for _ in range(1 if tier == "mooncake" else 2)]
+        tier = data.draw(st.sampled_from(shares), label="lower tier")
         writeback = data.draw(st.sampled_from(["eager", "on-evict"]), label="write-back") if tier != "none" else "eager"
         self.harness = Harness(SimDevice(), num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                                block_size_factor=factor, mutant=self.mutant, per_layer=per_layer,
                                layer_loads=layer_loads, layer_stores=layer_stores,
                                disk_slots=6 if tier == "disk" else 0, writeback=writeback,
-                               report_lag=0 if tier != "none" else report_lag,
+                               report_lag=report_lag,
                                mooncake_master=shared_master() if tier == "mooncake" else None)
         if tier != "none":  # warm the tier: each prefix stored, written back, and pushed out of CPU by the next
             for prefix in PREFIXES:
