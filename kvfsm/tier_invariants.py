@@ -41,7 +41,8 @@ def read_pins_entry(world: World) -> list[str]:
     """Each tier's entries against the reads that tier has in flight, both the worker's records. Not against the
     scheduler's fetch jobs: the scheduler hears of a read's end with the worker's report, `report_lag` steps late
     under async scheduling, so a fetch it still counts in flight may have read its key already, which is rightly
-    published (evictable) again; the CPU slots such a fetch filled stay held until the report (`fetch-lands-private`)."""
+    published (evictable) again; the CPU slots such a fetch filled stay held until the report
+    (`fetch-lands-private`)."""
     found = []
     for tier in world.tiers:
         readers = Counter(tier.reads_in_flight())
