@@ -48,6 +48,9 @@ NOT_GENERATED = {
         "needs a fetch past its deadline (a stalled disk); taken by tests/test_tiers_disk.py and the explorer's "
         "disk-stall workload",
     ("cpu-block", "orphaned", "fetch-failed", "free"): "the late end of an abandoned fetch (as above)",
+    ("tier-job", "submitted", "abandon", "abandoned"):
+        "a fetch or write-back past its deadline (as above): its stall rule rarely meets a tier job in flight",
+    ("tier-job", "abandoned", "release", "failed"): "the late end of an abandoned tier job (as above)",
     ("cpu-block", "writing-back", "abandon-write-back", "orphaned"):
         "needs a write-back past its deadline (a stalled disk); taken by tests/test_tiers_disk.py's scenarios",
 }
