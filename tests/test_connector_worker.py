@@ -177,3 +177,38 @@ def test_a_load_lands_one_segment_per_layer_and_completes_only_after_the_last() 
     assert worker.get_finished() == WorkerOutput() and worker.jobs[0].landed_segments == 1
     device.run_until_idle()
     assert worker.get_finished() == WorkerOutput(done=(0,))
+
+
+def stored_slots(worker: WorkerConnector, device: SimDevice, sources: tuple[int, ...]) -> None:
+    """Store GPU blocks `sources` into CPU slots 0.. and let the stores land."""
+    step(worker, ConnectorMetadata(step=1, stores=(store(0, sources, tuple(range(len(sources)))),)))
+    step(worker, ConnectorMetadata(step=2))
+    device.run_until_idle()
+    worker.get_finished()
+
+
+def test_a_steps_loads_go_out_together_one_segment_per_layer_and_land_exactly() -> None:
+    worker, device, layers = make_worker()
+    stored_slots(worker, device, (0, 1))
+    expected = blocks(layers, [0, 1])
+    worker.bind_connector_metadata(ConnectorMetadata(step=3, loads=(
+        LoadOrder(job_id=1, req_id="a", gpu_blocks=(6,), cpu_slots=(0,)),
+        LoadOrder(job_id=2, req_id="b", gpu_blocks=(7,), cpu_slots=(1,)))))
+    worker.start_load_kv()
+    assert [op.label for op in device._queues["load"] if "layer" in op.label] == [
+        "load jobs 1,2 layer 0", "load jobs 1,2 layer 1"]
+    device.run_until_idle()
+    assert worker.get_finished().done == (1, 2)
+    for want, got in zip(expected, blocks(layers, [6, 7])):
+        assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+
+
+def test_loads_into_the_same_gpu_block_go_out_one_job_at_a_time() -> None:
+    worker, device, _ = make_worker()
+    stored_slots(worker, device, (0, 1))
+    worker.bind_connector_metadata(ConnectorMetadata(step=3, loads=(
+        LoadOrder(job_id=1, req_id="a", gpu_blocks=(6,), cpu_slots=(0,)),
+        LoadOrder(job_id=2, req_id="b", gpu_blocks=(6,), cpu_slots=(1,)))))
+    worker.start_load_kv()
+    assert [op.label for op in device._queues["load"] if "layer" in op.label] == [
+        "load job 1 layer 0", "load job 1 layer 1", "load job 2 layer 0", "load job 2 layer 1"]

@@ -26,7 +26,7 @@ import torch
 
 from kvfsm.executor.lanes import SLOTS, Lanes, Step, lanes_for
 from kvfsm.executor.layouts import KVCaches, Plane
-from kvfsm.executor.rows import copy_rows
+from kvfsm.executor.rows import RowCopies
 
 Direction = Literal["store", "load"]
 MECHANISMS = ("copy-per-block", "cross-layer", "staged-gather", "staged-copy")
@@ -207,13 +207,12 @@ class StagedGather:
                      host_runs: tuple[tuple[int, int, int, int], ...], host: torch.Tensor) -> None:
         """One 2-D DMA per run of consecutive host blocks: row i is block i's share of `plane`."""
         width, pitch = plane.block_bytes, self._caches.gpu_block_bytes
+        rows = RowCopies(self._caches.device)
         for first, _, host_start, n in host_runs:
-            staged = slot[first * width:(first + n) * width].view(n, width)
-            hosted = host[host_start + plane.offset:].as_strided((n, width), (pitch, 1))
             if direction == "store":
-                copy_rows(hosted, staged)
+                rows.copy(host, host_start + plane.offset, pitch, slot, first * width, width, width, n)
             else:
-                copy_rows(staged, hosted)
+                rows.copy(slot, first * width, width, host, host_start + plane.offset, pitch, width, n)
 
     def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
                     index: torch.Tensor, join: bool) -> None:
@@ -256,15 +255,15 @@ class StagedCopy(StagedGather):
     def _copy(self, to_staging: bool, slot: torch.Tensor, planes: Sequence[Plane], blocks: Sequence[int],
               packed: bool) -> None:
         """Each plane's rows of `blocks` to or from the slot: inside whole blocks, or packed for one segment."""
+        rows = RowCopies(self._caches.device)
         for plane in planes:
-            pitch, offset = (plane.block_bytes, 0) if packed else (self._caches.gpu_block_bytes, plane.offset)
+            width, cached = plane.block_bytes, plane.rows
+            pitch, offset = (width, 0) if packed else (self._caches.gpu_block_bytes, plane.offset)
             for first, start, _, n in runs(blocks, range(len(blocks)), 1):
-                staged = slot[first * pitch + offset:].as_strided((n, plane.block_bytes), (pitch, 1))
-                cached = plane.rows[0, start:start + n]
                 if to_staging:
-                    copy_rows(staged, cached)
+                    rows.copy(slot, first * pitch + offset, pitch, cached, start * width, width, width, n)
                 else:
-                    copy_rows(cached, staged)
+                    rows.copy(cached, start * width, width, slot, first * pitch + offset, pitch, width, n)
 
     def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
         self._copy(True, self._staging["store"][slot], self._caches.planes, blocks, packed=False)

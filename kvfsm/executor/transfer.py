@@ -135,6 +135,20 @@ class Transfers:
         """A load checked now, whose layer segments are enqueued one at a time (`Segments.enqueue`)."""
         return Segments(self, "load", self._load_placement(cpu_slots, gpu_blocks, gpu_offset), tuple(cpu_slots))
 
+    def merge(self, parts: Sequence[Segments]) -> Segments:
+        """Checked jobs of one direction as one whose layer segments each move every job's share of that layer:
+        one submission per layer for all of a step's loads. Their GPU blocks must be distinct (one scatter)."""
+        if len(parts) == 1:
+            return parts[0]
+        directions = {part._direction for part in parts}
+        if len(directions) != 1:
+            raise TransferError(f"cannot merge jobs of directions {sorted(directions)}")
+        blocks = tuple(block for part in parts for block in part._placement.gpu_blocks)
+        _distinct(blocks, "GPU blocks of the merged jobs")
+        offsets = tuple(offset for part in parts for offset in part._placement.host_offsets)
+        slots = tuple(dict.fromkeys(slot for part in parts for slot in part._cpu_slots))
+        return Segments(self, directions.pop(), Placement(blocks, offsets), slots)
+
     def poison_gpu(self, gpu_blocks: Sequence[int], stream: StreamName, label: str = "poison GPU blocks") -> None:
         """Fill every byte of these GPU blocks with `POISON_BYTE`, so a copy that never landed shows."""
         blocks = _ids(gpu_blocks, self._caches.num_blocks, "GPU blocks")
