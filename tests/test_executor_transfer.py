@@ -182,6 +182,24 @@ def test_poison_on_the_compute_stream_is_a_compute_write() -> None:
         ("compute", "write", "gpu", 3), ("store", "write", "cpu", 2)}
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_poison_fills_every_byte_of_the_named_blocks_and_slots_and_nothing_else(layout: str) -> None:
+    """A copy that never landed shows only if poison covers the whole target: every byte of every plane of the named
+    GPU blocks and of the named CPU slots, and leaves every other block and slot as it was."""
+    device, caches, pool, transfers = make(layout, 2)
+    gpu_before = [block(caches, b).clone() for b in range(NUM_BLOCKS)]
+    cpu_before = [pool.slot(s).clone() for s in range(pool.num_slots)]
+    transfers.poison_gpu([1, 4], "compute")
+    transfers.poison_cpu([0, 6], "store")
+    device.run_until_idle()
+    for b in range(NUM_BLOCKS):
+        expected = torch.full_like(gpu_before[b], POISON_BYTE) if b in (1, 4) else gpu_before[b]
+        assert torch.equal(block(caches, b), expected), f"GPU block {b}"
+    for s in range(pool.num_slots):
+        expected = torch.full_like(cpu_before[s], POISON_BYTE) if s in (0, 6) else cpu_before[s]
+        assert torch.equal(pool.slot(s), expected), f"CPU slot {s}"
+
+
 def test_gather_words_are_as_wide_as_every_piece_and_offset_allow() -> None:
     _, caches, _, _ = make("kv-first", 1)
     assert word_dtype(caches) == torch.int64
