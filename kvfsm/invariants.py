@@ -24,6 +24,7 @@ from kvfsm.records import TierEntry, TierJob
 from kvfsm.states import CpuBlockState as C
 from kvfsm.states import GpuBlockState as G
 from kvfsm.states import RequestState as R
+from kvfsm.states import TierJobState as T
 from kvfsm.states import TransferJobState as J
 
 
@@ -215,6 +216,11 @@ def one_kind_of_job(world: World) -> list[str]:
     return found
 
 
+ENDED = frozenset({J.DONE, J.FAILED, T.DONE, T.FAILED, T.ABANDONED})
+"""Job states whose outcome is final for the scheduler (an abandoned tier job's I/O may still run, but its request
+no longer waits on it): each was entered by a transition that records the step."""
+
+
 @REGISTRY.invariant("no-convoy")
 def no_convoy(world: World) -> list[str]:
     found = []
@@ -222,8 +228,12 @@ def no_convoy(world: World) -> list[str]:
         request = world.requests.get(req_id)
         if request is None or request.state != R.DEFERRED:
             continue
-        finished = [(world.jobs.get(j) or world.tier_jobs[j]).finished_step for j in deferral.blockers]
-        stale = [step for step in finished if step is not None and step < deferral.step]
+        blockers = [world.jobs.get(j) or world.tier_jobs[j] for j in deferral.blockers]
+        # The check reads when each blocker ended: a blocker that ended without saying when would blind it.
+        found += [f"job {job.job_id}, which deferred request {req_id}, is {job.state} with no finish step"
+                  for job in blockers if job.state in ENDED and job.finished_step is None]
+        stale = [job.finished_step for job in blockers
+                 if job.finished_step is not None and job.finished_step < deferral.step]
         if not deferral.blockers or len(stale) == len(deferral.blockers):
             found.append(f"request {req_id} was deferred at step {deferral.step} with nothing in flight to wait for")
     return found

@@ -233,6 +233,20 @@ def test_an_illegal_call_is_refused_by_name_and_changes_nothing(case: str) -> No
     assert snapshot(w.connector) == before, f"{case}: the refused call changed the connector"
 
 
+CALL_OF_CASE = {"lookup": "get_num_new_matched_tokens", "alloc": "update_state_after_alloc",
+                "step": "build_connector_meta", "report": "update_connector_output", "finish": "request_finished",
+                "register": "register_kv_caches", "bind": "bind_connector_metadata"}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_refusal_names_the_call_it_refused(case: str) -> None:
+    """An engine calls several entry points per step: the error says which one it misused."""
+    exception, make_call = REFUSALS[case]
+    with pytest.raises(exception) as refused:
+        make_call(world())()
+    assert str(refused.value).startswith(f"{CALL_OF_CASE[case.split('-')[0]]}: "), str(refused.value)
+
+
 def test_the_snapshot_sees_a_change_a_refusal_would_have_made() -> None:
     """Control: the comparison above is not blind; one counter moved anywhere in the connector shows."""
     w = world()

@@ -2,7 +2,8 @@
 
 Shared by every `LowerTier` implementation: it owns the records, the order in which published keys were last used
 (the tier's own eviction picks the least recent that is not being read) and, for the `lookup-published` check, the
-state of every key a lookup counted when it counted it. An entry that returns to `empty` is forgotten.
+state of every key a lookup counted when it counted it. An entry that returns to `empty` is forgotten: the index
+follows the transition the spec took, so a spec that left the entry elsewhere keeps it where checks see it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from kvfsm.machines import LifecycleMachine, MachineSet, default_machines
 from kvfsm.records import TierEntry
 from kvfsm.states import TierEntryState
 
-PUBLISHED = TierEntryState.PUBLISHED
+PUBLISHED, EMPTY = TierEntryState.PUBLISHED, TierEntryState.EMPTY
 
 
 class TierEntries:
@@ -74,8 +75,7 @@ class TierEntries:
         return entry
 
     def write_failed(self, entry: TierEntry) -> None:
-        self._machine.fire(entry, "write-failed")
-        del self.by_key[entry.key]
+        self._forget_if_empty(entry, self._machine.fire(entry, "write-failed"))
 
     def pin(self, key: int) -> TierEntry | None:
         """The published entry of `key`, now reading; None (and no change) when it is not published."""
@@ -90,22 +90,21 @@ class TierEntries:
         self._machine.fire(entry, "read-done")
 
     def read_failed(self, entry: TierEntry) -> None:
-        self._machine.fire(entry, "read-failed")
-        self._drop(entry)
+        self._forget_if_empty(entry, self._machine.fire(entry, "read-failed"))
 
     def evict(self, key: int) -> TierEntry | None:
         """Evict `key` if it is published (not being written or read); the evicted entry, else None."""
         entry = self.by_key.get(key)
         if entry is None or entry.state != PUBLISHED:
             return None
-        self._machine.fire(entry, "evict")
-        self._drop(entry)
+        self._forget_if_empty(entry, self._machine.fire(entry, "evict"))
         return entry
 
     def least_recent_evictable(self) -> int | None:
         """The published key used longest ago; reading keys are pinned and skipped."""
         return next((k for k in self._recency if self.by_key[k].state == PUBLISHED), None)
 
-    def _drop(self, entry: TierEntry) -> None:
-        del self.by_key[entry.key]
-        self._recency.pop(entry.key, None)
+    def _forget_if_empty(self, entry: TierEntry, state: str) -> None:
+        if state == EMPTY:
+            del self.by_key[entry.key]
+            self._recency.pop(entry.key, None)
