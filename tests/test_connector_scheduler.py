@@ -13,6 +13,7 @@ from typing import Sequence
 import pytest
 
 from kvfsm.config import OffloadConfig
+from kvfsm.connector.fences import GpuFences
 from kvfsm.connector.metadata import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -23,7 +24,7 @@ from kvfsm.connector.metadata import (
 )
 from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult
 from kvfsm.connector.validation import UnknownJob, UnknownWorker
-from kvfsm.machines import IllegalTrigger
+from kvfsm.machines import IllegalTrigger, default_machines
 from kvfsm.manager import BlockRemoved, BlockStored
 from kvfsm.testing.mutants import complete_on_first_report, publish_on_partial_failure
 
@@ -478,3 +479,11 @@ def test_stats_count_lookups_hits_transfers_and_bytes() -> None:
         lookups=3, cpu_hit_blocks=4, cpu_misses=2, deferrals=0, store_refusals=0, blocks_stored=2,
         blocks_loaded=4, bytes_stored=2 * 2 * GPU_BLOCK_BYTES, bytes_loaded=4 * GPU_BLOCK_BYTES,
         stores_failed=0, loads_failed=0)
+
+
+def test_a_fence_record_made_on_first_use_names_its_block() -> None:
+    """Without the pool size, a GPU block's fence record is made the first time a store reads it; fence-count and
+    the engine find it by its id."""
+    fences = GpuFences(default_machines()["gpu-block"])
+    fences.fire("fence", [5, 2])
+    assert {b: block.block_id for b, block in fences.fenced().items()} == {5: 5, 2: 2}

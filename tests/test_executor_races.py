@@ -16,7 +16,11 @@ import torch
 
 from kvfsm.executor import HostPool, KVCaches, SimDevice, StreamName, Touch, Transfers, register_kv_caches
 from kvfsm.executor.layouts import allocate_kv_caches
-from kvfsm.invariants import load_after_readers, load_before_use, store_after_compute
+from kvfsm.executor.access import Access
+from kvfsm.invariants import (
+    check_all, layer_store_after_compute, layer_stores_flushed, load_after_readers, load_before_use,
+    store_after_compute,
+)
 
 Outcome = tuple[bool, list[str]]  # (bytes correct, invariant violations)
 Scenario = Callable[[bool], tuple[SimDevice, Callable[[], Outcome]]]
@@ -153,3 +157,31 @@ def test_control_without_the_wait_has_a_corrupting_schedule_the_invariant_report
     outcomes = every_schedule(scenario, wait=False)
     assert any(not correct for correct, _ in outcomes)
     assert all(correct == (not violations) for correct, violations in outcomes)
+
+
+# --- which accesses conflict ---------------------------------------------------------------------------------
+
+def access(issued: int, executed: int, actor: str, mode: str, layer: int | None) -> Access:
+    return Access(issued, executed, actor, mode, "gpu", 3, f"{actor} {issued}", layer)  # type: ignore[arg-type]
+
+
+def accesses(*found: Access) -> SimpleNamespace:
+    return SimpleNamespace(accesses=list(found))
+
+
+def test_a_whole_block_access_conflicts_with_each_layer_of_the_block_whichever_was_issued_first() -> None:
+    whole_write_then_layer_read = accesses(access(0, 1, "compute", "write", None), access(1, 0, "store", "read", 1))
+    layer_read_then_whole_write = accesses(access(0, 1, "store", "read", 1), access(1, 0, "compute", "write", None))
+    other_layers = accesses(access(0, 1, "store", "read", 1), access(1, 0, "compute", "write", 0))
+    assert layer_store_after_compute(whole_write_then_layer_read) == [  # type: ignore[arg-type]
+        "gpu block 3 layer 1: store 1 (read) ran before compute 0 (write), which was issued first"]
+    assert layer_stores_flushed(layer_read_then_whole_write) == [  # type: ignore[arg-type]
+        "gpu block 3 layer 1: compute 1 (write) ran before store 0 (read), which was issued first"]
+    assert not layer_stores_flushed(other_layers)  # type: ignore[arg-type]
+
+
+def test_check_all_runs_only_the_invariants_it_is_named() -> None:
+    """A world that has only an access log can be checked by the ordering invariants alone."""
+    world = accesses(access(0, 1, "compute", "write", None), access(1, 0, "store", "read", None))
+    assert check_all(world, ["store-after-compute"]) == {"store-after-compute": [  # type: ignore[arg-type]
+        "gpu block 3: store 1 (read) ran before compute 0 (write), which was issued first"]}

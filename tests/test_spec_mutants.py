@@ -109,17 +109,22 @@ def _transfer_times(h: Harness, elapsed: float) -> list[str]:
     found = []
     for direction, histogram in h.connector.scheduler.stats.transfer_times.items():
         if sum(histogram.sums) > sum(histogram.counts) * elapsed:
-            found.append(f"stats: {direction} jobs spent {sum(histogram.sums):.0f} s in flight in a {elapsed:.1f} s run")
+            found.append(f"stats: {direction} jobs spent {sum(histogram.sums):.0f} s in flight in a "
+                         f"{elapsed:.1f} s run")
     return found
 
 
 def store_and_reload(h: Harness) -> None:
-    """A prefix stored, forgotten by the GPU, reloaded by two requests at once (one loads, one is deferred)."""
-    h.add_request(PREFIX, 1)
+    """A prefix stored while its request keeps decoding, forgotten by the GPU, reloaded by two requests at once
+    (one loads, one is deferred), and a third deferred one aborted."""
+    h.add_request(PREFIX, 6)
     h.drain()
     h.engine.reset_prefix_cache()
     h.add_request(PREFIX + (1,), 2)
     h.add_request(PREFIX + (2,), 2)
+    h.add_request(PREFIX + (3,), 2, "gone")
+    h.engine.step()
+    h.abort("gone")
     h.drain()
 
 
@@ -147,6 +152,19 @@ def preempt_before_the_store_goes_out(h: Harness) -> None:
     h.engine.step()
     h.engine.preempt("a")
     h.drain()
+
+
+def reset_before_the_store_goes_out(fault: bool) -> Callable[[Harness], None]:
+    """The CPU cache reset in the step after a store was ordered, before it was submitted (which fails if `fault`)."""
+    def drive(h: Harness) -> None:
+        h.faults.armed = "store" if fault else None
+        h.add_request(PREFIX, 2, "a")
+        h.engine.step()
+        h.connector.reset_cache()
+        h.drain()
+
+    drive.__name__ = f"reset_before_the_{'failing_' if fault else ''}store_goes_out"
+    return drive
 
 
 def failed_store_and_loads(h: Harness) -> None:
@@ -188,8 +206,8 @@ def finish_with_two_stores(h: Harness) -> None:
 
 def disk_round_trip(fault: str | None) -> Callable[[Harness], None]:
     """A prefix written back to a 3-slot disk, pushed out of the 2-slot CPU pool and fetched back; with the disk
-    stalling past the write-back's or the fetch's deadline, or failing the write or the read; then a third prefix
-    makes the full disk evict."""
+    stalling past the write-back's or the fetch's deadline, failing the write or the read, or the CPU cache reset
+    while the fetch is in flight; then a third prefix makes the full disk evict."""
     def drive(h: Harness) -> None:
         if fault == "write-io-error":  # A's write-back meets it
             h.tier_faults.inject(fault)
@@ -211,6 +229,8 @@ def disk_round_trip(fault: str | None) -> Callable[[Harness], None]:
         if fault == "stall-fetch":
             h.tier_faults.inject("stall")
             h.engine.step()
+        if fault == "reset-during-fetch":
+            h.connector.reset_cache()
         h.drain()
         h.engine.reset_prefix_cache()
         h.add_request(C + (5,), 1)
@@ -224,10 +244,13 @@ SCENARIOS = (
     Scenario(store_and_reload, num_gpu_blocks=24, cpu_blocks=8),
     Scenario(preempt_abort_and_reset, num_gpu_blocks=24, cpu_blocks=8, report_lag=1),
     Scenario(preempt_before_the_store_goes_out, num_gpu_blocks=24, cpu_blocks=8),
+    Scenario(preempt_abort_and_reset, num_gpu_blocks=24, cpu_blocks=8, per_layer=True, layer_stores=True),
+    *(Scenario(reset_before_the_store_goes_out(fault), num_gpu_blocks=24, cpu_blocks=8) for fault in (False, True)),
     Scenario(failed_store_and_loads, num_gpu_blocks=24, cpu_blocks=8),
     Scenario(finish_with_two_stores, num_gpu_blocks=24, cpu_blocks=16, report_lag=2),
     *(Scenario(disk_round_trip(fault), num_gpu_blocks=8, cpu_blocks=2, disk_slots=3)
-      for fault in (None, "write-io-error", "read-io-error", "stall-fetch", "stall-write-back")),
+      for fault in (None, "write-io-error", "read-io-error", "stall-fetch", "stall-write-back",
+                    "reset-during-fetch")),
 )
 
 
