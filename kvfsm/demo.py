@@ -166,7 +166,7 @@ def resolve_device(kind: DeviceKind) -> DeviceKind:
     return kind
 
 
-def _engine_config(arrivals: list[Arrival], gpu_blocks: int, shape: ModelShape) -> EngineConfig:
+def engine_config_for(arrivals: list[Arrival], gpu_blocks: int, shape: ModelShape) -> EngineConfig:
     """The engine admits a request only whole, so the batch budget and the GPU cache must fit the longest one."""
     longest = max(len(a.prompt) + a.max_new_tokens for a in arrivals)
     needed = -(-longest // shape.block_size)
@@ -181,7 +181,7 @@ def _new_device(kind: DeviceKind, seed: int) -> Device:
     return CudaDevice() if kind is DeviceKind.cuda else SimDevice(random.Random(seed).choice)
 
 
-class _OneStepBehind:
+class OneStepBehind:
     """Lets the simulated GPU run up to one engine step behind the host, as async scheduling allows on a real one.
 
     After each step a marker is recorded on every stream, and the host waits for the previous step's markers: step
@@ -212,7 +212,7 @@ class _OneStepBehind:
         self.device.run_until_idle()
 
 
-def _serve(engine: Engine, arrivals: list[Arrival], after_step: Callable[[], None],
+def serve_arrivals(engine: Engine, arrivals: list[Arrival], after_step: Callable[[], None],
            progress: Callable[[int], None]) -> None:
     """Submit each request at its arrival step and step the engine until everything finished."""
     pending = deque(arrivals)
@@ -259,7 +259,7 @@ def run_once(config: DemoConfig, kind: DeviceKind, engine_config: EngineConfig, 
     world = EngineWorld(engine, connector) if connector is not None else None
     trace = TraceRecorder(connector.machines) if connector is not None else None
 
-    pacer = _OneStepBehind(device) if isinstance(device, SimDevice) else None
+    pacer = OneStepBehind(device) if isinstance(device, SimDevice) else None
 
     def check() -> None:
         if world is not None:
@@ -276,7 +276,7 @@ def run_once(config: DemoConfig, kind: DeviceKind, engine_config: EngineConfig, 
 
     start = time.perf_counter()
     try:
-        _serve(engine, arrivals, after_step, progress)
+        serve_arrivals(engine, arrivals, after_step, progress)
         if pacer is not None:
             pacer.finish()
         else:
@@ -319,7 +319,7 @@ def run_demo(config: DemoConfig, progress: Progress | None = None) -> DemoResult
     kind = resolve_device(config.device)
     shape = SIM_SHAPE if kind is DeviceKind.cpu else CUDA_SHAPE
     arrivals = generate(config.workload, shape.vocab, config.seed)
-    engine_config = _engine_config(arrivals, config.gpu_blocks, shape)
+    engine_config = engine_config_for(arrivals, config.gpu_blocks, shape)
     reports = []
     with _one_cpu_thread() if kind is DeviceKind.cpu else nullcontext():
         for label, offload in (("without offloading", False), ("with kvfsm", True)):

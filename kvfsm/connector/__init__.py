@@ -1,12 +1,15 @@
-"""`kvfsm.Connector`: the scheduler half and the worker half of the connector, for a single-process engine.
+"""`kvfsm.Connector`: the scheduler half and the worker halves of the connector, for an engine in one process.
 
-Multi-process engines use `SchedulerConnector` in the scheduler process and one `WorkerConnector` per GPU worker;
-the metadata between them is pydantic (`kvfsm.connector.metadata`).
+One worker half per device (a tensor-parallel rank; its worker id is its rank). Multi-process engines use
+`SchedulerConnector` in the scheduler process and one `WorkerConnector` per GPU worker; the metadata between them is
+pydantic (`kvfsm.connector.metadata`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from typing import Sequence
 
 from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
@@ -22,26 +25,54 @@ from kvfsm.tiers.factory import IoFactory
 __all__ = ["Connector", "SchedulerConnector", "WorkerConnector", "StepResult"]
 
 
-class Connector:
-    """Both halves in one object; the scheduler half exists once the KV caches are registered (it needs their size)."""
+class WorkerCountMismatch(ValueError):
+    """A connector was given a different number of devices than `num_workers` ranks, or tensor-parallel ranks
+    together with a lower tier (each tier is one worker's)."""
 
-    def __init__(self, config: OffloadConfig, device: Device, keep_history: bool = False,
+
+class RankBlockSizeMismatch(ValueError):
+    """Two ranks registered KV caches of different sizes: their pools would not line up slot for slot."""
+
+
+class Connector:
+    """Both halves in one object; the scheduler half exists once the KV caches are registered (it needs their size).
+
+    `device` is one device, or one per tensor-parallel rank (`config.num_workers` of them), each rank registering
+    its own caches: its share of the heads."""
+
+    def __init__(self, config: OffloadConfig, device: Device | Sequence[Device], keep_history: bool = False,
                  machines: MachineSet | None = None, tier_io: IoFactory | None = None) -> None:
-        check_halves("Connector", config, device)
+        devices = list(device) if isinstance(device, Sequence) else [device]
+        for each in devices:
+            check_halves("Connector", config, each)
+        if len(devices) != config.num_workers or (len(devices) > 1 and config.lower_tiers):
+            raise WorkerCountMismatch(f"Connector: {len(devices)} devices with num_workers={config.num_workers} "
+                                      f"and {len(config.lower_tiers)} lower tiers; legal: one device per worker, "
+                                      "lower tiers with one worker only")
         self.config = config
         self.machines = machines or MachineSet(default_spec())
         """This connector's machines, shared by both halves: observe them to trace this connector alone."""
-        self.worker = WorkerConnector(config, device, machines=self.machines, tier_io=tier_io,
-                                      keep_lookups=keep_history)
+        self.workers = [WorkerConnector(config, each, worker=rank, machines=self.machines, tier_io=tier_io,
+                                        keep_lookups=keep_history) for rank, each in enumerate(devices)]
         self.keep_history = keep_history
         self._scheduler: SchedulerConnector | None = None
 
+    @property
+    def worker(self) -> WorkerConnector:
+        """Rank 0's worker half (the only one without tensor parallelism)."""
+        return self.workers[0]
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout: str,
-                           groups: dict[str, list[str]] | None = None) -> KVCaches:
-        caches = self.worker.register_kv_caches(kv_caches, layout, groups)
-        self._scheduler = SchedulerConnector(self.config, caches.gpu_block_bytes, self.machines,
-                                             keep_history=self.keep_history, num_gpu_blocks=caches.num_blocks,
-                                             tiers=self.worker.lower_tiers)
+                           groups: dict[str, list[str]] | None = None, rank: int = 0) -> KVCaches:
+        """Register one rank's caches; every rank's must have as many bytes per block (its share of the heads)."""
+        caches = self.workers[rank].register_kv_caches(kv_caches, layout, groups)
+        if self._scheduler is None:
+            self._scheduler = SchedulerConnector(self.config, caches.gpu_block_bytes, self.machines,
+                                                 keep_history=self.keep_history, num_gpu_blocks=caches.num_blocks,
+                                                 tiers=self.worker.lower_tiers)
+        elif caches.gpu_block_bytes != self._scheduler.gpu_block_bytes:
+            raise RankBlockSizeMismatch(f"rank {rank} registered {caches.gpu_block_bytes} bytes per GPU block, "
+                                        f"rank 0 {self._scheduler.gpu_block_bytes}")
         return caches
 
     @property
@@ -53,7 +84,7 @@ class Connector:
     @property
     def moving_between_tiers(self) -> bool:
         """A write-back or fetch is in flight: the engine keeps stepping (idle steps) until it is reported."""
-        return self._scheduler is not None and self._scheduler.tiers is not None and not self._scheduler.tiers.idle
+        return self._scheduler is not None and self._scheduler.moving_between_tiers
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool] | None:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

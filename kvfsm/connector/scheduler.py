@@ -131,6 +131,11 @@ class SchedulerConnector:
 
     # --- lookup and allocation ---------------------------------------------------------------------------
 
+    @property
+    def moving_between_tiers(self) -> bool:
+        """A write-back or fetch is in flight: the engine keeps stepping (idle steps) until it is reported."""
+        return self.tiers is not None and not self.tiers.idle
+
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool] | None:
         """Tokens loadable from CPU beyond the GPU prefix, and that the load is async; None defers the request.
 

@@ -14,6 +14,9 @@ layer behind that layer's segment of the load. Until the load is
 reported it computes nothing more, is neither preempted nor finished; a failed load rolls back that step's sample
 and recomputes from the first block that did not land, and an abort meanwhile drops that sample (the aborted
 request never hears whether its load landed).
+
+With tensor parallelism (several devices, or a `RankGroup`) this engine is the one scheduler and its device work runs
+on the ranks of `kvfsm.engine.ranks`, whole forwards only.
 """
 
 from __future__ import annotations
@@ -25,11 +28,18 @@ from typing import Sequence
 
 import torch
 
-from kvfsm.connector import Connector
-from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput, WorkerOutput
+from kvfsm.connector import Connector, SchedulerConnector
+from kvfsm.connector.metadata import (
+    ConnectorMetadata,
+    ConnectorOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    WorkerOutput,
+)
 from kvfsm.engine.blocks import BlockPool
 from kvfsm.engine.forward import Forward
 from kvfsm.engine.model import ModelShape, ToyModel
+from kvfsm.engine.ranks import LocalRanks, RankGroup, StepPlan
 from kvfsm.engine.requests import EngineRequest, Phase, Work
 from kvfsm.executor.device import Device
 
@@ -41,6 +51,10 @@ class _Admission(enum.Enum):
 
 class RequestIdInUse(ValueError):
     """A request id was reused while the earlier request with that id is still in the engine."""
+
+
+class LayerByLayerOnOneDevice(ValueError):
+    """A tensor-parallel engine was asked to compute layer by layer (only one device does)."""
 
 
 @dataclass(frozen=True)
@@ -59,26 +73,40 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, device: Device, connector: Connector | None = None) -> None:
+    """`device`: one device; one per tensor-parallel rank (a `Connector` with as many workers); or a `RankGroup`,
+    whose ranks bring their own worker halves (then `connector` is the scheduler half alone)."""
+
+    def __init__(self, config: EngineConfig, device: Device | Sequence[Device] | RankGroup,
+                 connector: Connector | SchedulerConnector | None = None) -> None:
         self.config = config
-        self.device = device
         shape = config.model
-        self.caches = [
-            torch.zeros(2, config.num_gpu_blocks, shape.block_size, shape.num_heads, shape.head_dim,
-                        dtype=shape.dtype, device=device.tensor_device())
-            for _ in range(shape.num_layers)
-        ]
-        self.model = ToyModel(shape, self.caches)
-        self.layer_names = [f"layer.{i}" for i in range(shape.num_layers)]
-        self.forward = Forward(device, self.model, self.caches, self.layer_names, shape.block_size)
-        self.pool = BlockPool(config.num_gpu_blocks)
-        self.connector = connector
         if connector is not None:
             if connector.config.layer_loads and not config.per_layer:
                 raise ValueError("a connector with layer_loads needs an engine that calls the per-layer hooks")
             if connector.config.gpu_block_size != shape.block_size:
                 raise ValueError(f"the connector pages {connector.config.gpu_block_size}-token blocks, "
                                  f"the engine {shape.block_size}-token blocks")
+        self.layer_names = [f"layer.{i}" for i in range(shape.num_layers)]
+        self.ranks: RankGroup | None = None
+        """The tensor-parallel ranks; None for one device, whose work this engine enqueues itself."""
+        if isinstance(device, (RankGroup, Sequence)):
+            if config.per_layer:
+                raise LayerByLayerOnOneDevice("a tensor-parallel engine computes whole forwards (per_layer=False)")
+            self.ranks = device if isinstance(device, RankGroup) else self._local_ranks(list(device), connector)
+            leader = self.ranks.leader
+            self.device, self.caches, self.model = leader.device, leader.caches, leader.model
+        else:
+            self.device = device
+            self.caches = [
+                torch.zeros(2, config.num_gpu_blocks, shape.block_size, shape.num_heads, shape.head_dim,
+                            dtype=shape.dtype, device=device.tensor_device())
+                for _ in range(shape.num_layers)
+            ]
+            self.model = ToyModel(shape, self.caches)
+            self.forward = Forward(self.device, self.model, self.caches, self.layer_names, shape.block_size)
+        self.pool = BlockPool(config.num_gpu_blocks)
+        self.connector = connector
+        if isinstance(connector, Connector) and self.ranks is None:
             connector.register_kv_caches(dict(zip(self.layer_names, self.caches)), "kv-first")
         self.step_count = 0
         self.waiting: deque[EngineRequest] = deque()
@@ -90,13 +118,24 @@ class Engine:
         self._next_handle = 0
         self.compute_delay_cycles = config.compute_delay_cycles
         """Settable between steps: tests delay the compute stream to widen race windows on the GPU."""
-        self._reports: deque[WorkerOutput] = deque()
+        self._reports: deque[tuple[WorkerOutput, ...]] = deque()
         self._forced: dict[str, bool] = {}
         """Requests to preempt at the next step, each with whether its blocks are reclaimed at once."""
         self.preemptions = 0
         self.computed_tokens = 0
         self.gpu_hit_tokens = 0
         self.cpu_hit_tokens = 0
+
+    def _local_ranks(self, devices: list[Device], connector: Connector | SchedulerConnector | None) -> LocalRanks:
+        """Ranks in this process, each registering its caches with its own worker half of `connector`."""
+        if isinstance(connector, SchedulerConnector):
+            raise TypeError("ranks in this process need both connector halves (a Connector), not the scheduler half")
+        workers = connector.workers if connector is not None else [None] * len(devices)
+        ranks = LocalRanks(self.config.model, self.config.num_gpu_blocks, devices, workers)
+        if connector is not None:
+            for rank in ranks.local:
+                connector.register_kv_caches(rank.kv_caches, "kv-first", rank=rank.index)
+        return ranks
 
     # --- requests ----------------------------------------------------------------------------------------
 
@@ -147,26 +186,20 @@ class Engine:
         self.step_count += 1
         work, preempted = self._schedule()
         conn = self.connector
+        meta = None
         if conn is not None:
             scheduled = tuple(
                 ScheduledRequest(req_id=w.request.request_id, block_ids=w.blocks, num_computed_tokens=w.end)
                 for w in work
             )
             meta = conn.build_connector_meta(SchedulerOutput(scheduled=scheduled, preempted=tuple(preempted)))
-            conn.worker.bind_connector_metadata(meta)
-            conn.worker.handle_preemptions()
-        self.forward.poison(self.pool.take_poison(), self.step_count)
+        if self.ranks is not None:
+            reports = self.ranks.run_step(StepPlan.of(self.step_count, meta, self.pool.take_poison(), work,
+                                                      self.compute_delay_cycles))
+        else:
+            reports = self._run_here(meta, work)
         if conn is not None:
-            conn.worker.start_load_kv()
-        if work and self.config.per_layer:
-            self.forward.layers(work, self.step_count, self.compute_delay_cycles,
-                                self.connector.worker if self.connector is not None else None)
-        elif work:
-            self.forward.whole(work, self.step_count, self.compute_delay_cycles)
-        if conn is not None:
-            conn.worker.wait_for_save()
-            report = self._delivered(conn.worker.get_finished())
-            result = conn.update_connector_output(ConnectorOutput(workers=(report,)))
+            result = conn.update_connector_output(ConnectorOutput(workers=self._delivered(reports)))
             self._after_transfers(result.loaded, result.released, result.load_errors)
         for w in work:
             if w.sample and w.request.finished and w.request in self.running:
@@ -174,12 +207,31 @@ class Engine:
                 if w.request.request_id not in self.loading:  # else it finishes once its load is reported
                     self._finish(w.request, aborted=False)
 
-    def _delivered(self, report: WorkerOutput) -> WorkerOutput:
-        """The worker report the connector hears of this step: this step's, or an earlier one's under `report_lag`."""
-        self._reports.append(report)
+    def _run_here(self, meta: ConnectorMetadata | None, work: list[Work]) -> tuple[WorkerOutput, ...]:
+        """One device's work for the step, enqueued here; its worker's report (none without a connector)."""
+        worker = self.connector.worker if isinstance(self.connector, Connector) else None
+        if worker is not None and meta is not None:
+            worker.bind_connector_metadata(meta)
+            worker.handle_preemptions()
+        self.forward.poison(self.pool.take_poison(), self.step_count)
+        if worker is not None:
+            worker.start_load_kv()
+        if work and self.config.per_layer:
+            self.forward.layers(work, self.step_count, self.compute_delay_cycles, worker)
+        elif work:
+            self.forward.whole(work, self.step_count, self.compute_delay_cycles)
+        if worker is None:
+            return ()
+        worker.wait_for_save()
+        return (worker.get_finished(),)
+
+    def _delivered(self, reports: tuple[WorkerOutput, ...]) -> tuple[WorkerOutput, ...]:
+        """The worker reports the connector hears of this step: this step's, or an earlier one's under
+        `report_lag`."""
+        self._reports.append(reports)
         if len(self._reports) > self.config.report_lag:
             return self._reports.popleft()
-        return WorkerOutput(worker=report.worker)
+        return tuple(WorkerOutput(worker=report.worker) for report in reports)
 
     def _schedule(self) -> tuple[list[Work], list[str]]:
         budget = self.config.max_batched_tokens
@@ -342,4 +394,8 @@ class Engine:
 
     def outputs(self) -> dict[int, list[int]]:
         """Every finished request's sampled tokens by handle (call once the device has run everything)."""
-        return {r.handle: [int(t) for t in r.sampled[: r.max_new_tokens]] for r in self.finished}
+        return {r.handle: [int(t) for t in self._sampled(r)[: r.max_new_tokens]] for r in self.finished}
+
+    def _sampled(self, request: EngineRequest) -> list[torch.Tensor]:
+        """A request's tokens: sampled by this engine's forward, or (tensor parallel) by rank 0."""
+        return request.sampled if self.ranks is None else self.ranks.leader.sampled(request.handle)

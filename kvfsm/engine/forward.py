@@ -7,7 +7,7 @@ forward calls the connector worker's per-layer hooks around each layer, as vLLM'
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -43,6 +43,45 @@ class Forward:
 
     def whole(self, work: list[Work], step: int, delay: int) -> None:
         """One compute operation for the whole forward (an engine that never calls the per-layer hooks)."""
+        self._whole(work, step, delay, lambda w, total: w.request.sampled.append(self.model.token(total)))
+
+    def partial_sums(self, work: list[Work], step: int, delay: int) -> torch.Tensor | None:
+        """The whole forward of a tensor-parallel rank: it writes its heads' KV and fills, per sampled request in
+        order, its heads' share of the sum the token is picked from (None when nothing is sampled). `sample` picks
+        the tokens once the ranks' shares were summed."""
+        sampled = [w for w in work if w.sample]
+        if not sampled:
+            if work:
+                self._whole(work, step, delay, lambda w, total: None)
+            return None
+        partials = torch.zeros(len(sampled), dtype=torch.float64, device=self.device.tensor_device())
+        slot = {id(w): i for i, w in enumerate(sampled)}
+
+        def keep(w: Work, total: torch.Tensor) -> None:
+            partials[slot[id(w)]] = total
+
+        self._whole(work, step, delay, keep)
+        return partials
+
+    def sample(self, work: list[Work], step: int, summed: Callable[[], torch.Tensor]) -> None:
+        """Pick every sampled request's token from `summed()`, the all-reduced shares of every rank, on the compute
+        stream (each token is in its request's list from now on, filled in place when the operation runs)."""
+        device = self.device.tensor_device()
+        slots = []
+        for w in work:
+            if w.sample:
+                slots.append(torch.empty((), dtype=torch.int64, device=device))
+                w.request.sampled.append(slots[-1])
+
+        def pick() -> None:
+            for slot, token in zip(slots, self.model.token(summed())):
+                slot.copy_(token)
+
+        if slots:
+            self.device.enqueue("compute", "compute", f"compute step {step} sample", pick)
+
+    def _whole(self, work: list[Work], step: int, delay: int,
+               sampled: Callable[[Work, torch.Tensor], None]) -> None:
         device = self.device.tensor_device()
 
         def forward() -> None:
@@ -53,7 +92,7 @@ class Forward:
                 tokens = self._tokens(w.request, w.start, w.end, device)
                 self.model.write(blocks, tokens, w.start)
                 if w.sample:
-                    w.request.sampled.append(self.model.next_token(blocks, w.end))
+                    sampled(w, self.model.partial_sum(blocks, w.end))
 
         reads, writes = self._touched(work)
         self.device.enqueue("compute", "compute", f"compute step {step}", forward,

@@ -4,6 +4,10 @@ It writes each layer's K and V for the scheduled tokens as a pure function of (t
 the next token from a position-weighted sum of every KV value the request's blocks hold. A stale, poisoned,
 swapped or half-written block therefore changes the output, as a real model's garbled output would; and because
 every value is a small integer, the arithmetic is exact and the same workload gives the same tokens on any device.
+
+Tensor parallelism shards it as engines shard attention: a rank holds a contiguous range of heads, writes and reads
+only their KV and contributes a partial sum; the token comes from the sum over every rank (an all-reduce) and, the
+arithmetic being exact, equals the unsharded model's token.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 POISON_BYTE = 0xFF
 """Freed blocks are filled with this byte: as float16 it is NaN, so a poisoned read shows in the output."""
 POISONED_TOKEN = -1
-"""What `next_token` yields when it read a poisoned value: no real token is negative."""
+"""What `token` yields from a sum that read a poisoned value: no real token is negative."""
 
 
 @dataclass(frozen=True)
@@ -36,16 +40,19 @@ class ModelShape:
 class ToyModel:
     """The compute a step runs for one request: write KV for new positions, then read all of it for a token."""
 
-    def __init__(self, shape: ModelShape, caches: list[torch.Tensor]) -> None:
+    def __init__(self, shape: ModelShape, caches: list[torch.Tensor], heads: range | None = None) -> None:
         self.shape = shape
-        self.caches = caches  # per layer, kv-first: (2, blocks, block_size, heads, dim)
+        self.caches = caches  # per layer, kv-first: (2, blocks, block_size, len(heads), dim)
+        self.heads = heads if heads is not None else range(shape.num_heads)
         device = caches[0].device
         s = shape
         lanes = torch.arange(2 * s.num_heads * s.head_dim, device=device, dtype=torch.int64)
-        self._lanes = lanes.view(2, 1, s.num_heads, s.head_dim)  # broadcast over positions
+        # broadcast over positions; only this model's heads
+        self._lanes = lanes.view(2, 1, s.num_heads, s.head_dim)[:, :, self.heads.start:self.heads.stop]
 
     def kv_values(self, tokens: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
-        """K and V for `tokens` at `positions`, shape (2, n, heads, dim): small exact integers."""
+        """K and V of this model's heads for `tokens` at `positions`, shape (2, n, heads, dim): small exact
+        integers."""
         base = tokens.to(torch.int64) * 31 + positions * 7 + layer * 13
         return ((base.view(1, -1, 1, 1) + self._lanes) % 251 - 125).to(self.shape.dtype)
 
@@ -74,7 +81,7 @@ class ToyModel:
         poisoned = torch.full((), float(POISONED_TOKEN), dtype=torch.float64, device=total.device)
         return torch.where(torch.isnan(total), poisoned, torch.remainder(total, self.shape.vocab)).to(torch.int64)
 
-    def next_token(self, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-        """The token after `length` positions, read from the cache."""
-        return self.token(sum((self.read_layer(layer, block_ids, length) for layer in range(len(self.caches))),
-                              torch.zeros((), dtype=torch.float64, device=block_ids.device)))
+    def partial_sum(self, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+        """This model's heads' share of the sum the token after `length` positions is picked from."""
+        return sum((self.read_layer(layer, block_ids, length) for layer in range(len(self.caches))),
+                   torch.zeros((), dtype=torch.float64, device=block_ids.device))

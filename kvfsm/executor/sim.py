@@ -72,6 +72,10 @@ class SimDevice:
         self._issued = 0
         self._executed = 0
         self._host_buffers: dict[int, torch.Tensor] = {}
+        self.peers: list[SimDevice] = []
+        """Other devices this one's streams wait on (tensor-parallel ranks in one process, whose all-reduce waits
+        for every rank's forward): when none of this device's streams can run, a host wait advances a peer's, by
+        the peer's own schedule."""
 
     def tensor_device(self) -> torch.device:
         return torch.device("cpu")
@@ -133,9 +137,14 @@ class SimDevice:
 
     def _step(self, choose: Scheduler, what: str) -> None:
         options = self.runnable()
-        if not options:
-            raise SimDeadlock(f"{what}, but no stream can make progress")
-        self.run_one(choose(options))
+        if options:
+            self.run_one(choose(options))
+            return
+        for peer in self.peers:
+            if peer_options := peer.runnable():
+                peer.run_one(peer.scheduler(peer_options))
+                return
+        raise SimDeadlock(f"{what}, but no stream can make progress")
 
     def run_until_idle(self, choose: Scheduler | None = None) -> None:
         """Drive every stream to empty, picking each step with `choose` (default: `self.scheduler`)."""

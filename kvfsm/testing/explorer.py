@@ -9,6 +9,9 @@ interleavings at every state. Engine, connector and device state cannot be copie
 each state is rebuilt by replaying its choices; states whose fingerprint (host progress, queued operations and tier
 I/O, memory and disk bytes, job, request and tier-entry states) was already seen are not expanded again. Host blocking inside
 `handle_preemptions` runs the device in a fixed order: its interleavings are the one thing not enumerated.
+
+With tensor parallelism (`Workload.ranks` 2) every rank's device is a choice of its own: rank 0's streams by name
+as with one device, rank r's as "r:stream".
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvfsm.executor.sim import SimDevice
-from kvfsm.testing.harness import Harness
+from kvfsm.testing.harness import SHAPE, TP_SHAPE, Harness
 from kvfsm.testing.mooncake_store import shared_master
-from kvfsm.testing.mutants import MUTANTS
+from kvfsm.testing.mutants import MUTANTS, TP_MUTANTS
 
 HostAction = Callable[[Harness], None]
-Choice = str  # "host" or a stream name
+Choice = str  # "host", "io", a stream name of rank 0's device, or "rank:stream" of another rank's
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class Workload:
     """The device runs every operation as soon as it is queued: only the host and the tier's I/O are choices (the
     streams' interleavings are the other workloads' subject; each replay of a Mooncake workload does real network
     I/O, so its schedules are kept few)."""
+
+    ranks: int = 1
+    """Tensor-parallel ranks, each on its own SimDevice holding its share of the heads."""
 
     @property
     def tier(self) -> str | None:
@@ -102,6 +108,14 @@ def reset_offload_cache(h: Harness) -> None:
     h.connector.reset_cache()
 
 
+def fail_next(direction: str, rank: int) -> HostAction:
+    """Arm `rank`'s next store or load to fail (the other ranks' copies of that job succeed)."""
+    def arm(h: Harness) -> None:
+        h.rank_faults[rank].armed = direction
+
+    return arm
+
+
 def tier_fault(fault: str) -> HostAction:
     def inject(h: Harness) -> None:
         h.tier_faults.inject(fault)
@@ -114,12 +128,15 @@ class _Replay:
 
     def __init__(self, workload: Workload, mutant: str | None) -> None:
         self.workload = workload
-        self.harness = Harness(SimDevice(), num_gpu_blocks=workload.num_gpu_blocks, cpu_blocks=workload.cpu_blocks,
+        devices = [SimDevice() for _ in range(workload.ranks)]
+        self.harness = Harness(devices if workload.ranks > 1 else devices[0], num_gpu_blocks=workload.num_gpu_blocks,
+                               cpu_blocks=workload.cpu_blocks,
                                block_size_factor=workload.block_size_factor, mutant=mutant,
                                per_layer=workload.per_layer, layer_loads=workload.layer_loads,
                                layer_stores=workload.layer_stores,
                                disk_slots=workload.disk_slots, writeback_bound_blocks=workload.writeback_bound_blocks,
-                               mooncake_master=shared_master() if workload.mooncake else None)
+                               mooncake_master=shared_master() if workload.mooncake else None,
+                               shape=TP_SHAPE if workload.ranks > 1 else SHAPE)
         self.host_index = 0
 
     def host_can_act(self) -> bool:
@@ -132,7 +149,8 @@ class _Replay:
             self.harness.io.run_one(0)
             return
         if choice != "host":
-            self.harness.device.run_one(choice)  # type: ignore[arg-type]
+            rank, _, stream = choice.rpartition(":")
+            self.harness.devices[int(rank or 0)].run_one(stream)  # type: ignore[arg-type]
             return
         actions = self.workload.actions
         (actions[self.host_index] if self.host_index < len(actions) else step)(self.harness)
@@ -141,21 +159,26 @@ class _Replay:
             self.harness.device.run_until_idle()
 
     def choices(self) -> list[Choice]:
-        return ((["host"] if self.host_can_act() else []) + list(self.harness.device.runnable())
+        devices = self.harness.devices
+        return ((["host"] if self.host_can_act() else []) + list(devices[0].runnable())
+                + [f"{rank}:{stream}" for rank in range(1, len(devices)) for stream in devices[rank].runnable()]
                 + (["io"] if self.harness.io.queue else []))
 
     def fingerprint(self) -> str:
         h = self.harness
         digest = hashlib.blake2b(digest_size=16)
-        digest.update(repr((self.host_index, [(s, [op.label for op in q]) for s, q in h.device._queues.items()],
+        queues = [(s, [op.label for op in q]) for d in h.devices for s, q in d._queues.items()]
+        digest.update(repr((self.host_index, queues,
                             sorted((j.job_id, j.state) for j in h.connector.scheduler.jobs.values()),
                             sorted((r.request_id, r.phase.name, r.num_computed, r.num_sampled)
                                    for r in h.engine.live.values()),
                             h.io.numbers, sorted((e.key, e.state) for t in h.world.tiers for e in t.entries),
                             sorted((j.job_id, j.state) for j in h.world.tier_jobs.values()))).encode())
-        for cache in h.engine.caches:
+        ranks = h.engine.ranks.local if h.engine.ranks is not None else ()
+        for cache in [*h.engine.caches, *(c for rank in ranks[1:] for c in rank.caches)]:
             digest.update(cache.numpy().tobytes())
-        digest.update(h.connector.worker.pool.buffer.numpy().tobytes())
+        for worker in h.connector.workers:
+            digest.update(worker.pool.buffer.numpy().tobytes())
         if h.disk is not None:
             digest.update(h.disk.file.read_bytes())
         return digest.hexdigest()
@@ -185,7 +208,7 @@ def _visit(workload: Workload, mutant: str | None, path: tuple[Choice, ...],
 
 def fits(workload: Workload, mutant: str) -> bool:
     """Whether the mutant's bug can show in this workload's engine (a per-layer bug needs per-layer hooks)."""
-    needs = MUTANTS[mutant]
+    needs = (MUTANTS | TP_MUTANTS)[mutant]
     return ((needs.per_layer is None or needs.per_layer == workload.per_layer)
             and (not needs.layer_loads or workload.layer_loads) and (not needs.layer_stores or workload.layer_stores))
 
@@ -286,6 +309,24 @@ another mid-store to grow; with an engine that computes layer by layer and calls
 computed in the step that loads it, and a request preempted while its per-layer stores are in flight; and a request
 preempted under memory pressure a step after its store was submitted, so the store may still be on the copy stream
 when its blocks are rewritten (vLLM 29870)."""
+
+TP_WORKLOADS: dict[str, Workload] = {
+    "tp-preempt-mid-copy": Workload(
+        actions=(add(_P + (1,), 3), step, step, preempt_first_reclaiming, step),
+        num_gpu_blocks=6, cpu_blocks=3, ranks=2,
+    ),
+    "tp-store-fails-on-rank-1": Workload(
+        actions=(fail_next("store", rank=1), add(_P + (1,), 1), step, step),
+        num_gpu_blocks=6, cpu_blocks=3, ranks=2, max_extra_steps=6,
+    ),
+    "tp-reload": Workload(
+        actions=(add(_P + (1,), 1), step, step, forget_gpu_prefixes, add(_P + (2,), 1), step),
+        num_gpu_blocks=6, cpu_blocks=3, ranks=2, max_extra_steps=8,
+    ),
+}
+"""Two ranks: a request preempted under memory pressure while its store may still be copying on either rank; a stored
+prefix whose store fails on rank 1 while rank 0's copy succeeds; and a stored prefix reloaded after the GPU forgot
+it (each rank's store and load report in any order)."""
 
 _A, _B = (11, 12), (21, 22)
 TIER_WORKLOADS: dict[str, Workload] = {

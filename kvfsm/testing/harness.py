@@ -28,15 +28,17 @@ from kvfsm.machines import Backend, MachineSet
 from kvfsm.states import CpuBlockState
 from kvfsm.states import TierEntryState as Entry
 from kvfsm.testing.mooncake_store import MooncakeFaults, tier_of
-from kvfsm.testing.mutants import MUTANTS
+from kvfsm.testing.mutants import MUTANTS, TP_MUTANTS
 from kvfsm.testing.oracle import BlockOracle, expected_tokens, poisoned
 from kvfsm.testing.tier_faults import TierFaults
 from kvfsm.testing.trace import TraceRecorder
-from kvfsm.testing.world import EngineWorld
+from kvfsm.testing.world import DEVICE_LOG_INVARIANTS, EngineWorld
 from kvfsm.tiers.disk import DiskTier
 from kvfsm.tiers.io import ManualIo
 
 SHAPE = ModelShape(num_layers=2, num_heads=1, head_dim=4, block_size=2, vocab=997)
+TP_SHAPE = ModelShape(num_layers=2, num_heads=2, head_dim=4, block_size=2, vocab=997)
+"""Two heads, so that two tensor-parallel ranks hold one each."""
 
 
 class InjectedFault(TransferError):
@@ -72,6 +74,20 @@ class FaultInjector:
         return self._transfers.store_segments(*args, **kwargs)  # type: ignore[attr-defined]
 
 
+class EveryNthFails(FaultInjector):
+    """Every `n`-th store or load a worker submits fails: one rank's copies failing while the others' succeed."""
+
+    def __init__(self, transfers: object, n: int) -> None:
+        super().__init__(transfers)
+        self.n = n
+        self.submitted = 0
+
+    def _maybe_fail(self, direction: str) -> None:
+        self.submitted += 1
+        if self.submitted % self.n == 0:
+            raise InjectedFault(f"injected failure of {direction} #{self.submitted}")
+
+
 @dataclass
 class Submitted:
     prompt: tuple[int, ...]
@@ -80,14 +96,18 @@ class Submitted:
 
 
 class Harness:
-    def __init__(self, device: Device, num_gpu_blocks: int, cpu_blocks: int, block_size_factor: int = 1,
+    """`device` is one device, or one per tensor-parallel rank (each with its own worker half and faults)."""
+
+    def __init__(self, device: Device | Sequence[Device], num_gpu_blocks: int, cpu_blocks: int,
+                 block_size_factor: int = 1,
                  mutant: str | None = None, max_batched_tokens: int = 32, shape: ModelShape = SHAPE,
                  compute_delay_cycles: int = 0, checksum: bool = False, backend: Backend = "table",
                  per_layer: bool = False, layer_loads: bool = False, layer_stores: bool = False,
                  disk_slots: int = 0, writeback: Literal["eager", "on-evict"] = "eager",
                  writeback_bound_blocks: int = 2, report_lag: int = 0, mooncake_master: str | None = None,
                  mooncake_options: dict[str, object] | None = None, tier_threads: bool = False) -> None:
-        self.device = device
+        self.devices = list(device) if isinstance(device, Sequence) else [device]
+        self.device = self.devices[0]
         self.shape = shape
         cpu_block_bytes = block_size_factor * shape.gpu_block_bytes
         self.disk_dir = Path(tempfile.mkdtemp(prefix="kvfsm-disk-")) if disk_slots else None
@@ -103,31 +123,37 @@ class Harness:
         config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=block_size_factor,
                                gpu_block_size=shape.block_size, checksum=checksum, layer_loads=layer_loads,
                                layer_stores=layer_stores, lower_tiers=tiers,
-                               writeback_max_bytes_in_flight=writeback_bound_blocks * cpu_block_bytes)
+                               writeback_max_bytes_in_flight=writeback_bound_blocks * cpu_block_bytes,
+                               num_workers=len(self.devices))
         self.io = ManualIo()
         """The tiers' I/O queue: tests choose when each read or write runs, as they choose device streams (unless
         `tier_threads`: the tiers' own threads, as in production)."""
-        self.connector = Connector(config, device, keep_history=True,
+        self.connector = Connector(config, self.devices, keep_history=True,
                                    machines=MachineSet(default_spec(), backend=backend),
                                    tier_io=None if tier_threads else (lambda _: self.io))
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
                                           model=shape, compute_delay_cycles=compute_delay_cycles,
                                           per_layer=per_layer, report_lag=report_lag),
-                             device, self.connector)
+                             self.devices if len(self.devices) > 1 else self.device, self.connector)
         self.poll_lag = 0
         """SimDevice only: device operations run inside a step, just before the worker polls for finished jobs
         (on a GPU a job may finish before its own step ends)."""
         self._wrap_poll()
-        self.faults = FaultInjector(self.connector.worker._transfers)
-        self.connector.worker._transfers = self.faults  # type: ignore[assignment]
+        self.rank_faults = [FaultInjector(worker._transfers) for worker in self.connector.workers]
+        """Each rank's fault injector: arm one to fail that rank's next store or load while the others' succeed."""
+        for worker, faults in zip(self.connector.workers, self.rank_faults):
+            worker._transfers = faults  # type: ignore[assignment]
+        self.faults = self.rank_faults[0]
         disks = [t for t in self.connector.worker.lower_tiers if isinstance(t, DiskTier)]
         self.disk: DiskTier | None = disks[0] if disks else None
         self.mooncake = tier_of(self.connector)
         self.mooncake_faults = MooncakeFaults(self.mooncake)
         self.tier_faults = TierFaults(self.disk)
         if mutant is not None:
-            MUTANTS[mutant].apply(self.engine, self.connector)
+            (MUTANTS | TP_MUTANTS)[mutant].apply(self.engine, self.connector)
         self.world = EngineWorld(self.engine, self.connector)
+        self.rank_worlds = [EngineWorld(self.engine, self.connector, d) for d in self.devices[1:]]
+        """The other ranks' device logs, for the invariants that read one."""
         self.oracle = BlockOracle(shape, block_size_factor)
         self.trace = TraceRecorder(self.connector.machines)
         self.submitted: dict[int, Submitted] = {}
@@ -173,11 +199,12 @@ class Harness:
         self.settle()
 
     def settle(self) -> None:
-        run = getattr(self.device, "run_until_idle", None)
-        if run is not None:
-            run()
-        else:
-            torch.cuda.synchronize()
+        for device in self.devices:
+            run = getattr(device, "run_until_idle", None)
+            if run is not None:
+                run()
+            else:
+                torch.cuda.synchronize()
         self.io.run_all()
 
     # --- checking ------------------------------------------------------------------------------------------
@@ -185,6 +212,8 @@ class Harness:
     def violations(self) -> list[str]:
         """Everything wrong right now: named invariants, trace conformance, bytes of ready CPU blocks."""
         found = [f"{name}: {line}" for name, lines in check_all(self.world).items() for line in lines]
+        found += [f"{name} on rank {rank}: {line}" for rank, world in enumerate(self.rank_worlds, start=1)
+                  for name, lines in check_all(world, DEVICE_LOG_INVARIANTS).items() for line in lines]
         found += [f"trace: {line}" for line in self.trace.check()]
         found += self._cpu_bytes()
         found += self._disk_bytes()
@@ -192,13 +221,19 @@ class Harness:
         return found
 
     def _cpu_bytes(self) -> list[str]:
+        """Every ready or loading CPU slot holds its prefix's bytes; with tensor parallelism, in every rank's pool,
+        that rank's heads' bytes."""
         found = []
-        pool = self.connector.worker.pool
-        for block in self.connector.scheduler.manager.blocks:
-            if block.state in (CpuBlockState.READY, CpuBlockState.LOADING) and block.block_hash is not None:
-                actual = pool.slot(block.slot).cpu()
-                if not torch.equal(actual, self.oracle.cpu_block_bytes(block.block_hash)):
-                    found.append(f"ready-means-written: CPU slot {block.slot} does not hold the bytes of its prefix")
+        ranks = self.engine.ranks.local if self.engine.ranks is not None else [None]
+        for rank, worker in zip(ranks, self.connector.workers):
+            heads = rank.heads if rank is not None else None
+            where = f" of rank {rank.index}" if rank is not None else ""
+            for block in self.connector.scheduler.manager.blocks:
+                if block.state in (CpuBlockState.READY, CpuBlockState.LOADING) and block.block_hash is not None:
+                    actual = worker.pool.slot(block.slot).cpu()
+                    if not torch.equal(actual, self.oracle.cpu_block_bytes(block.block_hash, heads)):
+                        found.append(f"ready-means-written: CPU slot {block.slot}{where} does not hold the bytes of "
+                                     "its prefix")
         return found
 
     def _disk_bytes(self) -> list[str]:
@@ -248,6 +283,7 @@ class Harness:
     def close(self) -> None:
         """Stop tracing and release the pinned pool (on CUDA an unreleased registration outlives the memory)."""
         self.trace.close()
-        self.connector.worker.shutdown()
+        for worker in self.connector.workers:
+            worker.shutdown()
         if self.disk_dir is not None:
             shutil.rmtree(self.disk_dir, ignore_errors=True)

@@ -83,7 +83,8 @@ def _reset(harness: Harness, choice: int) -> None:
 
 
 def _fail(harness: Harness, choice: int) -> None:
-    harness.faults.armed = ("store", "load")[choice % 2]
+    """Arm one rank's next store or load to fail (with tensor parallelism the other ranks' copies succeed)."""
+    harness.rank_faults[choice // 2 % len(harness.rank_faults)].armed = ("store", "load")[choice % 2]
 
 
 def _fail_tier_write(harness: Harness, choice: int) -> None:

@@ -198,3 +198,29 @@ MUTANTS: dict[str, Mutant] = {
         *(Mutant(name, breaks, apply, tier="mooncake") for name, breaks, apply in MOONCAKE_MUTANTS),
     )
 }
+
+
+def _flush_on_rank_0_only(engine: Engine, connector: Connector) -> None:
+    for worker in connector.workers[1:]:
+        worker.handle_preemptions = lambda: None  # type: ignore[method-assign]
+
+
+TP_CONTROLS: dict[str, Callable[[SchedulerConnector], None]] = {
+    "complete-on-first-report": complete_on_first_report,
+    "publish-on-partial-failure": publish_on_partial_failure,
+}
+"""The tensor-parallel controls of the scheduler half alone: they apply where it runs by itself (rank 0's process
+of `python -m kvfsm.tp`)."""
+
+TP_MUTANTS: dict[str, Mutant] = {
+    m.name: m
+    for m in (
+        Mutant("complete-on-first-report", "every-rank-reports (a store published with one rank's heads written)",
+               lambda engine, connector: complete_on_first_report(connector.scheduler), per_layer=False),
+        Mutant("publish-on-partial-failure", "fail-everywhere (a CPU block with one rank's heads missing)",
+               lambda engine, connector: publish_on_partial_failure(connector.scheduler), per_layer=False),
+        Mutant("flush-on-rank-0-only", "preempt-flushes, fence on rank 1 (a reused block written mid-store)",
+               _flush_on_rank_0_only, per_layer=False),
+    )
+}
+"""Controls that differ from kvfsm only with several workers: the tensor-parallel interleavings must catch each."""

@@ -44,9 +44,13 @@ class BlockOracle:
         for index in range(len(gpu_block_hashes) // self.k):
             self.tokens[gpu_block_hashes[(index + 1) * self.k - 1]] = prompt[:(index + 1) * span]
 
-    def cpu_block_bytes(self, block_hash: int) -> torch.Tensor:
-        """Host bytes of the CPU block for `block_hash`: per GPU block, layer by layer, K then V."""
-        prefix = self.tokens[block_hash]
+    def cpu_block_bytes(self, block_hash: int, heads: range | None = None) -> torch.Tensor:
+        """Host bytes of the CPU block for `block_hash`: per GPU block, layer by layer, K then V; with `heads`, the
+        bytes of a tensor-parallel rank that holds only those heads."""
+        return self.prefix_bytes(self.tokens[block_hash], heads)
+
+    def prefix_bytes(self, prefix: tuple[int, ...], heads: range | None = None) -> torch.Tensor:
+        """Host bytes of the CPU block that ends `prefix` (a whole number of CPU blocks long)."""
         span = self.shape.block_size * self.k
         start = len(prefix) - span
         tokens = torch.tensor(prefix[start:], dtype=torch.int64)
@@ -54,6 +58,8 @@ class BlockOracle:
         per_layer = [self._model.kv_values(tokens, positions, layer) for layer in range(self.shape.num_layers)]
         # (layers, 2, k * block_size, heads, dim) -> per GPU block: (layers, 2, block_size, heads, dim)
         stacked = torch.stack(per_layer).unflatten(2, (self.k, self.shape.block_size))
+        if heads is not None:
+            stacked = stacked[..., heads.start:heads.stop, :]
         return stacked.permute(2, 0, 1, 3, 4, 5).contiguous().view(torch.uint8).flatten()
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from kvfsm.connector import Connector
+from kvfsm.connector import Connector, SchedulerConnector
 from kvfsm.engine.engine import Engine
 from kvfsm.executor.access import Access
+from kvfsm.executor.device import Device
 from kvfsm.invariants import Deferral
 from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TransferJob
 from kvfsm.tiers.base import LowerTier
@@ -14,49 +16,55 @@ from kvfsm.records import TierJob
 
 
 class EngineWorld:
-    """A live view: every attribute reads the current state, so one instance serves a whole run."""
+    """A live view: every attribute reads the current state, so one instance serves a whole run.
 
-    def __init__(self, engine: Engine, connector: Connector) -> None:
+    The device log is rank 0's unless `device` names another rank's (the ordering invariants hold on each rank's
+    device). `connector` is both halves, or the scheduler half alone (the other ranks' halves in other processes).
+    """
+
+    def __init__(self, engine: Engine, connector: Connector | SchedulerConnector, device: Device | None = None) -> None:
         self.engine = engine
         self.connector = connector
+        self.scheduler = connector.scheduler if isinstance(connector, Connector) else connector
+        self.device = device or engine.device
 
     @property
     def cpu_blocks(self) -> Sequence[CpuBlock]:
-        return self.connector.scheduler.manager.blocks
+        return self.scheduler.manager.blocks
 
     @property
     def catalogue(self) -> Mapping[int, int]:
-        return self.connector.scheduler.manager.catalogue
+        return self.scheduler.manager.catalogue
 
     @property
     def jobs(self) -> Mapping[int, TransferJob]:
-        return self.connector.scheduler.jobs
+        return self.scheduler.jobs
 
     @property
     def requests(self) -> Mapping[str, RequestRecord]:
-        return self.connector.scheduler.requests
+        return self.scheduler.requests
 
     @property
     def gpu_blocks(self) -> Mapping[int, GpuBlock]:
-        return self.connector.scheduler.gpu_blocks
+        return self.scheduler.gpu_blocks
 
     @property
     def deferrals(self) -> Mapping[str, Deferral]:
-        return self.connector.scheduler.deferrals
+        return self.scheduler.deferrals
 
     @property
     def reported_failed(self) -> set[int]:
-        tiers = self.connector.scheduler.tiers
-        failed = self.connector.scheduler.reported_failed
+        tiers = self.scheduler.tiers
+        failed = self.scheduler.reported_failed
         return failed | tiers.reported_failed if tiers is not None else failed
 
     @property
     def tiers(self) -> Sequence[LowerTier]:
-        return self.connector.worker.lower_tiers
+        return self.connector.worker.lower_tiers if isinstance(self.connector, Connector) else ()
 
     @property
     def tier_jobs(self) -> Mapping[int, TierJob]:
-        tiers = self.connector.scheduler.tiers
+        tiers = self.scheduler.tiers
         return tiers.jobs if tiers is not None else {}
 
     @property
@@ -65,7 +73,7 @@ class EngineWorld:
 
     @property
     def accesses(self) -> Sequence[Access]:
-        return getattr(self.engine.device, "accesses", ())
+        return getattr(self.device, "accesses", ())
 
     @property
     def num_workers(self) -> int:
@@ -73,6 +81,28 @@ class EngineWorld:
 
     @property
     def idle(self) -> bool:
-        tiers = self.connector.scheduler.tiers
-        return (not self.engine.has_work and getattr(self.engine.device, "idle", True)
+        tiers = self.scheduler.tiers
+        devices = [rank.device for rank in self.engine.ranks.local] if self.engine.ranks else [self.engine.device]
+        return (not self.engine.has_work and all(getattr(device, "idle", True) for device in devices)
                 and (tiers is None or tiers.idle))
+
+
+DEVICE_LOG_INVARIANTS = ("store-after-compute", "layer-store-after-compute", "fence", "layer-stores-flushed",
+                         "load-after-readers", "load-before-use", "layer-load-before-use", "readers-pin",
+                         "ready-means-written")
+"""The invariants that read a device's access log: with tensor parallelism they hold on every rank's device."""
+
+
+@dataclass
+class DeviceLogWorld:
+    """A device's access log and no scheduler state: what a rank whose process holds no scheduler half checks
+    (`DEVICE_LOG_INVARIANTS`; their state checks find nothing here, the scheduler's process checks the state)."""
+
+    device: Device
+    cpu_blocks: Sequence[CpuBlock] = ()
+    catalogue: Mapping[int, int] = field(default_factory=dict)
+    idle: bool = False
+
+    @property
+    def accesses(self) -> Sequence[Access]:
+        return getattr(self.device, "accesses", ())

@@ -1,0 +1,248 @@
+"""`python -m kvfsm.tp`: the demo workload served with tensor parallelism, one process per rank.
+
+Rank 0 runs the engine's scheduler and kvfsm's scheduler half; every rank holds its share of the attention heads on
+its own device, with its own worker half and pinned pool (`kvfsm.engine.distributed`): gloo and `SimDevice`s on a
+CPU, NCCL and one GPU per rank with `--device cuda`. The run fails (exit code 1) unless the spec's invariants held
+after every step (the scheduler's on rank 0, the device-log ones on every rank's device), the tokens equal the
+single-process run's without offloading, every rank sampled the same tokens, and every ready CPU slot of every rank
+holds exactly that rank's heads' bytes of its prefix. `--failing-rank` makes one rank's copies fail now and then
+(kvfsm must fail those jobs on every rank and recompute); `--control` serves with a tensor-parallel control instead
+of kvfsm's scheduler half, to see the checks catch it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import typer
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from kvfsm.config import OffloadConfig
+from kvfsm.connector.scheduler import SchedulerConnector
+from kvfsm.connector.worker import WorkerConnector
+from kvfsm.demo import (CUDA_SHAPE, REFUSALS, SIM_SHAPE, DemoConfig, DemoConfigError, DeviceKind, OneStepBehind,
+                        engine_config_for, resolve_device, run_once, serve_arrivals)
+from kvfsm.engine.distributed import DistributedRanks, ReadySlot, follow
+from kvfsm.engine.engine import Engine
+from kvfsm.engine.ranks import Rank
+from kvfsm.executor.cuda import CudaDevice
+from kvfsm.executor.device import Device
+from kvfsm.executor.sim import SimDevice
+from kvfsm.invariants import check_all
+from kvfsm.states import CpuBlockState
+from kvfsm.testing.harness import EveryNthFails
+from kvfsm.testing.mutants import TP_CONTROLS
+from kvfsm.testing.oracle import BlockOracle, poisoned
+from kvfsm.testing.world import DEVICE_LOG_INVARIANTS, DeviceLogWorld, EngineWorld
+from kvfsm.workload import WorkloadShape, generate
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+"""A rank that waits longer than this in a collective fails the run instead of hanging it."""
+FAILING_EVERY = 3
+"""With `--failing-rank`, that rank's every third store or load fails while the other ranks' copies succeed."""
+
+
+class TpRun(BaseModel):
+    """What rank 0 reports back to the launching process."""
+
+    ranks: int
+    device: str
+    steps: int
+    wall_s: float
+    outputs: dict[int, list[int]]
+    violations: list[str]
+    cpu_hit_tokens: int
+    blocks_stored: int
+    blocks_loaded: int
+    loads_failed: int
+
+
+def _device(kind: DeviceKind, index: int, seed: int) -> Device:
+    if kind is DeviceKind.cuda:
+        torch.cuda.set_device(index)
+        return CudaDevice(index)
+    return SimDevice(random.Random(seed * 1000 + index).choice)  # each rank its own schedule
+
+
+def _rank_main(index: int, world: int, rendezvous: str, kind: DeviceKind, config: DemoConfig,
+               faults: tuple[str | None, int | None], result: str) -> None:
+    torch.set_num_threads(1)  # tiny tensors: intra-op threads only spin (see kvfsm.demo)
+    backend = "nccl" if kind is DeviceKind.cuda else "gloo"
+    dist.init_process_group(backend, init_method=rendezvous, rank=index, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        _serve_rank(index, world, kind, config, faults, Path(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig,
+                faults: tuple[str | None, int | None], result: Path) -> None:
+    control, failing_rank = faults
+    shape = SIM_SHAPE if kind is DeviceKind.cpu else CUDA_SHAPE
+    arrivals = generate(config.workload, shape.vocab, config.seed)
+    engine_config = engine_config_for(arrivals, config.gpu_blocks, shape)
+    device = _device(kind, index, config.seed)
+    offload = OffloadConfig(cpu_blocks=config.cpu_blocks, block_size_factor=config.block_size_factor,
+                            gpu_block_size=shape.block_size, eviction=config.eviction.value, num_workers=world)
+    worker = WorkerConnector(offload, device, worker=index)
+    rank = Rank(shape, engine_config.num_gpu_blocks, device, index, world, worker)
+    caches = worker.register_kv_caches(rank.kv_caches, "kv-first")
+    if failing_rank == index:
+        worker._transfers = EveryNthFails(worker._transfers, FAILING_EVERY)  # type: ignore[assignment]
+    pacer = OneStepBehind(device) if isinstance(device, SimDevice) else None
+    own_log = DeviceLogWorld(device)
+
+    def after_step() -> list[str]:
+        """Let the simulated device lag a step, check this rank's device log, forget what can no longer race."""
+        if pacer is None:
+            return []
+        pacer.after_step()
+        found = [f"rank {index}: {name}: {line}"
+                 for name, lines in check_all(own_log, DEVICE_LOG_INVARIANTS).items() for line in lines]
+        pacer.forget_checked()
+        return found
+
+    try:
+        if index == 0:
+            scheduler = SchedulerConnector(offload, caches.gpu_block_bytes, keep_history=True,
+                                           num_gpu_blocks=caches.num_blocks)
+            if control in TP_CONTROLS:
+                TP_CONTROLS[control](scheduler)
+            ranks = DistributedRanks(rank, after_step)
+            run = _lead(Engine(engine_config, ranks, scheduler), ranks, scheduler, arrivals, config, world)
+            result.write_text(run.model_dump_json())
+        else:
+            follow(rank, after_step, BlockOracle(shape, config.block_size_factor).prefix_bytes)
+    finally:
+        worker.shutdown()
+
+
+def _lead(engine: Engine, ranks: DistributedRanks, scheduler: SchedulerConnector, arrivals: list, config: DemoConfig,
+          world: int) -> TpRun:
+    """Serve the workload from rank 0, checking the scheduler's invariants after every step, then verify every
+    rank's pool and tokens."""
+    state = EngineWorld(engine, scheduler)
+    violations: list[str] = []
+
+    def after_step() -> None:
+        violations.extend(f"rank 0: {name}: {line}" for name, lines in check_all(state).items() for line in lines)
+
+    start = time.perf_counter()
+    try:
+        serve_arrivals(engine, arrivals, after_step, lambda finished: None)
+    except REFUSALS as refusal:  # every rank is between steps: the run stops there, and fails
+        violations.append(f"rank 0: refused: {type(refusal).__name__}: {refusal}")
+        ranks.stop()
+        return _summary(engine, scheduler, world, time.perf_counter() - start, violations + ranks.violations)
+    wall = time.perf_counter() - start
+    oracle = BlockOracle(engine.config.model, config.block_size_factor)
+    for request in engine.finished:
+        oracle.learn(request.prompt, request.block_hashes)
+    ready = [ReadySlot(slot=b.slot, prefix=oracle.tokens[b.block_hash]) for b in scheduler.manager.blocks
+             if b.state == CpuBlockState.READY and b.block_hash is not None]
+    checked = ranks.verify(ready, oracle.prefix_bytes)  # every device drained first
+    violations += [f"rank 0: {name}: {line}" for name, lines in check_all(state).items() for line in lines]
+    ranks.stop()
+    return _summary(engine, scheduler, world, wall, violations + ranks.violations + checked)
+
+
+def _summary(engine: Engine, scheduler: SchedulerConnector, world: int, wall: float, violations: list[str]) -> TpRun:
+    stats = scheduler.stats
+    return TpRun(ranks=world, device=engine.device.kind, steps=engine.step_count, wall_s=wall,
+                 outputs=engine.outputs(), violations=violations, cpu_hit_tokens=engine.cpu_hit_tokens,
+                 blocks_stored=stats.blocks_stored, blocks_loaded=stats.blocks_loaded, loads_failed=stats.loads_failed)
+
+
+def run_tp(config: DemoConfig, ranks: int = 2, control: str | None = None,
+           failing_rank: int | None = None) -> tuple[TpRun, dict[int, list[int]]]:
+    """Serve `config`'s workload on `ranks` processes, and once in this process without offloading (the reference
+    outputs); `control` names one of `TP_CONTROLS` to serve with instead of kvfsm's scheduler half, `failing_rank`
+    a rank whose every third copy fails. A process that fails takes the others down; all have ended when this
+    returns or raises."""
+    kind = resolve_device(config.device)
+    if control is not None and control not in TP_CONTROLS:
+        raise DemoConfigError(f"unknown control {control!r}; known: {', '.join(sorted(TP_CONTROLS))}")
+    if failing_rank is not None and not 0 <= failing_rank < ranks:
+        raise DemoConfigError(f"--failing-rank {failing_rank}; legal: 0 to {ranks - 1}")
+    if kind is DeviceKind.cuda and torch.cuda.device_count() < ranks:
+        raise DemoConfigError(f"{ranks} ranks need {ranks} GPUs; torch sees {torch.cuda.device_count()}")
+    shape = SIM_SHAPE if kind is DeviceKind.cpu else CUDA_SHAPE
+    if shape.num_heads % ranks:
+        raise DemoConfigError(f"{shape.num_heads} heads do not divide among {ranks} ranks")
+    arrivals = generate(config.workload, shape.vocab, config.seed)
+    reference = run_once(config, kind, engine_config_for(arrivals, config.gpu_blocks, shape), arrivals, offload=False)
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "rank0.json"
+        mp.start_processes(_rank_main, nprocs=ranks, start_method="spawn", join=True,
+                           args=(ranks, f"file://{folder}/rendezvous", kind, config, (control, failing_rank),
+                                 str(result)))
+        return TpRun.model_validate_json(result.read_text()), reference.outputs
+
+
+def verdict(run: TpRun, reference: dict[int, list[int]]) -> list[str]:
+    """Everything wrong with a run: violations, outputs that differ from the reference, poisoned reads."""
+    found = list(dict.fromkeys(run.violations))  # a job that broke a rule is found again after every later step
+    if run.outputs != reference:
+        differ = sorted(h for h in reference if run.outputs.get(h) != reference[h])
+        found.append(f"outputs differ from the single-process run without offloading for requests {differ[:8]}")
+    found += [f"request {h} read a poisoned KV block" for h in poisoned(run.outputs)]
+    return found
+
+
+def render(run: TpRun, found: list[str]) -> Table:
+    table = Table(title=f"TP={run.ranks} on {run.device}: {len(run.outputs)} requests, {run.steps} steps, "
+                        f"{run.wall_s:.1f} s")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("prefix tokens served from CPU (reloaded)", str(run.cpu_hit_tokens))
+    table.add_row("CPU blocks stored / loaded (each by every rank)", f"{run.blocks_stored} / {run.blocks_loaded}")
+    table.add_row("loads failed (on every rank)", str(run.loads_failed))
+    table.add_row("problems (invariants, bytes, tokens, outputs)", str(len(found)))
+    return table
+
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(ranks: int = typer.Option(2, min=2, help="Tensor-parallel ranks, one process each."),
+         device: DeviceKind = typer.Option(DeviceKind.auto, help="cuda: NCCL, one GPU per rank; cpu: gloo, "
+                                                                  "SimDevice."),
+         conversations: int = 16, agents: int = 8, turns: int = 6, gpu_blocks: int = 64, cpu_blocks: int = 512,
+         seed: int = 0,
+         control: str | None = typer.Option(None, help="Serve with a scheduler-half control to see it caught: "
+                                                        f"{', '.join(sorted(TP_CONTROLS))}."),
+         failing_rank: int | None = typer.Option(None, help="This rank's every third store or load fails (the "
+                                                            "others' succeed): each such job must fail everywhere."),
+         json_out: Path | None = typer.Option(None, "--json", help="Also write the run as JSON here.")) -> None:
+    """Serve the demo workload with tensor parallelism and check it; exit code 1 if anything is wrong."""
+    workload = WorkloadShape(conversations=conversations, agents=agents, turns=turns)
+    config = DemoConfig(workload=workload, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, device=device, seed=seed)
+    try:
+        run, reference = run_tp(config, ranks, control, failing_rank)
+    except DemoConfigError as error:
+        raise typer.BadParameter(str(error)) from None
+    found = verdict(run, reference)
+    console = Console(width=120)
+    console.print(render(run, found))
+    for line in found[:20]:
+        console.print(f"[red]{line}[/red]")
+    if json_out is not None:
+        json_out.write_text(json.dumps({**run.model_dump(), "found": found}, indent=1))
+    console.print("[green]PASS[/green]: invariants, bytes on every rank, tokens and outputs all hold" if not found
+                  else f"[red]FAILED[/red]: {len(found)} problems")
+    raise typer.Exit(1 if found else 0)
+
+
+if __name__ == "__main__":
+    app()
