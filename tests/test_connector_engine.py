@@ -136,6 +136,19 @@ def test_concurrent_lookups_make_one_load_and_the_deferred_request_loads_only_th
     assert finish(h) == []
 
 
+def test_a_request_aborted_while_deferred_leaves_no_deferral_behind() -> None:
+    """A deferral lives as long as its request: a connector that kept it would grow with every aborted request."""
+    h = harness(k=2)
+    offload(h)
+    h.add_request(PREFIX[:9], 1, "short")
+    h.add_request(PREFIX[:17], 1, "long")
+    h.engine.step()
+    assert "long" in h.connector.scheduler.ledger.deferrals
+    h.abort("long")
+    assert finish(h) == []
+    assert h.connector.scheduler.ledger.deferrals == {}
+
+
 def test_a_second_load_of_a_loading_block_is_caught() -> None:
     with pytest.raises((AssertionError, IllegalTrigger)):
         run_shared_prefix(harness(k=2, control=mutant("no-load-dedup")))

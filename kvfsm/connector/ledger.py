@@ -46,8 +46,6 @@ class Ledger:
 
     def __init__(self, machines: MachineSet, pool: OffloadingManager, keep_history: bool = False,
                  num_gpu_blocks: int = 0) -> None:
-        self.machines = machines
-        self.pool = pool
         self.fences = GpuFences(machines["gpu-block"], num_gpu_blocks)
         self.jobs: dict[int, TransferJob] = {}
         """Jobs in flight (every job of the run with `keep_history`)."""
