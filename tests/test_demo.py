@@ -46,8 +46,12 @@ def test_control_load_before_readers_fails_integrity() -> None:
 
 
 def test_control_preemption_without_flush_fails_integrity() -> None:
+    """Without the flush, a preempted request's stores read GPU blocks the engine reuses: a request reads wrong
+    KV and the verdict fails. Since a step's loads go out together (e287265) this workload's schedule shows no
+    out-of-order device pair, so the byte checks catch it rather than the `fence` ordering invariant (the
+    interleavings and the explorer catch the mutant by name)."""
     result = run_demo(small(mutant="no-preemption-flush"))
-    assert "fence" in result.offloaded.violations
+    assert result.poisoned or not result.outputs_identical
     assert not result.ok
 
 
