@@ -31,7 +31,8 @@ SLOW_LAST = ("test_exploration.py", "test_interleavings.py")
 mutant a focused test kills costs seconds."""
 
 NOT_UNDER_MUTMUT = ("test_spec_mutants.py", "tests/mooncake/", "test_interleavings.py::test_mutant_is_caught[",
-                    "test_control_is_caught[", "test_soak.py", "_even_under_python_O")
+                    "test_control_is_caught[", "test_a_long_run_keeps_memory_flat",
+                    "test_the_soak_catches_a_connector", "_even_under_python_O")
 """Skipped under mutmut: tests that mutate the spec or the code themselves (the spec battery, the hand-written
 mutants' hunts of up to 1500 examples each, the manager's controls), and those that start processes (Mooncake, the
 `python -O` run) or soak 100k requests. Each costs minutes per surviving mutant on 2 cores; all run in CI on the

@@ -20,3 +20,10 @@ def test_the_soak_catches_a_connector_that_keeps_what_it_is_done_with() -> None:
     """The control: a connector that keeps its history (every job and request) grows past the bound."""
     result = soak(new_connector(keep_history=True), requests=2_000, warmup=1_000)
     assert result.growth_bytes > GROWTH_BOUND
+
+
+def test_without_history_a_connector_forgets_every_request_and_job_it_released() -> None:
+    """The long run's end state in a short run (the soak itself is too slow to rerun per mutant)."""
+    connector = new_connector()
+    soak(connector, requests=60, warmup=10)
+    assert not connector.jobs and not connector.requests and not connector.ledger.requests
