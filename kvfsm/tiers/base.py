@@ -19,7 +19,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Callable, Iterable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
 
 from kvfsm.config import OffloadConfig
 from kvfsm.executor.layouts import KVCaches
@@ -57,6 +57,16 @@ class TierCompletion:
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    @classmethod
+    def timed_out(cls, job_id: int, keys: Iterable[int], failed: Mapping[int, TierFailure]) -> TierCompletion:
+        """The first report of a job past its deadline: every key not already failed failed with `timeout`."""
+        return cls(job_id, {**{key: TierFailure.timeout for key in keys}, **failed}, held=True)
+
+    @classmethod
+    def ended(cls, job_id: int, held: bool, failed: Mapping[int, TierFailure]) -> TierCompletion:
+        """The report of a job whose every call returned: its release if it was reported at its deadline already."""
+        return cls(job_id, release=True) if held else cls(job_id, failed)
 
 
 @dataclass(frozen=True)

@@ -148,18 +148,18 @@ class DiskTier:
             if not all(future.done() for _, future in job.parts):
                 if not job.held and now >= job.deadline:  # a hung disk: fail it now, keep its buffers
                     job.held = True
-                    timed_out = {entry.key: TierFailure.timeout for entry, _ in job.parts}
-                    finished.append(TierCompletion(job_id, {**timed_out, **job.failed}, held=True))
+                    finished.append(TierCompletion.timed_out(job_id, (entry.key for entry, _ in job.parts), job.failed))
                 continue
             del self._jobs[job_id]
             for entry, future in reversed(job.parts):  # a prefix's head settles last: most recently used
                 error = future.exception()
                 if error is None:
-                    self._settle_ok(job.kind, entry, future)
+                    self.entries.settle(job.kind, entry, checksum=future.result())
                 else:
                     job.failed[entry.key] = _reason(error)
-                    self._settle_failed(job.kind, entry)
-            finished.append(TierCompletion(job_id, release=True) if job.held else TierCompletion(job_id, job.failed))
+                    self.entries.settle(job.kind, entry, failed=True)
+                    self._free.append(entry.slot)  # type: ignore[arg-type]
+            finished.append(TierCompletion.ended(job_id, job.held, job.failed))
         return finished
 
     def discard(self, keys: Sequence[int]) -> None:
@@ -220,16 +220,3 @@ class DiskTier:
             raise CorruptBlock(errno.EIO, f"slot {slot}: read {count} of {self.block_bytes} bytes")
         if zlib.crc32(destination) != checksum:
             raise CorruptBlock(errno.EIO, f"slot {slot}: checksum mismatch")
-
-    def _settle_ok(self, kind: str, entry: TierEntry, future: Future) -> None:
-        if kind == "write":
-            self.entries.publish(entry, future.result())
-        else:
-            self.entries.read_done(entry)
-
-    def _settle_failed(self, kind: str, entry: TierEntry) -> None:
-        if kind == "write":
-            self.entries.write_failed(entry)
-        else:
-            self.entries.read_failed(entry)
-        self._free.append(entry.slot)  # type: ignore[arg-type]

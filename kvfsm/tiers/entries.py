@@ -74,6 +74,15 @@ class TierEntries:
         self._recency[key] = None
         return entry
 
+    def settle(self, kind: str, entry: TierEntry, checksum: int | None = None, failed: bool = False) -> None:
+        """The end of a tier's `kind` ("write" or "read") call on `entry`: a write publishes the key with its
+        `checksum`, or forgets it if it failed; a read unpins it, or drops the key if it failed (the next lookup
+        misses)."""
+        if kind == "write":
+            self.write_failed(entry) if failed else self.publish(entry, checksum)  # type: ignore[arg-type]
+        else:
+            self.read_failed(entry) if failed else self.read_done(entry)
+
     def write_failed(self, entry: TierEntry) -> None:
         self._forget_if_empty(entry, self._machine.fire(entry, "write-failed"))
 

@@ -151,10 +151,9 @@ class MooncakeTier:
             if results is None:
                 if job.pending is not None and job.pending.overdue and not job.held:
                     job.held = True  # the engine recomputes now; the slots stay held until the call returns
-                    timed_out = {entry.key: TierFailure.timeout for entry in job.entries}
                     log.warning("mooncake tier %s: %s job %d: StoreTimeout: still running past its deadline",
                                 self.name, job.kind, job_id)
-                    finished.append(TierCompletion(job_id, {**timed_out, **job.failed}, held=True))
+                    finished.append(TierCompletion.timed_out(job_id, (entry.key for entry in job.entries), job.failed))
                 continue
             del self._jobs[job_id]
             for entry, result in zip(job.entries, results, strict=True):
@@ -162,12 +161,14 @@ class MooncakeTier:
                     log.warning("mooncake tier %s: %s of key %#x: %s: %s", self.name, job.kind, entry.key,
                                 type(result).__name__, result)
                     job.failed[entry.key] = failure_of(result)
-                    self._settle_failed(job.kind, entry)
+                    self.entries.settle(job.kind, entry, failed=True)
                     if isinstance(result, ChecksumMismatch):
                         self._shun(entry.key)
                 else:
-                    self._settle_ok(job.kind, entry, result)
-            finished.append(TierCompletion(job_id, release=True) if job.held else TierCompletion(job_id, job.failed))
+                    self.entries.settle(job.kind, entry, checksum=result)
+                    if job.kind == "write":
+                        self._shunned.discard(entry.key)  # written by this tier itself: adoptable again
+            finished.append(TierCompletion.ended(job_id, job.held, job.failed))
         return finished
 
     def discard(self, keys: Sequence[int]) -> None:
@@ -236,20 +237,6 @@ class MooncakeTier:
     def _shun(self, key: int) -> None:
         self._shunned.add(key)
         self.client.remove([self.store_key(key)])
-
-    def _settle_ok(self, kind: str, entry: TierEntry, checksum: int) -> None:
-        if kind == "write":
-            self.entries.publish(entry, checksum)
-            self._shunned.discard(entry.key)
-        else:
-            self.entries.read_done(entry)
-
-    def _settle_failed(self, kind: str, entry: TierEntry) -> None:
-        if kind == "write":
-            self.entries.write_failed(entry)
-        else:
-            self.entries.read_failed(entry)
-
 
 
 def layout_of(caches: KVCaches) -> str:
