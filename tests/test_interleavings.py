@@ -35,24 +35,8 @@ NOT_GENERATED = {
     ("request", "matched", "abort", "draining"):
         "needs the engine's GPU allocation to fail right after the lookup of a request whose flushed stores are "
         "still unreported (report lag 2), then an abort before its next lookup",
-    ("request", "deferred", "abort", "draining"):
-        "needs an abort right after a preempted request was deferred behind its own unreported flush (report lag 2)",
-    ("request", "matched", "job-done", "matched"): "needs a flushed store reported while its request is matched",
     ("request", "loading", "job-done", "loading"): "needs a flushed store reported while its request loads",
-    ("request", "loading", "load-failed", "running"):
-        "failed loads stopped being generated when the per-layer path landed (not yet diagnosed)",
-    ("request", "draining", "load-failed", "released"): "needs a failed load of an aborted request (as above)",
-    ("tier-entry", "reading", "read-failed", "empty"):
-        "needs a tier read fault on a key being fetched; taken by tests/test_tiers_disk.py's fault scenarios",
-    ("cpu-block", "fetching", "abandon-fetch", "orphaned"):
-        "needs a fetch past its deadline (a stalled disk); taken by tests/test_tiers_disk.py and the explorer's "
-        "disk-stall workload",
-    ("cpu-block", "orphaned", "fetch-failed", "free"): "the late end of an abandoned fetch (as above)",
-    ("tier-job", "submitted", "abandon", "abandoned"):
-        "a fetch or write-back past its deadline (as above): its stall rule rarely meets a tier job in flight",
-    ("tier-job", "abandoned", "release", "failed"): "the late end of an abandoned tier job (as above)",
-    ("cpu-block", "writing-back", "abandon-write-back", "orphaned"):
-        "needs a write-back past its deadline (a stalled disk); taken by tests/test_tiers_disk.py's scenarios",
+    ("request", "draining", "load-failed", "released"): "needs a failed load of an aborted request",
 }
 """Declared transitions the generated interleavings do not take within COVERAGE_EXAMPLES, each with what it needs."""
 

@@ -7,8 +7,9 @@ explorer enumerates them all for a small workload (2–3 requests sharing a pref
 pool of a few blocks, one preemption), checking the same invariants, bytes and outputs as the generated
 interleavings at every state. Engine, connector and device state cannot be copied (operations are closures), so
 each state is rebuilt by replaying its choices; states whose fingerprint (host progress, queued operations and tier
-I/O, memory and disk bytes, job, request and tier-entry states) was already seen are not expanded again. Host blocking inside
-`handle_preemptions` runs the device in a fixed order: its interleavings are the one thing not enumerated.
+I/O, memory and disk bytes, job, request and tier-entry states) was already seen are not expanded again. Host
+blocking inside `handle_preemptions` runs the device in a fixed order: its interleavings are the one thing not
+enumerated.
 
 With tensor parallelism (`Workload.ranks` 2) every rank's device is a choice of its own: rank 0's streams by name
 as with one device, rank r's as "r:stream".
@@ -336,13 +337,13 @@ TIER_WORKLOADS: dict[str, Workload] = {
         num_gpu_blocks=6, cpu_blocks=2, disk_slots=2, writeback_bound_blocks=1, max_extra_steps=6,
     ),
     "disk": Workload(
-        actions=(add(_A + (1,), 1), step, step, step, step, step, forget_gpu_prefixes, add(_B + (5,), 1), step, step, step, step, step,
-                 forget_gpu_prefixes, add(_A + (2,), 1), step),
+        actions=(add(_A + (1,), 1), step, step, step, step, step, forget_gpu_prefixes, add(_B + (5,), 1), step, step,
+                 step, step, step, forget_gpu_prefixes, add(_A + (2,), 1), step),
         num_gpu_blocks=4, cpu_blocks=1, disk_slots=2, writeback_bound_blocks=1, max_extra_steps=6,
     ),
     "disk-faults": Workload(
-        actions=(add(_A + (1,), 1), step, step, step, step, step, forget_gpu_prefixes, add(_B + (5,), 1), step, step, step, step, step,
-                 forget_gpu_prefixes, tier_fault("evict-before-fetch"), add(_A + (2,), 1), step),
+        actions=(add(_A + (1,), 1), step, step, step, step, step, forget_gpu_prefixes, add(_B + (5,), 1), step, step,
+                 step, step, step, forget_gpu_prefixes, tier_fault("evict-before-fetch"), add(_A + (2,), 1), step),
         num_gpu_blocks=4, cpu_blocks=1, disk_slots=2, writeback_bound_blocks=1, max_extra_steps=6,
     ),
     "disk-stall": Workload(

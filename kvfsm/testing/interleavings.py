@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvfsm.executor.sim import SimDevice, first_runnable
 from kvfsm.mooncake import available as mooncake_available
+from kvfsm.states import TierEntryState as Entry
 from kvfsm.states import TransferJobState
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.mooncake_store import shared_master
@@ -141,6 +142,9 @@ PROMPTS = st.tuples(
 """(prompt, max new tokens): prompts drawn so that prefixes are often shared."""
 
 
+FETCH_FAULTS = ("evict-before-fetch", "read-io-error", "corrupt-block", "stall")
+"""Faults `return_from_disk` may put under the fetch it causes (`kvfsm.testing.tier_faults.FAULTS`)."""
+
 HOLDS = st.sampled_from([frozenset(), frozenset({"store"}), frozenset({"load"}), frozenset({"store", "load"})])
 """Streams stalled while the device advances: copy engines lagging behind compute, one or both."""
 
@@ -236,18 +240,43 @@ class OffloadInterleavings(RuleBasedStateMachine):
                 return
             device.run_one(data.draw(st.sampled_from(options), label="stream"))
 
-    @rule(choice=st.integers(0, 7), max_new=st.integers(1, 2))
-    def return_from_disk(self, choice: int, max_new: int) -> None:
-        """A prefix only the disk still holds comes back (the GPU forgot it too): its lookup fetches from disk."""
+    def _only_on_disk(self, choice: int) -> int | None:
+        """A published disk key the CPU pool no longer holds, of a prefix this run served; None if there is none (or
+        no disk, or the engine is full)."""
         h = self.h
         if h.disk is None or len(h.engine.live) >= 5:
-            return
+            return None
         catalogue = h.connector.scheduler.manager.catalogue
         keys = sorted(e.key for e in h.disk.entries
-                      if e.state == "published" and e.key not in catalogue and e.key in h.oracle.tokens)
-        if keys:
-            h.engine.reset_prefix_cache()
-            h.add_request(h.oracle.tokens[keys[choice % len(keys)]] + (1,), max_new)
+                      if e.state == Entry.PUBLISHED and e.key not in catalogue and e.key in h.oracle.tokens)
+        return keys[choice % len(keys)] if keys else None
+
+    @rule(data=st.data(), choice=st.integers(0, 7), max_new=st.integers(1, 2),
+          fault=st.sampled_from((None, *FETCH_FAULTS)))
+    def return_from_disk(self, data: st.DataObject, choice: int, max_new: int, fault: str | None) -> None:
+        """A prefix only the disk still holds comes back (the GPU forgot it too): its lookup fetches from disk. With
+        a `fault`, that fetch meets it: the key evicted between the lookup and the read, an I/O error or a corrupted
+        block under the read, or the disk hanging past the deadline of the read (and of any write-back queued with
+        it) just after the step that queued it, found by the next step. Each must end as a failed or abandoned fetch
+        the engine recomputes; the checks see nothing wrong loaded."""
+        h = self.h
+        key = self._only_on_disk(choice)
+        if key is None:
+            return
+        assert h.disk is not None
+        if fault == "corrupt-block":  # this key's block, not any published one
+            published = sorted(e.key for e in h.disk.entries if e.state == Entry.PUBLISHED)
+            h.tier_faults.inject(fault, published.index(key) + len(published) * choice)
+        elif fault in ("evict-before-fetch", "read-io-error"):
+            h.tier_faults.inject(fault)
+        h.engine.reset_prefix_cache()
+        h.add_request(h.oracle.tokens[key] + (1,), max_new)
+        if fault is not None:
+            self._choose_with(data)
+            h.engine.step()
+        if fault == "stall":  # the engine's next step finds the read past its deadline
+            h.tier_faults.inject(fault)
+            h.engine.step()
 
     @rule(data=st.data(), count=st.integers(1, 6))
     def run_io(self, data: st.DataObject, count: int) -> None:
