@@ -32,11 +32,14 @@ COVERAGE_EXAMPLES = 600
 """Derandomized examples the coverage run takes, whatever the profile: the same examples every run."""
 
 NOT_GENERATED = {
-    ("request", "matched", "abort", "draining"):
-        "needs the engine's GPU allocation to fail right after the lookup of a request whose flushed stores are "
-        "still unreported (report lag 2), then an abort before its next lookup",
     ("request", "loading", "job-done", "loading"): "needs a flushed store reported while its request loads",
-    ("request", "draining", "load-failed", "released"): "needs a failed load of an aborted request",
+    ("request", "draining", "job-done", "draining"):
+        "needs one of an aborted request's jobs reported while another is still in flight; met by some of the 600 "
+        "derandomized draws of recent commits, not by this one",
+    ("cpu-block", "fetching", "abandon-fetch", "orphaned"):
+        "a stall while a fetch from disk is in flight: return_from_disk's stall fault makes one, which this "
+        "derandomized draw does not pick with a key only on disk; the explorer's disk-stall workload takes it in "
+        "every schedule, tests/test_tiers_disk.py in its fault table",
 }
 """Declared transitions the generated interleavings do not take within COVERAGE_EXAMPLES, each with what it needs."""
 

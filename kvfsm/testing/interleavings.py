@@ -108,7 +108,10 @@ def _forget_published(harness: Harness, choice: int) -> None:
 
 
 def _stall(harness: Harness, choice: int) -> None:
+    """The disk hangs past the deadline of every tier job in flight; the engine's next step finds them (before a
+    read or write of theirs may land)."""
     harness.tier_faults.inject("stall")
+    harness.engine.step()
 
 
 def _tier_evict(harness: Harness, choice: int) -> None:
