@@ -34,6 +34,21 @@ def test_prefix_stored_by_one_request_reloads_for_the_next(make_driver) -> None:
     assert d.cpu_pool_drained()
 
 
+def test_a_prefix_stored_under_one_tenants_salt_is_a_miss_for_another_tenant(make_driver) -> None:
+    """vLLM's per-request `cache_salt` enters the block hashes kvfsm keys its CPU blocks (and lower-tier keys) by."""
+    d = make_driver()
+    d.add("writer", PREFIX + [1, 2, 3], cache_salt="tenant-a")
+    d.run()
+    d.reset_gpu_prefix_cache()
+    d.add("other-tenant", PREFIX + [1, 2, 3], cache_salt="tenant-b")
+    d.add("no-tenant", PREFIX + [1, 2, 3])
+    d.add("same-tenant", PREFIX + [1, 2, 3], cache_salt="tenant-a")
+    d.run()
+    assert loads_of(d, "other-tenant") == [] and loads_of(d, "no-tenant") == []
+    assert loads_of(d, "same-tenant")
+    assert d.cpu_pool_drained()
+
+
 def shared_prefix_run(d: Driver, readers: int) -> dict[str, int]:
     store_prefix(d)
     for i in range(readers):

@@ -292,9 +292,10 @@ class Driver:
         assert isinstance(self.scheduler.connector, KvfsmConnector)
         return self.scheduler.connector
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> None:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, cache_salt: str | None = None) -> None:
+        """`cache_salt` is the tenant's, as a vLLM API request carries it: vLLM mixes it into the block hashes."""
         request = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                          block_hasher=self.hasher)
+                          cache_salt=cache_salt, block_hasher=self.hasher)
         self.scheduler.add_request(request)
         self.arrived[req_id] = self.step_no
 
