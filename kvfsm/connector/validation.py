@@ -291,12 +291,13 @@ def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any,
     if min(computed) < 0:
         req_id, tokens = next((r, c) for r, c in zip(req_ids, computed) if c < 0)
         raise NegativeTokenCount(f"{call}: request {req_id!r} has num_computed_tokens {tokens}; legal: 0 or more")
-    try:  # the tracked requests are exactly those with a store_due
-        is_due = list(map(operator.ge, computed, map(sched.store_due.__getitem__, req_ids)))
+    try:  # the tracked requests are exactly those with a store_due; an itemgetter reads them all in one C call
+        dues = operator.itemgetter(*req_ids)(sched.store_due) if len(req_ids) > 1 else (sched.store_due[req_ids[0]],)
     except KeyError as ghost:
         raise UnknownRequest(f"{call}: scheduled request {ghost} is not tracked by the connector") from None
-    if True not in is_due:  # a quiet decode step ends here
+    if not any(map(operator.ge, computed, dues)):  # a quiet decode step ends here
         return []
+    is_due = list(map(operator.ge, computed, dues))
     tracked, k = sched.tracked, sched.config.block_size_factor
     due = [(tracked[req_ids[i]], block_ids[i], computed[i]) for i in compress(range(len(req_ids)), is_due)]
     for record, blocks, _ in due:  # only then can its blocks enter an order: O(new blocks)
