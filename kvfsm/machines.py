@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Protocol
 from transitions import Machine, MachineError
 
 from kvfsm.bindings import default_registry, default_spec
-from kvfsm.registry import Registry
+from kvfsm.registry import BatchEffect, OfBatch, Registry, batch_form
 from kvfsm.spec import Lifecycle, Spec
 
 Observer = Callable[[str, Any, str, str, str], None]
@@ -48,6 +48,12 @@ class Branch:
     guards: tuple[Callable[..., bool], ...]
     effects: tuple[Callable[..., None], ...]
     guard_names: tuple[str, ...]
+    batch_effects: tuple[BatchEffect, ...] = ()
+    """The same effects over a batch of models (`kvfsm.registry.batch_form`), for `fire_many`."""
+    batched: bool = False
+    """Every effect was written for batches (`kvfsm.registry.OfBatch`): it may run once over a run of models after
+    they all moved. A coupling is not: it moves other objects whose guards read this model's peers (a request
+    counts its jobs still in flight), so it runs right after its own model's move."""
 
 
 class LifecycleMachine:
@@ -82,25 +88,17 @@ class CompiledLifecycle(LifecycleMachine):
             for trigger in lifecycle.triggers:
                 branches = lifecycle.branches(state, trigger)
                 if branches:
-                    self.table[(state, trigger)] = tuple(
-                        Branch(
-                            dest=t.dest,
-                            guards=tuple(registry.guards[(name, g)] for g in t.guards),
-                            effects=tuple(registry.effects[(name, e)] for e in t.effects)
-                            + tuple(registry.coupled(name, c) for c in t.couplings),
-                            guard_names=t.guards,
-                        )
-                        for t in branches
-                    )
-        self._moves: dict[str, dict[str, tuple[str, tuple[Callable[..., None], ...]]]] = {
+                    self.table[(state, trigger)] = tuple(self._branch(name, t, registry) for t in branches)
+        self._moves: dict[str, dict[str, tuple[str, tuple[BatchEffect, ...]]]] = {
             trigger: {
-                state: (branches[0].dest, branches[0].effects)
+                state: (branches[0].dest, branches[0].batch_effects)
                 for (state, t), branches in self.table.items()
-                if t == trigger and len(branches) == 1 and not branches[0].guards
+                if t == trigger and len(branches) == 1 and not branches[0].guards and branches[0].batched
             }
             for trigger in lifecycle.triggers
         }
-        """Per trigger, the states it leaves by one unguarded branch: a batch moves those without trying guards."""
+        """Per trigger, the states it leaves by one unguarded branch whose effects are written for batches: a batch
+        moves those without trying guards, and runs the branch's effects once over the run of models that took it."""
         self._plain: dict[str, dict[str, str]] = {
             trigger: {state: dest for state, (dest, effects) in moves.items()}
             for trigger, moves in self._moves.items()
@@ -112,6 +110,15 @@ class CompiledLifecycle(LifecycleMachine):
             trigger: {state: b for (state, t), b in self.table.items() if t == trigger and state not in moves}
             for trigger, moves in self._moves.items()
         }
+
+    @staticmethod
+    def _branch(lifecycle: str, transition: Any, registry: Registry) -> Branch:
+        effects = tuple(registry.effects[(lifecycle, e)] for e in transition.effects) + tuple(
+            registry.coupled(lifecycle, c) for c in transition.couplings)
+        return Branch(dest=transition.dest, guards=tuple(registry.guards[(lifecycle, g)] for g in transition.guards),
+                      effects=effects, guard_names=transition.guards,
+                      batch_effects=tuple(batch_form(e) for e in effects),
+                      batched=all(isinstance(e, OfBatch) for e in effects))
 
     def fire(self, model: Stateful, trigger: str, **context: Any) -> str:
         source = model.state
@@ -135,65 +142,63 @@ class CompiledLifecycle(LifecycleMachine):
     def fire_many(self, models: Iterable[Stateful], trigger: str, **context: Any) -> None:
         """Fire `trigger` on each model in order, with the outcome of calling `fire` on each.
 
-        A batch of blocks (a store's slots, a load's slots) pays per block only a lookup by its state, its guards
-        and its effects: a state the trigger leaves by one unguarded branch moves without trying guards. A refusal
-        is re-raised by `fire` itself, so it carries the same exception and message; the models before it have
-        moved, those after it have not.
+        A batch of blocks (a store's slots, a load's slots) pays per block only a lookup by its state and an
+        assignment: consecutive models that leave their states by the same unguarded branch form a run, and that
+        branch's effects run once over the run (written over batches, they equal a call per model in order: see
+        `kvfsm.registry.OfBatch`). A guarded model ends the run before its guards are asked, so a guard reads what
+        every model before it left. A refusal is re-raised by `fire` itself, so it carries the same exception and
+        message; the models before it have moved, with their effects, those after it have not. With an observer
+        attached every model goes through `fire`, which reports each transition after its effects.
         """
         moves = self._moves.get(trigger)
-        if moves is None:  # a trigger the lifecycle lacks: `fire` raises for the first model, as it would alone
+        if moves is None or self.observers:  # a trigger the lifecycle lacks (`fire` raises), or a trace to report
             for model in models:
                 self.fire(model, trigger, **context)
             return
-        guarded = self._guarded[trigger]
-        observers = self.observers
         plain = self._plain.get(trigger)
-        if plain is not None and not observers:
+        if plain is not None:
             for model in models:
                 dest = plain.get(model.state)
                 if dest is None:
                     self.fire(model, trigger, **context)  # raises the refusal `fire` would
                 model.state = dest  # type: ignore[assignment]
             return
-        if not context and not observers:  # the common batch: no context to pass, nobody watching
-            for model in models:
-                source = model.state
-                move = moves.get(source)
-                if move is not None:
-                    model.state = move[0]
-                    for effect in move[1]:
-                        effect(model)
-                    continue
-                for branch in guarded.get(source, ()):
+        guarded = self._guarded[trigger]
+        run: list[Stateful] = []
+        current: tuple[str, tuple[BatchEffect, ...]] | None = None
+        for model in models:
+            move = moves.get(model.state)
+            if move is not current:
+                if run:
+                    for effect in current[1]:  # type: ignore[index]
+                        effect(run, **context)
+                    run = []
+                current = move
+            if move is not None:
+                model.state = move[0]
+                run.append(model)
+            elif context:
+                self._fire_guarded(model, trigger, guarded, context)
+            else:  # a guarded batch (a job's GPU fences) with no keyword arguments to pass
+                for branch in guarded.get(model.state, ()):
                     for guard in branch.guards:
                         if not guard(model):
                             break
                     else:
                         model.state = branch.dest
-                        for effect in branch.effects:
-                            effect(model)
+                        for effect in branch.batch_effects:
+                            effect((model,))
                         break
                 else:
                     self.fire(model, trigger)  # raises the refusal `fire` would
-            return
-        for model in models:
-            source = model.state
-            move = moves.get(source)
-            if move is not None:
-                model.state = move[0]
-                for effect in move[1]:
-                    effect(model, **context)
-            else:
-                self._fire_guarded(model, trigger, guarded, context)
-                continue
-            if observers:
-                self._notify(model, source, trigger)
+        if run:
+            for effect in current[1]:  # type: ignore[index]
+                effect(run, **context)
 
     def _fire_guarded(self, model: Stateful, trigger: str, guarded: dict[str, tuple[Branch, ...]],
                       context: dict[str, Any]) -> None:
         """One model of a batch whose state the trigger leaves only by guarded branches (or not at all)."""
-        source = model.state
-        for branch in guarded.get(source, ()):
+        for branch in guarded.get(model.state, ()):
             for guard in branch.guards:
                 if not guard(model, **context):
                     break
@@ -201,8 +206,6 @@ class CompiledLifecycle(LifecycleMachine):
                 model.state = branch.dest
                 for effect in branch.effects:
                     effect(model, **context)
-                if self.observers:
-                    self._notify(model, source, trigger)
                 return
         self.fire(model, trigger, **context)  # raises the refusal `fire` would
 

@@ -98,28 +98,35 @@ class GpuBlock:
 # cpu-block -------------------------------------------------------------------------------------------------
 
 
-@REGISTRY.effect("cpu-block", "claim-hash")
-def _claim_hash(block: CpuBlock, block_hash: int | None = None, job_id: int | None = None,
+# A pool's slots move in batches (a job's slots, a lookup's hits): their effects are written over the batch.
+
+
+@REGISTRY.effect("cpu-block", "claim-hash", batch=True)
+def _claim_hash(blocks: Sequence[CpuBlock], block_hash: int | None = None, job_id: int | None = None,
                 hashes: dict[int, int] | None = None, **_: object) -> None:
     """The hash a store writes: `block_hash` for one block, or `hashes[slot]` when a batch is allocated at once."""
-    block.block_hash = hashes[block.slot] if hashes is not None else block_hash
-    block.writer_job = job_id
+    for block in blocks:
+        block.block_hash = hashes[block.slot] if hashes is not None else block_hash
+        block.writer_job = job_id
 
 
-@REGISTRY.effect("cpu-block", "forget-hash")
-def _forget_hash(block: CpuBlock, **_: object) -> None:
-    block.block_hash = None
+@REGISTRY.effect("cpu-block", "forget-hash", batch=True)
+def _forget_hash(blocks: Sequence[CpuBlock], **_: object) -> None:
+    for block in blocks:
+        block.block_hash = None
 
 
-@REGISTRY.effect("cpu-block", "add-reader")
-def _add_reader(block: CpuBlock, job_id: int | None = None, **_: object) -> None:
-    block.readers += 1
-    block.reader_job = job_id
+@REGISTRY.effect("cpu-block", "add-reader", batch=True)
+def _add_reader(blocks: Sequence[CpuBlock], job_id: int | None = None, **_: object) -> None:
+    for block in blocks:
+        block.readers += 1
+        block.reader_job = job_id
 
 
-@REGISTRY.effect("cpu-block", "drop-reader")
-def _drop_reader(block: CpuBlock, **_: object) -> None:
-    block.readers -= 1
+@REGISTRY.effect("cpu-block", "drop-reader", batch=True)
+def _drop_reader(blocks: Sequence[CpuBlock], **_: object) -> None:
+    for block in blocks:
+        block.readers -= 1
 
 
 # transfer-job ----------------------------------------------------------------------------------------------
@@ -237,14 +244,16 @@ def _is_last_store_reader(block: GpuBlock, **_: object) -> bool:
     return block.store_readers == 1
 
 
-@REGISTRY.effect("gpu-block", "add-store-reader")
-def _add_store_reader(block: GpuBlock, **_: object) -> None:
-    block.store_readers += 1
+@REGISTRY.effect("gpu-block", "add-store-reader", batch=True)
+def _add_store_reader(blocks: Sequence[GpuBlock], **_: object) -> None:
+    for block in blocks:
+        block.store_readers += 1
 
 
-@REGISTRY.effect("gpu-block", "drop-store-reader")
-def _drop_store_reader(block: GpuBlock, **_: object) -> None:
-    block.store_readers -= 1
+@REGISTRY.effect("gpu-block", "drop-store-reader", batch=True)
+def _drop_store_reader(blocks: Sequence[GpuBlock], **_: object) -> None:
+    for block in blocks:
+        block.store_readers -= 1
 
 
 # lower tiers: tier-entry and tier-job ---------------------------------------------------------------------

@@ -9,13 +9,45 @@ name for different rules); invariants are system-wide predicates over a `kvfsm.i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 Guard = Callable[..., bool]
 Effect = Callable[..., None]
+BatchEffect = Callable[..., None]
+"""An effect applied to a batch of models at once: `(models, **context)`, the same as applying it to each in order."""
 Invariant = Callable[[Any], list[str]]
 Relation = Callable[[Any], Iterable[Any]]
 """The keys of the objects a coupling moves, read from the model whose transition fires it (a job's CPU slots)."""
+
+
+class OfBatch:
+    """An effect written for batches (`batch(models, **context)`), callable on one model as a batch of one.
+
+    A batch of CPU slots or GPU fences moves tens of thousands of models a second; an effect written over the batch
+    pays one call per batch instead of one (with its keyword arguments) per model. Such an effect must touch only
+    the models it is given and read no model's state: then applying it to a batch equals applying it to each model
+    in order, which `tests/test_manager_fire_many.py` checks through the machines."""
+
+    __slots__ = ("batch", "__name__")
+
+    def __init__(self, batch: BatchEffect, name: str) -> None:
+        self.batch, self.__name__ = batch, name
+
+    def __call__(self, model: Any, **context: Any) -> None:
+        self.batch((model,), **context)
+
+
+def batch_form(effect: Effect) -> BatchEffect:
+    """`effect` over a batch of models: its own batch form if it was written for batches, else a call per model."""
+    batch = getattr(effect, "batch", None)
+    if batch is not None:
+        return batch  # type: ignore[no-any-return]
+
+    def each(models: Sequence[Any], **context: Any) -> None:
+        for model in models:
+            effect(model, **context)
+
+    return each
 
 
 class Coupled:
@@ -50,9 +82,10 @@ class Registry:
 
         return register
 
-    def effect(self, lifecycle: str, name: str) -> Callable[[Effect], Effect]:
+    def effect(self, lifecycle: str, name: str, batch: bool = False) -> Callable[[Effect], Effect]:
+        """Bind an effect; `batch=True`: `fn` takes a batch of models (`OfBatch`), else one model."""
         def register(fn: Effect) -> Effect:
-            self.effects[(lifecycle, name)] = fn
+            self.effects[(lifecycle, name)] = OfBatch(fn, name) if batch else fn
             return fn
 
         return register

@@ -1,7 +1,8 @@
 """`CompiledLifecycle.fire_many` is `fire` on each model in order: same states, counters, trace and refusals.
 
 Checked on the two lifecycles the connector fires in batches: CPU blocks (no guards) and GPU-block fences (whose
-`unfence` branches are chosen by guards).
+`unfence` branches are chosen by guards), with an observer attached (each model through `fire`) and without one
+(runs of models whose effects, written over batches, run once per run), a model named twice in a batch included.
 """
 
 from __future__ import annotations
@@ -78,6 +79,17 @@ def batch_outcomes(machine: CompiledLifecycle, walks: list[list[str]], trigger: 
             run(machine, lambda models: machine.fire_many(models, trigger, block_hash=99, job_id=7), batched))
 
 
+def unobserved_outcome(machine: CompiledLifecycle, fire: Callable[[list[Any]], None], models: list[Any],
+                       batch: list[int]) -> tuple:
+    """Final fields and refusal of firing on `models[i] for i in batch` with no observer attached."""
+    try:
+        fire([models[i] for i in batch])
+        refusal = None
+    except IllegalTrigger as err:
+        refusal = (type(err), str(err))
+    return [astuple(m) for m in models], refusal
+
+
 def walks_of(lifecycle: str) -> st.SearchStrategy[tuple[list[list[str]], str]]:
     triggers = st.sampled_from(sorted(default_machines()[lifecycle].lifecycle.triggers))
     return st.tuples(st.lists(st.lists(triggers, max_size=8), min_size=1, max_size=8), triggers)
@@ -89,6 +101,47 @@ def test_fire_many_equals_fire_on_each(lifecycle: str, data: st.DataObject) -> N
     walks, trigger = data.draw(walks_of(lifecycle))
     each, batched = batch_outcomes(default_machines()[lifecycle], walks, trigger)
     assert batched == each
+
+
+@pytest.mark.parametrize("lifecycle", sorted(MODELS))
+@given(data=st.data())
+def test_fire_many_without_observers_equals_fire_on_each(lifecycle: str, data: st.DataObject) -> None:
+    walks, trigger = data.draw(walks_of(lifecycle))
+    batch = data.draw(st.lists(st.integers(0, len(walks) - 1), min_size=1, max_size=12))  # repeats allowed
+    machine = default_machines()[lifecycle]
+    assert not machine.observers
+    one_by_one = [walked(lifecycle, i, w) for i, w in enumerate(walks)]
+    batched = [walked(lifecycle, i, w) for i, w in enumerate(walks)]
+
+    def each(models: list[Any]) -> None:
+        for model in models:
+            machine.fire(model, trigger, block_hash=99, job_id=7)
+
+    assert (unobserved_outcome(machine, lambda ms: machine.fire_many(ms, trigger, block_hash=99, job_id=7), batched,
+                               batch)
+            == unobserved_outcome(machine, each, one_by_one, batch))
+    assert (unobserved_outcome(machine, lambda ms: machine.fire_many(ms, trigger), batched, batch)
+            == unobserved_outcome(machine, lambda ms: [machine.fire(m, trigger) for m in ms], one_by_one, batch))
+
+
+class EffectsOncePerRun(CompiledLifecycle):
+    """Control: a run's effects applied to its first model only (as if a batch effect read one model)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        for trigger, moves in self._moves.items():
+            for state, (dest, effects) in moves.items():
+                moves[state] = (dest, tuple(lambda run, _e=e, **c: _e(run[:1], **c) for e in effects))
+
+
+def test_control_whose_run_effects_skip_models_is_caught() -> None:
+    machine = default_machines()["cpu-block"]
+    control = EffectsOncePerRun(machine.lifecycle, default_registry())
+    ready = [walked("cpu-block", i, ["allocate", "submit", "store-done"]) for i in range(2)]
+    same = [walked("cpu-block", i, ["allocate", "submit", "store-done"]) for i in range(2)]
+    control.fire_many(ready, "pin", job_id=7)
+    machine.fire_many(same, "pin", job_id=7)
+    assert [b.readers for b in same] == [1, 1] and [b.readers for b in ready] == [1, 0]
 
 
 def test_control_that_skips_guards_is_caught_for_the_guard() -> None:

@@ -18,25 +18,25 @@ from kvfsm.states import GpuBlockState
 
 
 class GpuFences:
-    """The GPU blocks stores of one connector have read, by block id."""
+    """The GPU blocks stores of one connector have read, indexed by block id."""
 
     def __init__(self, machine: LifecycleMachine, num_blocks: int = 0) -> None:
         """`num_blocks`: the engine's GPU pool size, when known, to make every record up front."""
         self.machine = machine
-        self.blocks: dict[int, GpuBlock] = {block_id: GpuBlock(block_id) for block_id in range(num_blocks)}
+        self.blocks: list[GpuBlock] = [GpuBlock(block_id) for block_id in range(num_blocks)]
+        """Indexed by block id (a list, not a dict: a block's record is found without comparing keys)."""
 
     def fire(self, trigger: str, block_ids: Iterable[int], **_: Any) -> None:
         """Fire `trigger` on each block in order, making a block's record the first time it is named.
 
         The coupling's context (the ledger, the job that caused it) is not passed on: a block's guards and effects
         read only the block, and a batch without context is the machine's cheapest."""
+        ids = tuple(block_ids)
         blocks = self.blocks
-        self.machine.fire_many([blocks.get(b) or self._new(b) for b in block_ids], trigger)
+        if ids and max(ids) >= len(blocks):  # a block beyond any named before, in a pool of unknown size
+            blocks.extend(GpuBlock(block_id) for block_id in range(len(blocks), max(ids) + 1))
+        self.machine.fire_many([blocks[b] for b in ids], trigger)
 
     def fenced(self) -> dict[int, GpuBlock]:
         """The blocks some store still reads: what the engine must not write (and what invariants check)."""
-        return {b: block for b, block in self.blocks.items() if block.state != GpuBlockState.WRITABLE}
-
-    def _new(self, block_id: int) -> GpuBlock:
-        block = self.blocks[block_id] = GpuBlock(block_id)
-        return block
+        return {block.block_id: block for block in self.blocks if block.state != GpuBlockState.WRITABLE}

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
-
-from typing import Any
+from itertools import filterfalse
+from typing import Any, Sequence
 
 from kvfsm.bindings import default_spec
 from kvfsm.machines import LifecycleMachine, MachineSet
@@ -145,26 +144,25 @@ class OffloadingManager:
         """Pin the ready blocks of `hashes` for one load (`job_id`); the caller releases them with `complete_load`."""
         self._require_distinct(hashes)
         blocks, catalogue = self.blocks, self.catalogue
-        slots = tuple(catalogue.get(h, -1) for h in hashes)
-        for block_hash, slot in zip(hashes, slots):
-            if slot < 0 or blocks[slot].state != READY:
-                state = "not catalogued" if slot < 0 else blocks[slot].state
-                raise NotLoadable(f"hash {block_hash:#x} cannot be loaded: {state}")
-        self._machine.fire_many([blocks[s] for s in slots], "pin", job_id=job_id)
-        return slots
+        slots = tuple(map(catalogue.get, hashes))
+        picked = [blocks[s] for s in slots] if None not in slots else []
+        if len(picked) != len(slots) or [b for b in picked if b.state != READY]:
+            block_hash, slot = next((h, s) for h, s in zip(hashes, slots) if s is None or blocks[s].state != READY)
+            state = "not catalogued" if slot is None else blocks[slot].state
+            raise NotLoadable(f"hash {block_hash:#x} cannot be loaded: {state}")
+        self._machine.fire_many(picked, "pin", job_id=job_id)
+        return slots  # type: ignore[return-value]
 
     def complete_load(self, slots: Sequence[int]) -> None:
         picked = self._picked(slots, "unpin")
         self._machine.fire_many(picked, "unpin")
-        self._free.extend(b.slot for b in picked if b.state == FREE)
+        self._free.extend([b.slot for b in picked if b.state == FREE])  # orphaned by a reset while loading
 
     def touch(self, hashes: Sequence[int]) -> None:
         """A hit on `hashes`: refresh their readable blocks in the policy, head of the prefix last."""
-        blocks, catalogue, touch = self.blocks, self.catalogue, self.policy.touch
-        for block_hash in reversed(hashes):
-            slot = catalogue.get(block_hash)
-            if slot is not None and blocks[slot].state in READABLE:
-                touch(slot)
+        blocks = self.blocks
+        self.policy.touch_many([slot for slot in map(self.catalogue.get, reversed(hashes))
+                                if slot is not None and blocks[slot].state in READABLE])
 
     # stores ------------------------------------------------------------------------------------------------
 
@@ -179,15 +177,16 @@ class OffloadingManager:
     def _claim(self, hashes: Sequence[int], job_id: int, trigger: str) -> StorePlan | None:
         self._require_distinct(hashes)
         catalogue = self.catalogue
-        new = [h for h in hashes if h not in catalogue]
+        new = tuple(filterfalse(catalogue.__contains__, hashes))
         shortfall = len(new) - len(self._free)
         if shortfall > 0 and not self._make_room(shortfall, {catalogue[h] for h in hashes if h in catalogue}):
             return None
         free, blocks = self._free, self.blocks
-        slots = tuple(free.pop() for _ in new)
+        slots = tuple(free[:-len(new) - 1:-1])  # popped from the stack's top, in order
+        del free[len(free) - len(new):]
         self._machine.fire_many([blocks[s] for s in slots], trigger, hashes=dict(zip(slots, new)), job_id=job_id)
         catalogue.update(zip(new, slots))
-        return StorePlan(tuple(new), slots)
+        return StorePlan(new, slots)
 
     def _make_room(self, n: int, protected: set[int]) -> bool:
         """Evict `n` unpinned ready blocks outside `protected`, or evict nothing and say so."""
@@ -253,13 +252,13 @@ class OffloadingManager:
         hashes = [b.block_hash for b in picked]  # read before a failure forgets them
         self._machine.fire_many(picked, trigger)
         stored = [(b.slot, h) for b, h in zip(picked, hashes) if b.state == READY]
-        for slot, block_hash in reversed(stored):
-            self.policy.insert(slot, block_hash)  # type: ignore[arg-type]
-        for block, block_hash in zip(picked, hashes):
-            if block.state == FREE:
-                self._free.append(block.slot)
-                if block_hash is not None:
-                    del self.catalogue[block_hash]
+        if len(stored) < len(picked):  # some failed, or were orphaned: free
+            for block, block_hash in zip(picked, hashes):
+                if block.state == FREE:
+                    self._free.append(block.slot)
+                    if block_hash is not None:
+                        del self.catalogue[block_hash]
+        self.policy.insert_many(reversed(stored))  # type: ignore[arg-type]
         if stored and self._keep_events:
             self._events.append(BlockStored(tuple(h for _, h in stored)))  # type: ignore[misc]
 

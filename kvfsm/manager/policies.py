@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Callable, Iterator, Literal
+from typing import Callable, Iterable, Iterator, Literal
 
 PolicyName = Literal["lru", "arc"]
 Evictable = Callable[[int], bool]
@@ -34,6 +34,16 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, slot: int) -> None:
         """`slot` was hit by a lookup; ignored when the policy does not hold it."""
+
+    def insert_many(self, stored: Iterable[tuple[int, int]]) -> None:
+        """`insert` each (slot, hash) in order: a store's blocks, as its completion makes them readable."""
+        for slot, block_hash in stored:
+            self.insert(slot, block_hash)
+
+    def touch_many(self, slots: Iterable[int]) -> None:
+        """`touch` each slot in order: a hit on a prefix."""
+        for slot in slots:
+            self.touch(slot)
 
     @abstractmethod
     def remove(self, slot: int) -> None:
@@ -73,6 +83,17 @@ class LruPolicy(EvictionPolicy):
     def touch(self, slot: int) -> None:
         if slot in self.order:
             self.order.move_to_end(slot)
+
+    def insert_many(self, stored: Iterable[tuple[int, int]]) -> None:
+        order = self.order
+        for slot, block_hash in stored:
+            order[slot] = block_hash
+
+    def touch_many(self, slots: Iterable[int]) -> None:
+        order, move = self.order, self.order.move_to_end
+        for slot in slots:
+            if slot in order:
+                move(slot)
 
     def remove(self, slot: int) -> None:
         del self.order[slot]
