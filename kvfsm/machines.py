@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Callable, Iterable, Iterator, Literal, Protocol
+from itertools import compress
+from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequence
 
 from transitions import Machine, MachineError
 
 from kvfsm.bindings import default_registry, default_spec
-from kvfsm.registry import BatchEffect, OfBatch, Registry, batch_form
+from kvfsm.registry import BatchEffect, GuardOfBatch, OfBatch, Registry, batch_form
 from kvfsm.spec import Lifecycle, Spec
 
 Observer = Callable[[str, Any, str, str, str], None]
@@ -50,6 +51,8 @@ class Branch:
     guard_names: tuple[str, ...]
     batch_effects: tuple[BatchEffect, ...] = ()
     """The same effects over a batch of models (`kvfsm.registry.batch_form`), for `fire_many`."""
+    batch_guards: tuple[Callable[..., Sequence[bool]], ...] | None = None
+    """The guards over a batch of models, when every one was written for batches (`kvfsm.registry.GuardOfBatch`)."""
     batched: bool = False
     """Every effect was written for batches (`kvfsm.registry.OfBatch`): it may run once over a run of models after
     they all moved. A coupling is not: it moves other objects whose guards read this model's peers (a request
@@ -115,8 +118,10 @@ class CompiledLifecycle(LifecycleMachine):
     def _branch(lifecycle: str, transition: Any, registry: Registry) -> Branch:
         effects = tuple(registry.effects[(lifecycle, e)] for e in transition.effects) + tuple(
             registry.coupled(lifecycle, c) for c in transition.couplings)
-        return Branch(dest=transition.dest, guards=tuple(registry.guards[(lifecycle, g)] for g in transition.guards),
-                      effects=effects, guard_names=transition.guards,
+        guards = tuple(registry.guards[(lifecycle, g)] for g in transition.guards)
+        return Branch(dest=transition.dest, guards=guards, effects=effects, guard_names=transition.guards,
+                      batch_guards=tuple(g.batch for g in guards)
+                      if all(isinstance(g, GuardOfBatch) for g in guards) else None,
                       batch_effects=tuple(batch_form(e) for e in effects),
                       batched=all(isinstance(e, OfBatch) for e in effects))
 
@@ -164,6 +169,10 @@ class CompiledLifecycle(LifecycleMachine):
                 model.state = dest  # type: ignore[assignment]
             return
         guarded = self._guarded[trigger]
+        if not context:
+            models = list(models)
+            if models and models[0].state in guarded and self._fire_guarded_batch(models, guarded):
+                return
         run: list[Stateful] = []
         current: tuple[str, tuple[BatchEffect, ...]] | None = None
         for model in models:
@@ -194,6 +203,42 @@ class CompiledLifecycle(LifecycleMachine):
         if run:
             for effect in current[1]:  # type: ignore[index]
                 effect(run, **context)
+
+    @staticmethod
+    def _fire_guarded_batch(models: list[Stateful], guarded: dict[str, tuple[Branch, ...]]) -> bool:
+        """Move a batch of distinct models, all in one state that the trigger leaves by guarded branches whose guards
+        and effects are written for batches (a job's GPU fences), asking each guard once for the whole batch.
+
+        Each model takes the first branch whose guards hold for it, as `fire` would: with distinct models and guards
+        that read only their model, a verdict asked of the batch is the one asked of the model in turn. Returns
+        False, having moved nothing, when the batch is not of that kind or some model would be refused (the caller
+        then fires one model at a time, which moves the models before the refusal and raises it)."""
+        sources = {model.state for model in models}
+        branches = guarded.get(sources.pop()) if len(sources) == 1 else None
+        if (not branches or any(b.batch_guards is None or not b.batched for b in branches)
+                or len(set(map(id, models))) != len(models)):
+            return False
+        undecided, takes = models, []
+        for branch in branches:
+            taking = undecided
+            for guard in branch.batch_guards:  # type: ignore[union-attr]
+                taking = list(compress(taking, guard(taking)))
+            takes.append(taking)
+            if len(taking) == len(undecided):
+                undecided = []
+                break
+            if taking:
+                taken = set(map(id, taking))
+                undecided = [model for model in undecided if id(model) not in taken]
+        if undecided:
+            return False
+        for branch, taking in zip(branches, takes):
+            if taking:
+                for model in taking:
+                    model.state = branch.dest
+                for effect in branch.batch_effects:
+                    effect(taking)
+        return True
 
     def _fire_guarded(self, model: Stateful, trigger: str, guarded: dict[str, tuple[Branch, ...]],
                       context: dict[str, Any]) -> None:

@@ -234,14 +234,17 @@ def _owner(job: TransferJob) -> tuple[str, ...]:
 # gpu-block -------------------------------------------------------------------------------------------------
 
 
-@REGISTRY.guard("gpu-block", "has-other-store-readers")
-def _has_other_store_readers(block: GpuBlock, **_: object) -> bool:
-    return block.store_readers > 1
+# A store's GPU fences move in one batch per job: their guards and effects are written over the batch.
 
 
-@REGISTRY.guard("gpu-block", "is-last-store-reader")
-def _is_last_store_reader(block: GpuBlock, **_: object) -> bool:
-    return block.store_readers == 1
+@REGISTRY.guard("gpu-block", "has-other-store-readers", batch=True)
+def _has_other_store_readers(blocks: Sequence[GpuBlock], **_: object) -> list[bool]:
+    return [block.store_readers > 1 for block in blocks]
+
+
+@REGISTRY.guard("gpu-block", "is-last-store-reader", batch=True)
+def _is_last_store_reader(blocks: Sequence[GpuBlock], **_: object) -> list[bool]:
+    return [block.store_readers == 1 for block in blocks]
 
 
 @REGISTRY.effect("gpu-block", "add-store-reader", batch=True)

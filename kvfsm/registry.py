@@ -37,6 +37,21 @@ class OfBatch:
         self.batch((model,), **context)
 
 
+class GuardOfBatch:
+    """A guard written for batches (`batch(models, **context)`: one verdict per model), callable on one model.
+
+    Like `OfBatch`, it must read only the models it is given: a machine asks it once for a batch of distinct
+    models all in one state, where that equals asking it of each model in turn."""
+
+    __slots__ = ("batch", "__name__")
+
+    def __init__(self, batch: Callable[..., Sequence[bool]], name: str) -> None:
+        self.batch, self.__name__ = batch, name
+
+    def __call__(self, model: Any, **context: Any) -> bool:
+        return self.batch((model,), **context)[0]
+
+
 def batch_form(effect: Effect) -> BatchEffect:
     """`effect` over a batch of models: its own batch form if it was written for batches, else a call per model."""
     batch = getattr(effect, "batch", None)
@@ -75,9 +90,10 @@ class Registry:
     invariants: dict[str, Invariant] = field(default_factory=dict)
     relations: dict[tuple[str, str], Relation] = field(default_factory=dict)
 
-    def guard(self, lifecycle: str, name: str) -> Callable[[Guard], Guard]:
+    def guard(self, lifecycle: str, name: str, batch: bool = False) -> Callable[[Guard], Guard]:
+        """Bind a guard; `batch=True`: `fn` gives a verdict per model of a batch (`GuardOfBatch`), else one."""
         def register(fn: Guard) -> Guard:
-            self.guards[(lifecycle, name)] = fn
+            self.guards[(lifecycle, name)] = GuardOfBatch(fn, name) if batch else fn
             return fn
 
         return register

@@ -31,11 +31,13 @@ class GpuFences:
 
         The coupling's context (the ledger, the job that caused it) is not passed on: a block's guards and effects
         read only the block, and a batch without context is the machine's cheapest."""
-        ids = tuple(block_ids)
         blocks = self.blocks
-        if ids and max(ids) >= len(blocks):  # a block beyond any named before, in a pool of unknown size
-            blocks.extend(GpuBlock(block_id) for block_id in range(len(blocks), max(ids) + 1))
-        self.machine.fire_many([blocks[b] for b in ids], trigger)
+        try:
+            models = [blocks[b] for b in block_ids]
+        except IndexError:  # a block beyond any named before, in a pool of unknown size
+            blocks.extend(GpuBlock(block_id) for block_id in range(len(blocks), max(block_ids) + 1))
+            models = [blocks[b] for b in block_ids]
+        self.machine.fire_many(models, trigger)
 
     def fenced(self) -> dict[int, GpuBlock]:
         """The blocks some store still reads: what the engine must not write (and what invariants check)."""
