@@ -43,7 +43,7 @@ def load(job_id: int, gpu_blocks: tuple[int, ...], cpu_slots: tuple[int, ...]) -
 @pytest.mark.parametrize("fault", FAULTS, ids=list(FAULTS))
 def test_a_store_that_raises_ends_as_a_failed_job_and_the_worker_serves_on(fault: str) -> None:
     worker, device, _ = make_worker()
-    fail_next(worker, "store", FAULTS[fault]())
+    fail_next(worker, "store_chunks", FAULTS[fault]())
     step(worker, ConnectorMetadata(step=1, stores=(store(0, (1,), (0,)),)))
     step(worker, ConnectorMetadata(step=2, stores=(store(1, (2,), (1,)),)))
     device.run_until_idle()

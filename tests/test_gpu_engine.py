@@ -35,9 +35,9 @@ class SlowCopies:
     def _sleep(self, stream: str) -> None:
         self._device.enqueue(stream, stream, f"{stream} engine busy", lambda: torch.cuda._sleep(DELAY))
 
-    def store(self, *args: object, **kwargs: object) -> None:
+    def store_chunks(self, *args: object, **kwargs: object) -> object:
         self._sleep("store")
-        self._transfers.store(*args, **kwargs)
+        return self._transfers.store_chunks(*args, **kwargs)
 
     def load_segments(self, *args: object, **kwargs: object) -> object:
         self._sleep("load")

@@ -32,18 +32,34 @@ def test_bytes_wrong_with_every_state_right_is_caught_by_the_byte_oracle() -> No
     h = Harness(SimDevice(), num_gpu_blocks=16, cpu_blocks=8)
     transfers, pool = h.faults, h.connector.worker.pool
 
-    def corrupting_store(gpu_blocks: Any, cpu_slots: Any, label: str = "store") -> None:
-        """Control: the store copies, then one byte of each slot flips; no state, no logged access changes."""
-        transfers.store(gpu_blocks, cpu_slots, label=label)
+    ordered: list[int] = []
+
+    def store_chunks(gpu_blocks: Any, cpu_slots: Any) -> Any:
+        ordered.extend(cpu_slots)
+        return transfers.store_chunks(gpu_blocks, cpu_slots)
+
+    def corrupting_merge(parts: Any) -> Any:
+        """Control: the stores copy, then one byte of each slot they wrote flips; no state, no logged access
+        changes."""
+        chunks, slots = transfers.merge_chunks(parts), tuple(ordered)
+        ordered.clear()
+        enqueue = chunks.enqueue
 
         def flip() -> None:
-            for slot in cpu_slots:
+            for slot in slots:
                 pool.slot(slot)[0] ^= 0xFF
 
-        h.device.enqueue("store", "store", f"flip after {label}", flip)
+        def enqueue_then_flip(chunk: int, label: str) -> None:
+            enqueue(chunk, label)
+            if chunk == chunks.count - 1:
+                h.device.enqueue("store", "store", f"flip after {label}", flip)
+
+        chunks.enqueue = enqueue_then_flip
+        return chunks
 
     h.connector.worker._transfers = type("Corrupting", (), {  # type: ignore[assignment]
-        "store": staticmethod(corrupting_store), "load": staticmethod(transfers.load)})()
+        "store_chunks": staticmethod(store_chunks), "merge_chunks": staticmethod(corrupting_merge),
+        "load": staticmethod(transfers.load)})()
     served(h)
     assert check_all(h.world) == {}, "the invariants see states and accesses only"
     assert h.violations(), "the byte oracle must see the flipped bytes"

@@ -22,7 +22,8 @@ to submitted.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -41,7 +42,7 @@ from kvfsm.connector.validation import (
 from kvfsm.executor.device import Device, Event
 from kvfsm.executor.layouts import KVCaches, register_kv_caches
 from kvfsm.executor.pool import HostPool
-from kvfsm.executor.transfer import Segments, Transfers
+from kvfsm.executor.transfer import Chunks, Segments, Transfers
 from kvfsm.machines import MachineSet
 from kvfsm.records import TransferJob
 from kvfsm.states import TransferJobState
@@ -52,6 +53,27 @@ _RUNNING = frozenset({TransferJobState.SUBMITTED, TransferJobState.FLUSHED_ON_PR
 """A job's states while its copies are on a stream: the ones whose end event `get_finished` polls."""
 
 log = logging.getLogger(__name__)
+
+Piece = tuple[int, Callable[[], None]]
+"""One device operation of a step's copies, ready to send: the bytes it moves, and what sends it."""
+
+
+def send_in_turns(*directions: Sequence[Piece]) -> None:
+    """Send each direction's pieces in order, taking turns so that every direction has sent about the same share
+    of its bytes at any moment (the smaller piece first on a tie). Sending one direction whole before the other
+    left the second copy engine idle for the first's host submission: on the H100, 8 ms of a both-ways step."""
+    totals = [sum(n for n, _ in pieces) or 1 for pieces in directions]
+    sent = [0] * len(directions)
+    taken = [0] * len(directions)
+    while True:
+        live = [d for d, pieces in enumerate(directions) if taken[d] < len(pieces)]
+        if not live:
+            return
+        d = min(live, key=lambda d: (sent[d] / totals[d], directions[d][taken[d]][0]))
+        nbytes, send = directions[d][taken[d]]
+        taken[d] += 1
+        sent[d] += nbytes
+        send()
 
 
 class WorkerConnector:
@@ -72,7 +94,7 @@ class WorkerConnector:
         """Per segmented job, its segments' events in the order they were enqueued on the job's stream."""
         self._step_loads: list[int] = []
         self._load_batch: list[tuple[TransferJob, Segments]] = []
-        """This step's checked loads, sent together by `_send_loads` once every order of the step was seen."""
+        """This step's checked loads, sent together by `_load_pieces` once every order of the step was seen."""
         self._layer_stores: dict[int, tuple[Segments, set[int]]] | None = None
         """This step's stores begun by `save_kv_layer`: their segments and which segments went out."""
         self._pending: list[TransferJob] = []
@@ -139,28 +161,34 @@ class WorkerConnector:
     def handle_preemptions(self) -> None:
         """Before the engine writes any reused GPU block: submit the flushed stores still pending, wait for all."""
         flushed = [self.jobs[j] for j in self._meta.flush if j in self.jobs and self.jobs[j].in_flight]
+        pending = []
         for job in flushed:
-            was_pending = job.state == TransferJobState.PENDING_STORE
+            if job.state == TransferJobState.PENDING_STORE:
+                pending.append(job)
             self._job.fire(job, "flush")
-            if was_pending:
-                self._submit_store(job)
+        send_in_turns(self._store_pieces(pending))
         self.wait([job.job_id for job in flushed if job.in_flight])
 
     def start_load_kv(self) -> None:
-        """Hand this step's write-backs and fetches to the lower tiers, submit the stores prepared last step, then
-        this step's loads."""
+        """Hand this step's write-backs and fetches to the lower tiers, then send the stores prepared last step and
+        this step's loads, in turns (`send_in_turns`); a load into a GPU block one of these stores reads is sent
+        only after every store, since it must wait on that store's event."""
         if self._tiers is not None:
             self._tiers.submit(self._meta.tier_orders)
-        for job in self._pending:
-            if job.state == TransferJobState.PENDING_STORE:
-                self._job.fire(job, "submit", step=self._meta.step)
-                self._submit_store(job)
+        stores = [job for job in self._pending if job.state == TransferJobState.PENDING_STORE]
+        for job in stores:
+            self._job.fire(job, "submit", step=self._meta.step)
         self._pending = []
         self._step_loads = []
         self._layer_stores = None
+        store_pieces = self._store_pieces(stores)
+        read = {block for job in stores for block in job.gpu_blocks}
+        if any(read.intersection(order.gpu_blocks) for order in self._meta.loads):
+            send_in_turns(store_pieces)
+            store_pieces = []
         for order in self._meta.loads:
             self._submit_load(order)
-        self._send_loads()
+        send_in_turns(store_pieces, self._load_pieces())
 
     def wait_for_layer_load(self, layer: str) -> None:
         """Before `layer` reads KV: the compute stream waits on that layer's segment of this step's loads only.
@@ -293,17 +321,57 @@ class WorkerConnector:
 
     # --- ordering rules ------------------------------------------------------------------------------------
 
-    def _submit_store(self, job: TransferJob) -> None:
-        self._wait_for_compute(job)
-        self._enqueue(job, "store", lambda: self.transfers.store(job.gpu_blocks, job.cpu_slots,
-                                                                 label=f"store job {job.job_id}"))
+    def _store_pieces(self, jobs: Sequence[TransferJob]) -> list[Piece]:
+        """Check submitted stores and plan them as one pipeline of chunks (`Chunks`), each job's event recorded
+        after its last chunk; a store that cannot be checked fails alone, and stores sharing a CPU slot (never
+        ordered by the scheduler) get a pipeline each."""
+        checked: list[tuple[TransferJob, Chunks]] = []
+        for job in jobs:
+            self._wait_for_compute(job)
+            try:
+                checked.append((job, self.transfers.store_chunks(job.gpu_blocks, job.cpu_slots)))
+            except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+                self._fail(job, "store", err)
+        slots = [slot for job, _ in checked for slot in job.cpu_slots]
+        groups = [checked] if len(set(slots)) == len(slots) else [[item] for item in checked]
+        return [piece for group in groups if group for piece in self._chunk_pieces(group)]
+
+    def _chunk_pieces(self, group: list[tuple[TransferJob, Chunks]]) -> list[Piece]:
+        jobs = [job for job, _ in group]
+        label = f"store job{'s' if len(jobs) > 1 else ''} {','.join(str(job.job_id) for job in jobs)}"
+        try:
+            chunks = self.transfers.merge_chunks([chunks for _, chunks in group])
+        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+            for job in jobs:
+                self._fail(job, "store", err)
+            return []
+        ending: dict[int, list[TransferJob]] = {}
+        for job, end in zip(jobs, chunks.ends):
+            ending.setdefault(end, []).append(job)
+        broken: list[Exception] = []
+
+        def send(chunk: int) -> None:
+            if broken:
+                return
+            try:
+                chunks.enqueue(chunk, f"{label} chunk {chunk}")
+            except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+                broken.append(err)
+                for job in jobs:
+                    if job.job_id not in self._events:
+                        self._fail(job, "store", err)
+                return
+            if chunk in ending:
+                self._record_end(ending[chunk], "store")
+
+        return [(chunks.nbytes(chunk), partial(send, chunk)) for chunk in range(chunks.count)]
 
     def _wait_for_compute(self, job: TransferJob) -> None:
         """store-after-compute: the store stream waits on the event recorded after the forward that wrote it."""
         self.device.wait("store", self._compute_done.pop(job.job_id))
 
     def _submit_load(self, order: LoadOrder) -> None:
-        """Check one load and queue it for this step's `_send_loads`; a load that cannot be sent fails alone."""
+        """Check one load and queue it for this step's `_load_pieces`; a load that cannot be sent fails alone."""
         _ = self.transfers  # NotRegistered before the job exists, not a job stuck in submitted
         job = self._new_job(order, "load")
         self._job.fire(job, "submit", step=self._meta.step)
@@ -319,7 +387,7 @@ class WorkerConnector:
             return
         self._load_batch.append((job, segments))
 
-    def _send_loads(self) -> None:
+    def _load_pieces(self) -> list[Piece]:
         """This step's loads go out together: one segment per layer, in layer order, each followed by one event
         that every job of the batch lands that segment on. Sending each job's layers separately cost a
         submission per job and layer (on the H100, host submission of 4 jobs x 32 layers took longer than their
@@ -327,28 +395,40 @@ class WorkerConnector:
         batch, self._load_batch = self._load_batch, []
         blocks = [block for job, _ in batch for block in job.gpu_blocks]
         groups = [batch] if len(set(blocks)) == len(blocks) else [[item] for item in batch]
-        for group in groups:
-            if group:
-                self._send_load_group([job for job, _ in group], [segments for _, segments in group])
+        return [piece for group in groups if group
+                for piece in self._segment_pieces([job for job, _ in group], [segments for _, segments in group])]
 
-    def _send_load_group(self, jobs: list[TransferJob], parts: list[Segments]) -> None:
+    def _segment_pieces(self, jobs: list[TransferJob], parts: list[Segments]) -> list[Piece]:
         label = f"load job{'s' if len(jobs) > 1 else ''} {','.join(str(job.job_id) for job in jobs)}"
         try:
             segments = self.transfers.merge(parts)
-            for job in jobs:
-                job.segments = self.transfers.num_segments
-            for segment in range(self.transfers.num_segments):
-                segments.enqueue(segment, f"{label} layer {segment}")
-                event = self.device.new_event()
-                self.device.record("load", event)
-                for job in jobs:
-                    self._segment_events[job.job_id].append(event)
         except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
             for job in jobs:
                 self._fail(job, "load", err)
-            return
+            return []
+        last = self.transfers.num_segments - 1
         for job in jobs:
-            self._record_end(job, "load")
+            job.segments = last + 1
+        broken: list[Exception] = []
+
+        def send(segment: int) -> None:
+            if broken:
+                return
+            try:
+                segments.enqueue(segment, f"{label} layer {segment}")
+                event = self.device.new_event()
+                self.device.record("load", event)
+            except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+                broken.append(err)
+                for job in jobs:
+                    self._fail(job, "load", err)
+                return
+            for job in jobs:
+                self._segment_events[job.job_id].append(event)
+            if segment == last:
+                self._record_end(jobs, "load")
+
+        return [(segments.nbytes(segment), partial(send, segment)) for segment in range(last + 1)]
 
     def _wait_for_readers(self, job: TransferJob) -> None:
         """load-after-readers: wait for all compute enqueued so far and for stores still reading the blocks."""
@@ -360,38 +440,30 @@ class WorkerConnector:
             if other.kind == "store" and other.job_id in self._events and targets.intersection(other.gpu_blocks):
                 self.device.wait("load", self._events[other.job_id])
 
-    def _enqueue(self, job: TransferJob, stream: Any, copy: Any) -> None:
-        """Enqueue the copies and record the job's event; any failure ends the job as failed, never wedged.
-
-        Whatever raised (a refused job, a CUDA error, a host allocation that failed, a bug), the job is failed
-        and the engine recomputes. Copies enqueued before the failure may still run, so an event is recorded
-        after them: the failure is reported, and later loads into the same GPU blocks wait, only once they ran.
-        """
-        try:
-            copy()
-        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-            self._fail(job, stream, err)
-            return
-        self._record_end(job, stream)
-
     def _fail(self, job: TransferJob, stream: Any, err: Exception) -> None:
-        """A failure at submission fails the job visibly, reported once what it enqueued has run."""
+        """A failure at submission fails the job visibly, never wedged, and the engine recomputes: whatever raised
+        (a refused job, a CUDA error, a host allocation that failed, a bug). Copies enqueued before the failure
+        may still run, so an event is recorded after them: the failure is reported, and later loads into the same
+        GPU blocks wait, only once they ran."""
         log.warning("%s job %d failed at submission: %s: %s", job.kind, job.job_id, type(err).__name__, err)
         self._job.fire(job, "fail", step=self._meta.step)
         self._failed.append(job.job_id)
-        self._record_end(job, stream)
+        self._record_end([job], stream)
 
-    def _record_end(self, job: TransferJob, stream: Any) -> None:
+    def _record_end(self, jobs: Sequence[TransferJob], stream: Any) -> None:
+        """One event after what these jobs enqueued so far, their end."""
         try:
             event = self.device.new_event()
             self.device.record(stream, event)
         except Exception as err:  # noqa: BLE001 (a device that cannot record leaves nothing to wait for)
-            log.warning("%s job %d: no end event could be recorded: %s", job.kind, job.job_id, err)
-            if job.job_id not in self._failed:
-                self._job.fire(job, "fail", step=self._meta.step)
-                self._failed.append(job.job_id)
+            for job in jobs:
+                log.warning("%s job %d: no end event could be recorded: %s", job.kind, job.job_id, err)
+                if job.job_id not in self._failed:
+                    self._job.fire(job, "fail", step=self._meta.step)
+                    self._failed.append(job.job_id)
             return
-        self._events[job.job_id] = event
+        for job in jobs:
+            self._events[job.job_id] = event
 
     def _new_job(self, order: StoreOrder | LoadOrder, kind: str) -> TransferJob:
         job = TransferJob(job_id=order.job_id, kind=kind, req_id=order.req_id,  # type: ignore[arg-type]

@@ -85,8 +85,14 @@ def device_index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class Mechanism(Protocol):
-    def run(self, direction: Direction, placement: Placement, host: torch.Tensor) -> None:
-        """Issue the copies of one job on the current stream."""
+    chunk_blocks: int | None
+    """Blocks a job's copies are issued in at a time (a staging slot's worth), or None where a job is one piece."""
+
+    def run(self, direction: Direction, placement: Placement, host: torch.Tensor,
+            index: torch.Tensor | None = None, join: bool = True) -> None:
+        """Issue the copies of one job (or one chunk of it) on the current stream; `index` is its GPU blocks on
+        the device where already there; `join=False` continues the previous run on the same stream (see `Lanes`):
+        the next chunk of blocks whose first chunk already waited."""
 
     def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
                     index: torch.Tensor, join: bool) -> None:
@@ -102,6 +108,7 @@ class DirectCopy:
             raise MechanismError(
                 f"'cross-layer' needs each block contiguous in every tensor; layouts are {dict(caches.layouts)}")
         self._caches = caches
+        self.chunk_blocks: int | None = None
 
     def _pieces(self, plane: Plane, gpu_start: int, host_start: int, n: int) -> Iterator[tuple[torch.Tensor, int]]:
         block_bytes = self._caches.gpu_block_bytes
@@ -112,7 +119,8 @@ class DirectCopy:
             for p in range(plane.pieces):
                 yield plane.rows[p, gpu_start + i], host_start + i * block_bytes + plane.offset + p * plane.piece_bytes
 
-    def run(self, direction: Direction, placement: Placement, host: torch.Tensor) -> None:
+    def run(self, direction: Direction, placement: Placement, host: torch.Tensor,
+            index: torch.Tensor | None = None, join: bool = True) -> None:
         self._copy(direction, placement, host, self._caches.planes)
 
     def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
@@ -141,6 +149,7 @@ class StagedGather:
     def __init__(self, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self._caches = caches
         self._chunk = max(1, min(staging_bytes // caches.gpu_block_bytes, caches.num_blocks))
+        self.chunk_blocks: int | None = self._chunk
         size = self._chunk * caches.gpu_block_bytes
         self._staging = {
             d: [torch.empty(size, dtype=torch.uint8, device=caches.device) for _ in range(SLOTS)]
@@ -229,16 +238,17 @@ class StagedGather:
         plan = chunk_runs(placement.host_offsets, c, self._caches.gpu_block_bytes)
         self._lanes[direction].run([step(i, host_runs) for i, host_runs in plan], join)
 
-    def run(self, direction: Direction, placement: Placement, host: torch.Tensor) -> None:
-        # One index for the whole job, on the enqueuing stream, which every lane starts behind.
-        index = device_index(placement.gpu_blocks, self._caches.device)
+    def run(self, direction: Direction, placement: Placement, host: torch.Tensor,
+            index: torch.Tensor | None = None, join: bool = True) -> None:
+        if index is None:  # one index for the whole job, on the enqueuing stream, which every lane starts behind
+            index = device_index(placement.gpu_blocks, self._caches.device)
         c = self._chunk
         steps = [
             self._step(direction, placement.gpu_blocks[i:i + c], index[i:i + c], placement.host_offsets[i:i + c],
                        host)
             for i in range(0, len(placement.gpu_blocks), c)
         ]
-        self._lanes[direction].run(steps)
+        self._lanes[direction].run(steps, join)
 
 
 class StagedCopy(StagedGather):

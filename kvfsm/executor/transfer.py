@@ -131,6 +131,20 @@ class Transfers:
         """A store checked now, whose layer segments are enqueued one at a time (`Segments.enqueue`)."""
         return Segments(self, "store", self._store_placement(gpu_blocks, cpu_slots), tuple(cpu_slots))
 
+    def store_chunks(self, gpu_blocks: Sequence[int], cpu_slots: Sequence[int]) -> Chunks:
+        """A store checked now, whose copies are enqueued a chunk of blocks at a time (`Chunks.enqueue`)."""
+        return Chunks(self, self._store_placement(gpu_blocks, cpu_slots), (len(cpu_slots) * self.block_size_factor,))
+
+    def merge_chunks(self, parts: Sequence[Chunks]) -> Chunks:
+        """Checked stores as one pipeline of chunks: a step's stores go out back to back, the copy engine never
+        waiting for the next job's first gather. Their CPU slots must be distinct (no slot written twice)."""
+        if len(parts) == 1:
+            return parts[0]
+        offsets = tuple(offset for part in parts for offset in part._placement.host_offsets)
+        _distinct(offsets, "CPU blocks of the merged stores")
+        blocks = tuple(block for part in parts for block in part._placement.gpu_blocks)
+        return Chunks(self, Placement(blocks, offsets), tuple(size for part in parts for size in part._sizes))
+
     def load_segments(self, cpu_slots: Sequence[int], gpu_blocks: Sequence[int], gpu_offset: int = 0) -> Segments:
         """A load checked now, whose layer segments are enqueued one at a time (`Segments.enqueue`)."""
         return Segments(self, "load", self._load_placement(cpu_slots, gpu_blocks, gpu_offset), tuple(cpu_slots))
@@ -187,6 +201,10 @@ class Segments:
         self._index: torch.Tensor | None = None
         self._joined = False
 
+    def nbytes(self, segment: int) -> int:
+        """Bytes segment `segment` moves."""
+        return len(self._placement.gpu_blocks) * self._transfers._caches.planes[segment].block_bytes
+
     def enqueue(self, segment: int, label: str) -> None:
         """Enqueue segment `segment` on the job's stream (behind whatever that stream waits on by now)."""
         t, direction, placement = self._transfers, self._direction, self._placement
@@ -203,3 +221,49 @@ class Segments:
         gpu = Touch("read" if direction == "store" else "write", "gpu", placement.gpu_blocks, layer=segment)
         cpu = Touch("write" if direction == "store" else "read", "cpu", self._cpu_slots)
         t._device.enqueue(direction, direction, label, run, (gpu, cpu))
+
+
+class Chunks:
+    """Checked stores (one job, or a step's jobs merged) whose copies go out one chunk of blocks at a time, every
+    layer of a chunk together, as one pipeline: the first chunk waits for the stream, each later one continues
+    the pipeline without waiting again, so the gather of the next job's first chunk overlaps the DMA of the last
+    one's (waiting per job left the copy engine idle for a gather at every job boundary). A chunk is one device
+    operation touching only its own blocks and slots, so chunks of stores and layer segments of loads can be
+    sent in turns, both copy engines starting early. `ends[j]` is the chunk with the last block of part j."""
+
+    def __init__(self, transfers: Transfers, placement: Placement, sizes: tuple[int, ...]) -> None:
+        self._transfers = transfers
+        self._placement = placement
+        self._sizes = sizes
+        n = len(placement.gpu_blocks)
+        self._chunk = transfers._mechanism.chunk_blocks or max(1, n)
+        self.count = max(1, -(-n // self._chunk))
+        ends, total = [], 0
+        for size in sizes:
+            total += size
+            ends.append(max(0, total - 1) // self._chunk)
+        self.ends = tuple(ends)
+        self._index: torch.Tensor | None = None
+
+    def nbytes(self, chunk: int) -> int:
+        """Bytes chunk `chunk` moves."""
+        return len(self._placement.gpu_blocks[chunk * self._chunk:(chunk + 1) * self._chunk]) * \
+            self._transfers._caches.gpu_block_bytes
+
+    def enqueue(self, chunk: int, label: str) -> None:
+        """Enqueue chunk `chunk` on the store stream (chunks go out in order, the first behind the stream)."""
+        t, c = self._transfers, self._chunk
+        part = Placement(self._placement.gpu_blocks[chunk * c:(chunk + 1) * c],
+                         self._placement.host_offsets[chunk * c:(chunk + 1) * c])
+
+        def run() -> None:
+            index = None
+            if t._mechanism.chunk_blocks is not None:  # the gathering mechanisms: one index upload per pipeline
+                if self._index is None:
+                    self._index = device_index(self._placement.gpu_blocks, t._caches.device)
+                index = self._index[chunk * c:(chunk + 1) * c]
+            t._mechanism.run("store", part, t._pool.buffer, index, chunk == 0)
+
+        slots = tuple(dict.fromkeys(offset // t._pool.slot_bytes for offset in part.host_offsets))
+        t._device.enqueue("store", "store", label, run,
+                          (Touch("read", "gpu", part.gpu_blocks), Touch("write", "cpu", slots)))

@@ -61,9 +61,9 @@ class FaultInjector:
             self.armed = None
             raise InjectedFault(f"injected {direction} failure")
 
-    def store(self, *args: object, **kwargs: object) -> None:
+    def store_chunks(self, *args: object, **kwargs: object) -> object:
         self._maybe_fail("store")
-        self._transfers.store(*args, **kwargs)  # type: ignore[attr-defined]
+        return self._transfers.store_chunks(*args, **kwargs)  # type: ignore[attr-defined]
 
     def load_segments(self, *args: object, **kwargs: object) -> object:
         self._maybe_fail("load")
