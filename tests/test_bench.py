@@ -78,12 +78,14 @@ def test_the_scheduler_half_benchmark_exercises_every_lifecycle() -> None:
     assert result["cpu_hit_blocks"] > 0, "no prompt ever came back: loads were not measured"
 
 
-def _rounds() -> ConnectorRounds:
-    return ConnectorRounds(SimDevice(), "kv-first", 16, 16, 4, num_layers=2, num_heads=2, head_dim=8)
+def _rounds(as_finished: bool = False) -> ConnectorRounds:
+    return ConnectorRounds(SimDevice(), "kv-first", 16, 16, 4, num_layers=2, num_heads=2, head_dim=8,
+                           as_finished=as_finished)
 
 
-def test_connector_rounds_load_back_exactly_the_bytes_they_stored() -> None:
-    rounds = _rounds()
+@pytest.mark.parametrize("as_finished", [False, True], ids=["reported-at-end", "reported-as-finished"])
+def test_connector_rounds_load_back_exactly_the_bytes_they_stored(as_finished: bool) -> None:
+    rounds = _rounds(as_finished)
     rounds.load()
     rounds.check_landed()
     rounds.both()
@@ -107,7 +109,8 @@ def test_control_a_round_whose_store_is_refused_is_caught(monkeypatch: pytest.Mo
 
 
 def _measured(share: float, slowdown: float, us: float) -> dict[str, object]:
-    row = {"store_share": share, "load_share": 1.0, "both_share": share}
+    row = {"store_share": share, "load_share": 1.0, "both_share": share, "store_share_as_finished": share,
+           "load_share_as_finished": 1.0, "both_share_as_finished": share}
     return {
         "connector": [{"layout": layout, "block_tokens": 16, **row} for layout in ("kv-first", "cross-layer")],
         "mechanisms": {"kv-first": {"auto": {"compute_slowdown": slowdown}}},

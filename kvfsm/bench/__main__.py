@@ -184,14 +184,16 @@ def _print(result: dict[str, Any]) -> None:
 
         console.print(transfer.table(result["device"], result["ceilings"], result["mechanisms"]))
     if result.get("connector"):
-        table = Table(title="kvfsm.Connector end to end (scheduler orders, worker executes; one engine step timed)")
+        table = Table(title="kvfsm.Connector end to end (scheduler orders, worker executes; one engine step timed; "
+                            "shares reported at the step's end / as jobs finish)")
         for column in ("layout", "block tokens", "mechanism", "store GB/s", "share", "load GB/s", "share",
                        "both GB/s", "share"):
             table.add_column(column, justify="right")
         for r in result["connector"]:
             table.add_row(r["layout"], str(r["block_tokens"]), r["mechanism"], f"{r['store_gbps']:.1f}",
-                          f"{r['store_share']:.3f}", f"{r['load_gbps']:.1f}", f"{r['load_share']:.3f}",
-                          f"{r['both_gbps']:.1f}", f"{r['both_share']:.3f}")
+                          f"{r['store_share']:.3f} / {r['store_share_as_finished']:.3f}", f"{r['load_gbps']:.1f}",
+                          f"{r['load_share']:.3f} / {r['load_share_as_finished']:.3f}", f"{r['both_gbps']:.1f}",
+                          f"{r['both_share']:.3f} / {r['both_share_as_finished']:.3f}")
         console.print(table)
     if "token_copy" in result:
         tc = result["token_copy"]

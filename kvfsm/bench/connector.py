@@ -48,12 +48,13 @@ class ConnectorRounds:
 
     def __init__(self, device: Device, layout: str, block_tokens: int, num_blocks: int, prompt_blocks: int,
                  num_layers: int = 32, num_heads: int = 8, head_dim: int = 128,
-                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> None:
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, as_finished: bool = False) -> None:
         if num_blocks % (2 * prompt_blocks):
             raise ValueError(f"{num_blocks} GPU blocks do not split into two halves of {prompt_blocks}-block prompts")
         self.device = device
         self.block_tokens = block_tokens
         self.prompt_blocks = prompt_blocks
+        self.as_finished = as_finished
         tensors, groups = allocate_kv_caches(layout, num_layers, num_blocks, block_tokens, num_heads, head_dim,
                                              dtype, device.tensor_device())
         for tensor in tensors.values():
@@ -118,7 +119,7 @@ class ConnectorRounds:
         self._stored = [p for p, _ in computed]
 
     def _timed_step(self, expect_stored: int, loading: list[Prompt]) -> float:
-        """One engine step with no compute: submit what is pending, wait for every job, report it. Seconds."""
+        """One engine step with no compute: submit what is pending, then report every job (`_report`). Seconds."""
         connector, worker = self.connector, self.connector.worker
         if self.device.kind == "cuda":
             torch.cuda.synchronize()
@@ -127,18 +128,38 @@ class ConnectorRounds:
         worker.bind_connector_metadata(meta)
         worker.handle_preemptions()
         worker.start_load_kv()
-        worker.wait(list(worker.jobs))
-        result = connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),)))
+        loaded, released, errors = self._report()
         elapsed = time.perf_counter() - start
-        if len(meta.loads) != len(loading) or result.loaded != {p.request_id for p in loading}:
-            raise RoundMismatch(f"ordered {len(meta.loads)} loads, {len(result.loaded)} finished, "
+        if len(meta.loads) != len(loading) or loaded != {p.request_id for p in loading}:
+            raise RoundMismatch(f"ordered {len(meta.loads)} loads, {len(loaded)} finished, "
                                 f"expected {len(loading)}")
-        if len(result.released) != expect_stored or result.load_errors:
-            raise RoundMismatch(f"{len(result.released)} stored requests released of {expect_stored}; "
-                                f"load errors {result.load_errors}")
+        if len(released) != expect_stored or errors:
+            raise RoundMismatch(f"{len(released)} stored requests released of {expect_stored}; "
+                                f"load errors {errors}")
         for prompt in loading:  # the engine would compute the last token; the request then ends
             connector.request_finished(prompt.request_id)
         return elapsed
+
+    def _report(self) -> tuple[set[str], set[str], dict[str, tuple[int, ...]]]:
+        """Block until the scheduler half saw every job finish; the loaded and released requests, load errors.
+        At the end of the step by default; with `as_finished`, as an engine that keeps stepping while copies run
+        reports them: an empty engine step each time the oldest job's copies end, so the bookkeeping of earlier
+        jobs overlaps the copies of later ones."""
+        connector, worker = self.connector, self.connector.worker
+        loaded: set[str] = set()
+        released: set[str] = set()
+        errors: dict[str, tuple[int, ...]] = {}
+        while True:
+            worker.wait(list(worker.jobs)[:1] if self.as_finished else list(worker.jobs))
+            result = connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),)))
+            loaded |= result.loaded
+            released |= result.released
+            errors.update(result.load_errors)
+            if not worker.jobs:
+                return loaded, released, errors
+            worker.bind_connector_metadata(connector.build_connector_meta(SchedulerOutput()))
+            worker.handle_preemptions()
+            worker.start_load_kv()
 
     def store(self) -> float:
         """Seconds for one step that stores half the cache's blocks (ordered by the step before)."""
@@ -181,22 +202,27 @@ def _median(fn: Callable[[], float], reps: int) -> float:
 
 def run(device: Device, layout: str, block_tokens: int, peaks: dict[str, float], moved_bytes: int = 1 << 30,
         prompt_tokens: int = 2048, reps: int = 5) -> dict[str, float | int | str]:
-    """Store, load and both-ways GB/s through the connector, each as a share of the ceiling of the same run."""
+    """Store, load and both-ways GB/s through the connector, each as a share of the ceiling of the same run:
+    reported at the end of the step, and (`*_as_finished`) by an engine stepping while the copies run."""
     block_bytes = 2 * LLAMA_8B_KV["num_layers"] * block_tokens * LLAMA_8B_KV["num_heads"] * LLAMA_8B_KV["head_dim"] * 2
     prompt_blocks = max(1, prompt_tokens // block_tokens)
     half = max(prompt_blocks, moved_bytes // block_bytes // prompt_blocks * prompt_blocks)
     rounds = ConnectorRounds(device, layout, block_tokens, 2 * half, prompt_blocks)
+    row: dict[str, float | int | str] = {"layout": layout, "block_tokens": block_tokens}
     try:
         moved = rounds.bytes_per_half
-        store_s = _median(rounds.store, reps)
-        load_s = _median(rounds.load, reps)
-        rounds.check_landed()
-        both_s = _median(rounds.both, reps)
-        mechanism = rounds.connector.worker.transfers.mechanism
+        for suffix, as_finished in (("", False), ("_as_finished", True)):
+            rounds.as_finished = as_finished
+            store_s = _median(rounds.store, reps)
+            load_s = _median(rounds.load, reps)
+            rounds.check_landed()
+            both_s = _median(rounds.both, reps)
+            store, load, both = moved / store_s / 1e9, moved / load_s / 1e9, 2 * moved / both_s / 1e9
+            row.update({f"store_gbps{suffix}": store, f"load_gbps{suffix}": load, f"both_gbps{suffix}": both,
+                        f"store_share{suffix}": store / peaks["d2h"], f"load_share{suffix}": load / peaks["h2d"],
+                        f"both_share{suffix}": both / peaks["both"]})
+        row.update(mechanism=rounds.connector.worker.transfers.mechanism, bytes_each_way=moved)
     finally:
         rounds.close()
         del rounds
-    store, load, both = moved / store_s / 1e9, moved / load_s / 1e9, 2 * moved / both_s / 1e9
-    return {"layout": layout, "block_tokens": block_tokens, "mechanism": mechanism, "bytes_each_way": moved,
-            "store_gbps": store, "load_gbps": load, "both_gbps": both, "store_share": store / peaks["d2h"],
-            "load_share": load / peaks["h2d"], "both_share": both / peaks["both"]}
+    return row
