@@ -6,8 +6,9 @@ the 16-token tail more than the model itself:
   say), which rules out the fused GQA kernels: every layer then copies K and V once per query-head group;
 - `DynamicCache` concatenates the tail onto the prefix, copying the whole prefix again in every layer.
 `causal_attention` states the mask as `causal_lower_right` (a fused kernel applies it, grouped-query attention stays
-native) and `PrefixCache` holds each layer's prefix in a buffer sized for prefix + tail, filled layer by layer by
-whoever supplies the prefix (here: the connector's per-layer load), so the tail is written in place.
+native), and `TailForward` holds each layer's prefix in a buffer sized for prefix + tail, filled layer by layer by
+whoever supplies the prefix (here: the connector's per-layer load), so the tail is written in place; it also
+launches the tail's kernels without eager `transformers`' per-layer host overhead.
 """
 
 from __future__ import annotations
@@ -40,58 +41,55 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION, causal_attention)
 
 
-class PrefixCache:
-    """A `transformers` cache whose layer i holds a prefix of `prefix` tokens, filled by `fill(i)` just before layer
-    i runs, then the tail written in place after it."""
+class TailForward:
+    """A Llama forward of the tokens after a loaded prefix, launched as a serving engine launches it: per layer the
+    norms, projections, rotary embedding, one attention over prefix + tail and the MLP, straight from the
+    `transformers` model's own weights. Eager `transformers` spends ~1.4 ms of host time per decoder layer on
+    this host (wrappers, kwargs, cache objects, output hooks) to launch ~20 kernels: for a 16-token tail that is
+    the whole reload at 8k tokens, a cost an engine with a lean or graph-captured forward does not pay.
 
-    def __init__(self, model: Any, prefix: int, tail: int, fill: Callable[[int, torch.Tensor, torch.Tensor], None]):
-        from transformers.cache_utils import Cache
+    `fill(i, keys, values)` puts layer i's prefix into `keys`/`values` (views of that layer's buffer, sized for
+    prefix + tail) just before layer i attends, which is where an engine waits for that layer's load."""
 
+    def __init__(self, model: Any) -> None:
+        self._model = model
         config = model.config
-        shape = (1, config.num_key_value_heads, prefix + tail, config.head_dim)
-        device, dtype = model.device, model.dtype
-        layer_cls = _prefix_layer_class()
-        self.layers = [layer_cls(torch.empty(shape, device=device, dtype=dtype),
-                                 torch.empty(shape, device=device, dtype=dtype), prefix)
-                       for _ in range(config.num_hidden_layers)]
-        self.cache = Cache(layers=self.layers)
-        self.prefix = prefix
-        hooks = []
-        for i, decoder in enumerate(model.model.layers):
-            hooks.append(decoder.register_forward_pre_hook(
-                lambda module, args, i=i: fill(i, self.layers[i].keys[:, :, :prefix], self.layers[i].values[:, :, :prefix])))
-        self._hooks = hooks
+        self._kv_heads, self._head_dim = config.num_key_value_heads, config.head_dim
+        if config.hidden_act != "silu":
+            raise ValueError(f"TailForward runs Llama's SiLU MLP, the model's activation is {config.hidden_act!r}")
 
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
+    @staticmethod
+    def _norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        """Llama's RMSNorm, in float32 like `transformers`' own."""
+        return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
+    def __call__(self, ids: torch.Tensor, prefix: int,
+                 fill: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+        """Logits of the last token of `ids` (1 x tail), whose first position is `prefix`."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-def _prefix_layer_class() -> type:
-    """`PrefixLayer`, defined once `transformers` is importable (it is only on machines that run the benchmark)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class PrefixLayer(DynamicLayer):
-        """One layer's K and V: the prefix already in place, the tail written after it."""
-
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> None:
-            super().__init__()
-            self.keys, self.values, self.length = keys, values, prefix
-            self.dtype, self.device = keys.dtype, keys.device
-            self.is_initialized = True
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            end = self.length + key_states.shape[-2]
-            self.keys[:, :, self.length:end].copy_(key_states)
-            self.values[:, :, self.length:end].copy_(value_states)
-            self.length = end
-            return self.keys[:, :, :end], self.values[:, :, :end]
-
-        def get_seq_length(self) -> int:
-            return self.length
-
-        def get_max_length(self) -> int:
-            return self.keys.shape[-2]
-
-    return PrefixLayer
+        model, tail = self._model.model, ids.shape[1]
+        x = F.embedding(ids, model.embed_tokens.weight)
+        positions = torch.arange(prefix, prefix + tail, device=ids.device).unsqueeze(0)
+        cos, sin = model.rotary_emb(x, positions)
+        shape = (1, self._kv_heads, prefix + tail, self._head_dim)
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = self._norm(x, layer.input_layernorm)
+            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(1, tail, -1, self._head_dim).transpose(1, 2)
+            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(1, tail, -1, self._head_dim).transpose(1, 2)
+            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(1, tail, -1, self._head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys = torch.empty(shape, dtype=x.dtype, device=x.device)
+            values = torch.empty_like(keys)
+            fill(i, keys[:, :, :prefix], values[:, :, :prefix])
+            keys[:, :, prefix:].copy_(k)
+            values[:, :, prefix:].copy_(v)
+            out, _ = causal_attention(attn, q, keys, values, None, scaling=attn.scaling)
+            x = x + F.linear(out.reshape(1, tail, -1), attn.o_proj.weight, attn.o_proj.bias)
+            h = self._norm(x, layer.post_attention_layernorm)
+            gate = F.silu(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
+            x = x + F.linear(gate * F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
+                             mlp.down_proj.bias)
+        x = self._norm(x[:, -1:], model.norm)
+        return F.linear(x, self._model.lm_head.weight)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from kvfsm.bench.connector import Prompt
-from kvfsm.bench.llama import ATTENTION, PrefixCache, register_attention
+from kvfsm.bench.llama import ATTENTION, TailForward, register_attention
 from kvfsm.config import OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
@@ -140,9 +140,10 @@ class PrefixReload:
 
     def reload(self, model: Any, ids: torch.Tensor, hashes: tuple[int, ...], tokens: int) -> tuple[Prompt, Any]:
         """A returning request's CPU hit, computed in the step that loads it: the connector orders the load, the
-        worker sends it out one segment per layer, and the model prefills the tail with each layer waiting for its
-        own segment, then gathering it into the contiguous cache `transformers` attends over. Returns the request
-        (for `finish`) and the logits, still being computed."""
+        worker sends it out one segment per layer, and the model prefills the tail (`TailForward`, the model's
+        weights launched as an engine launches them) with each layer waiting for its own segment before it attends,
+        then gathering it into the contiguous buffer it attends over. Returns the request (for `finish`) and the
+        logits, still being computed."""
         n = len(hashes)
         prompt = self._request(hashes, tokens)
         blocks = self._scattered(n + 1)
@@ -163,12 +164,7 @@ class PrefixReload:
                 gathered = self.layers[layer][plane].index_select(0, index)  # (blocks, block tokens, heads, dim)
                 out[0].view(out.shape[1], n, self.block_tokens, -1).copy_(gathered.permute(2, 0, 1, 3))
 
-        prefix = PrefixCache(model, n * self.block_tokens, tokens - n * self.block_tokens, fill)
-        try:
-            logits = model(ids[:, n * self.block_tokens:], past_key_values=prefix.cache, use_cache=True,
-                           logits_to_keep=1).logits
-        finally:
-            prefix.close()
+        logits = TailForward(model)(ids[:, n * self.block_tokens:], n * self.block_tokens, fill)
         worker.wait_for_save()
         return prompt, logits
 
