@@ -69,11 +69,14 @@ def chunk_runs(offsets: tuple[int, ...], chunk: int, stride: int) -> tuple[tuple
                  for i in range(0, len(offsets), chunk))
 
 
-def _move(direction: Direction, gpu: torch.Tensor, host: torch.Tensor) -> None:
+def _move(rows: RowCopies, direction: Direction, gpu: torch.Tensor, host: torch.Tensor) -> None:
+    """One contiguous byte range each way, as a one-row copy: straight to the driver on CUDA, where a tensor
+    `copy_` cost several times the host time (a DMA-only job issues one per run of blocks)."""
+    n = gpu.numel()
     if direction == "store":
-        host.copy_(gpu, non_blocking=True)
+        rows.copy(host, 0, n, gpu, 0, n, n, 1)
     else:
-        gpu.copy_(host, non_blocking=True)
+        rows.copy(gpu, 0, n, host, 0, n, n, 1)
 
 
 def device_index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -128,11 +131,11 @@ class DirectCopy:
         self._copy(direction, placement, host, self._caches.planes[segment:segment + 1])
 
     def _copy(self, direction: Direction, placement: Placement, host: torch.Tensor, planes: Sequence[Plane]) -> None:
-        stride = self._caches.gpu_block_bytes
+        stride, rows = self._caches.gpu_block_bytes, RowCopies(self._caches.device)
         for _, gpu_start, host_start, n in runs(placement.gpu_blocks, placement.host_offsets, stride):
             for plane in planes:
                 for gpu, offset in self._pieces(plane, gpu_start, host_start, n):
-                    _move(direction, gpu, host[offset:offset + gpu.numel()])
+                    _move(rows, direction, gpu, host[offset:offset + gpu.numel()])
 
 
 def word_dtype(caches: KVCaches) -> torch.dtype:
@@ -179,9 +182,9 @@ class StagedGather:
         return rows.view(self._chunk, plane.pieces, plane.piece_bytes // size).transpose(0, 1)
 
     def _dma(self, direction: Direction, slot: torch.Tensor, offsets: Sequence[int], host: torch.Tensor) -> None:
-        block_bytes = self._caches.gpu_block_bytes
+        block_bytes, rows = self._caches.gpu_block_bytes, RowCopies(self._caches.device)
         for first, _, host_start, n in runs(range(len(offsets)), offsets, block_bytes):
-            _move(direction, slot[first * block_bytes:(first + n) * block_bytes],
+            _move(rows, direction, slot[first * block_bytes:(first + n) * block_bytes],
                   host[host_start:host_start + n * block_bytes])
 
     def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
