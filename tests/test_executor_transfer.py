@@ -150,14 +150,14 @@ def test_block_contiguous_mechanisms_refuse_kv_first_caches(mechanism: str) -> N
         Transfers(device, caches, pool, 1, mechanism)
 
 
-def test_auto_gathers_with_copy_engines_only_where_every_block_piece_is_large() -> None:
+def test_auto_moves_blocks_by_dma_alone_only_where_every_block_piece_is_large() -> None:
     kv_first = make("kv-first", 1)[3]
     small_cross_layer = make("cross-layer", 1)[3]
     assert kv_first.mechanism == small_cross_layer.mechanism == "staged-gather"
     device = SimDevice()
     tensors, groups = allocate_kv_caches("cross-layer", 32, 4, 16, 8, 128, torch.bfloat16, "cpu")  # 2 MiB blocks
     caches = register_kv_caches(tensors, "cross-layer", groups)
-    assert Transfers(device, caches, HostPool(device, 2, caches.gpu_block_bytes), 1).mechanism == "staged-copy"
+    assert Transfers(device, caches, HostPool(device, 2, caches.gpu_block_bytes), 1).mechanism == "cross-layer"
 
 
 def test_store_declares_gpu_reads_and_cpu_writes_and_load_the_reverse() -> None:

@@ -111,7 +111,7 @@ def _ttft(result: dict[str, Any], quick: bool) -> None:
     prompts = (2048,) if quick else (2048, 8192, 32768)
     layers = layers_that_fit(torch.cuda.mem_get_info()[0], max(prompts))
     shape = ttft.Shape(num_layers=4 if quick else layers)
-    result["ttft"] = ttft.run(CudaDevice(), prompts, shape, reps=1 if quick else 3,
+    result["ttft"] = ttft.run(CudaDevice(), prompts, shape, reps=1 if quick else 5,
                               h2d_gbps=result["ceilings"]["h2d"])
     if shape.num_layers < FULL_LAYERS:
         result["ttft"]["note"] = (f"{shape.num_layers} of 32 layers fit; times are as measured, not scaled "

@@ -292,21 +292,21 @@ class StagedCopy(StagedGather):
 
 
 COPY_ENGINE_MIN_PIECE = 1 << 20
-"""The smallest contiguous piece per block for which "auto" gathers with the copy engines (one copy per piece)."""
+"""The smallest contiguous piece per block for which "auto" moves blocks by DMA alone (one copy per piece)."""
 
 
 def resolve(name: str, caches: KVCaches) -> str:
     """The mechanism `name` stands for with these caches. "auto" weighs bandwidth against what the copies take
-    from compute (kvfsm.bench.transfer, H100). Where every block is a few contiguous pieces of at least
-    `COPY_ENGINE_MIN_PIECE` (a cross-layer cache) it is "staged-copy": copy engines gather into staging and one
-    DMA per host run moves it, so no kernel competes with compute (staged-gather's gather kernels slowed a
-    concurrent matmul ~4%, DMA-only copies ~1%) and both ways at once keeps large DMAs (2 MiB DMA-only copies
-    reached 0.75 of the both-ways ceiling against staged-gather's 0.82-1.0). Elsewhere (per-layer tensors: 64 KiB
-    pieces for a Llama-3-8B 16-token block) it is "staged-gather": a copy per piece runs at a few percent of the
-    ceiling."""
+    from compute (kvfsm.bench.transfer and the connector rounds, H100). Where every block is a few contiguous
+    pieces of at least `COPY_ENGINE_MIN_PIECE` (a cross-layer cache) it is "cross-layer": one DMA per run of
+    blocks straight between the cache and the pool, nothing on the SMs. Gathering first through staging cost a
+    concurrent matmul 1.2-3.4% (staged-copy: its device-to-device copies) or ~5% (staged-gather's kernels)
+    against ~1% for DMA alone, over the 2% budget, for at most a few hundredths of the ceiling each way.
+    Elsewhere (per-layer tensors: 64 KiB pieces for a Llama-3-8B 16-token block) it is "staged-gather": a copy
+    per piece runs at a few percent of the ceiling, and its gathers cost a matmul 1.4-1.9%."""
     if name == "auto":
         large = caches.block_contiguous and min(p.block_bytes for p in caches.planes) >= COPY_ENGINE_MIN_PIECE
-        return "staged-copy" if large else "staged-gather"
+        return "cross-layer" if large else "staged-gather"
     if name not in MECHANISMS:
         raise MechanismError(f"unknown transfer mechanism {name!r}; choose one of {MECHANISMS} or 'auto'")
     return name
