@@ -36,6 +36,10 @@ NOT_GENERATED = {
     ("request", "draining", "job-done", "draining"):
         "needs one of an aborted request's jobs reported while another is still in flight; met by some of the 600 "
         "derandomized draws of recent commits, not by this one",
+    ("cpu-block", "fetching", "fetch-failed", "free"):
+        "a fetch from disk that fails (return_from_disk's read-io-error or corrupt-block): the draws of recent "
+        "commits made one; this one, reshuffled when a step's stores became one pipeline of device operations, "
+        "does not; tests/test_tiers_disk.py's fault table takes it",
     ("cpu-block", "fetching", "abandon-fetch", "orphaned"):
         "a stall while a fetch from disk is in flight: return_from_disk's stall fault makes one, which this "
         "derandomized draw does not pick with a key only on disk; the explorer's disk-stall workload takes it in "
