@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import random
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -211,9 +212,12 @@ def run(steps: int = 48, requests: int = 256, prompt_tokens: int = 2048, lifetim
 
 
 def steady_decode(requests: int = 256, prompt_tokens: int = 2048, num_slots: int = 65536, seed: int = 0,
-                  rounds: int = 3) -> dict[str, float | int]:
-    """µs per step of the scheduler half while `requests` stored requests each decode a token, none completing a block:
-    the median step (and the slowest), in wall and in this thread's CPU time.
+                  rounds: int = 3) -> dict[str, float | int | list[float] | dict[str, int]]:
+    """µs per step of the scheduler half while `requests` stored requests each decode a token, none completing a block.
+
+    Each of `rounds` rounds (a fresh connector and requests) gives its median step; the figure is the fastest
+    round's median (noise on a shared host only adds time, and can slow a whole round), with every round's and the
+    slowest single step listed, in wall and in this thread's CPU time.
 
     Requests are admitted, computed and stored first (untimed); then every step up to the next block boundary is
     timed from `build_connector_meta` through `update_connector_output`, the engine's schedule and its workers'
@@ -221,11 +225,13 @@ def steady_decode(requests: int = 256, prompt_tokens: int = 2048, num_slots: int
     config = OffloadConfig(cpu_blocks=num_slots)
     block = config.gpu_block_size
     blocks = prompt_tokens // block
-    samples: list[float] = []
-    cpu_samples: list[float] = []
+    samples: list[list[float]] = []  # per round, wall
+    cpu_samples: list[list[float]] = []
     before: list[int] = []
     collected: dict[str, int] = {}
     for round_ in range(rounds):
+        samples.append([])
+        cpu_samples.append([])
         connector = SchedulerConnector(config, GPU_BLOCK_BYTES, num_gpu_blocks=requests * (blocks + 1))
         running = [_Request(f"r{i}", tuple((seed + round_) << 40 | i << 20 | j for j in range(blocks)),
                             prompt_tokens + 1) for i in range(requests)]
@@ -252,8 +258,8 @@ def steady_decode(requests: int = 256, prompt_tokens: int = 2048, num_slots: int
             if quiet:
                 if meta.stores or meta.loads:
                     raise RuntimeError("a quiet decode step ordered transfers: the figure would price other work")
-                samples.append(watch.wall)
-                cpu_samples.append(watch.cpu)
+                samples[-1].append(watch.wall)
+                cpu_samples[-1].append(watch.cpu)
             pending, first = tuple(o.job_id for o in meta.stores), False
             if quiet and (running[0].computed + 1) % block == 0:
                 break
@@ -261,8 +267,10 @@ def steady_decode(requests: int = 256, prompt_tokens: int = 2048, num_slots: int
                 request.computed += 1
         for generation, count in _collected_since(before).items():
             collected[generation] = collected.get(generation, 0) + count
-    samples.sort()
-    cpu_samples.sort()
-    return {"running_requests": requests, "steps": len(samples), "us_per_step": samples[len(samples) // 2] * 1e6,
-            "us_per_step_max": samples[-1] * 1e6, "cpu_us_per_step": cpu_samples[len(cpu_samples) // 2] * 1e6,
-            "cpu_us_per_step_max": cpu_samples[-1] * 1e6, "gc_collections": collected}
+    medians = [statistics.median(round_) * 1e6 for round_ in samples]
+    cpu_medians = [statistics.median(round_) * 1e6 for round_ in cpu_samples]
+    return {"running_requests": requests, "steps": sum(map(len, samples)), "rounds": rounds,
+            "us_per_step": min(medians), "us_per_step_rounds": medians,
+            "us_per_step_max": max(map(max, samples)) * 1e6,
+            "cpu_us_per_step": min(cpu_medians), "cpu_us_per_step_rounds": cpu_medians,
+            "cpu_us_per_step_max": max(map(max, cpu_samples)) * 1e6, "gc_collections": collected}
