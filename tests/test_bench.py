@@ -115,7 +115,7 @@ def _measured(share: float, slowdown: float, us: float) -> dict[str, object]:
         "connector": [{"layout": layout, "block_tokens": 16, **row} for layout in ("kv-first", "cross-layer")],
         "mechanisms": {"kv-first": {"auto": {"compute_slowdown": slowdown}}},
         "scheduler": {"manager": {"lru": {"us_per_transition": us}}, "steps": {"us_per_cpu_block_transition": us},
-                      "steady": {"us_per_step": us * 40, "steps": 14, "running_requests": 256}},
+                      "steady": {"us_per_step": us * 40, "steps": 14, "rounds": 1, "running_requests": 256}},
     }
 
 
