@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequenc
 from transitions import Machine, MachineError
 
 from kvfsm.bindings import default_registry, default_spec
-from kvfsm.registry import BatchEffect, GuardOfBatch, OfBatch, Registry, batch_form
+from kvfsm.registry import BatchEffect, Registry, batch_form, written_for_batches
 from kvfsm.spec import Lifecycle, Spec
 
 Observer = Callable[[str, Any, str, str, str], None]
@@ -52,9 +52,9 @@ class Branch:
     batch_effects: tuple[BatchEffect, ...] = ()
     """The same effects over a batch of models (`kvfsm.registry.batch_form`), for `fire_many`."""
     batch_guards: tuple[Callable[..., Sequence[bool]], ...] | None = None
-    """The guards over a batch of models, when every one was written for batches (`kvfsm.registry.GuardOfBatch`)."""
+    """The guards over a batch of models, when every one was written for batches (`kvfsm.registry.guard_of_batch`)."""
     batched: bool = False
-    """Every effect was written for batches (`kvfsm.registry.OfBatch`): it may run once over a run of models after
+    """Every effect was written for batches (`kvfsm.registry.of_batch`): it may run once over a run of models after
     they all moved. A coupling is not: it moves other objects whose guards read this model's peers (a request
     counts its jobs still in flight), so it runs right after its own model's move."""
 
@@ -113,6 +113,12 @@ class CompiledLifecycle(LifecycleMachine):
             trigger: {state: b for (state, t), b in self.table.items() if t == trigger and state not in moves}
             for trigger, moves in self._moves.items()
         }
+        self._batch_guarded: dict[str, dict[str, tuple[Branch, ...]]] = {
+            trigger: {state: bs for state, bs in by_state.items()
+                      if all(b.batch_guards is not None and b.batched for b in bs)}
+            for trigger, by_state in self._guarded.items()
+        }
+        """Per trigger, the guarded states whose every branch has guards and effects written for batches."""
 
     @staticmethod
     def _branch(lifecycle: str, transition: Any, registry: Registry) -> Branch:
@@ -121,9 +127,9 @@ class CompiledLifecycle(LifecycleMachine):
         guards = tuple(registry.guards[(lifecycle, g)] for g in transition.guards)
         return Branch(dest=transition.dest, guards=guards, effects=effects, guard_names=transition.guards,
                       batch_guards=tuple(g.batch for g in guards)
-                      if all(isinstance(g, GuardOfBatch) for g in guards) else None,
+                      if all(map(written_for_batches, guards)) else None,
                       batch_effects=tuple(batch_form(e) for e in effects),
-                      batched=all(isinstance(e, OfBatch) for e in effects))
+                      batched=all(map(written_for_batches, effects)))
 
     def fire(self, model: Stateful, trigger: str, **context: Any) -> str:
         source = model.state
@@ -150,7 +156,7 @@ class CompiledLifecycle(LifecycleMachine):
         A batch of blocks (a store's slots, a load's slots) pays per block only a lookup by its state and an
         assignment: consecutive models that leave their states by the same unguarded branch form a run, and that
         branch's effects run once over the run (written over batches, they equal a call per model in order: see
-        `kvfsm.registry.OfBatch`). A guarded model ends the run before its guards are asked, so a guard reads what
+        `kvfsm.registry.of_batch`). A guarded model ends the run before its guards are asked, so a guard reads what
         every model before it left. A refusal is re-raised by `fire` itself, so it carries the same exception and
         message; the models before it have moved, with their effects, those after it have not. With an observer
         attached every model goes through `fire`, which reports each transition after its effects.
@@ -171,7 +177,9 @@ class CompiledLifecycle(LifecycleMachine):
         guarded = self._guarded[trigger]
         if not context:
             models = list(models)
-            if models and models[0].state in guarded and self._fire_guarded_batch(models, guarded):
+            batch_guarded = self._batch_guarded[trigger]
+            if (len(models) > 1 and models[0].state in batch_guarded  # a lone model: its guards in turn, cheaper
+                    and self._fire_guarded_batch(models, batch_guarded)):
                 return
         run: list[Stateful] = []
         current: tuple[str, tuple[BatchEffect, ...]] | None = None
@@ -205,7 +213,7 @@ class CompiledLifecycle(LifecycleMachine):
                 effect(run, **context)
 
     @staticmethod
-    def _fire_guarded_batch(models: list[Stateful], guarded: dict[str, tuple[Branch, ...]]) -> bool:
+    def _fire_guarded_batch(models: list[Stateful], batch_guarded: dict[str, tuple[Branch, ...]]) -> bool:
         """Move a batch of distinct models, all in one state that the trigger leaves by guarded branches whose guards
         and effects are written for batches (a job's GPU fences), asking each guard once for the whole batch.
 
@@ -213,10 +221,9 @@ class CompiledLifecycle(LifecycleMachine):
         that read only their model, a verdict asked of the batch is the one asked of the model in turn. Returns
         False, having moved nothing, when the batch is not of that kind or some model would be refused (the caller
         then fires one model at a time, which moves the models before the refusal and raises it)."""
-        sources = {model.state for model in models}
-        branches = guarded.get(sources.pop()) if len(sources) == 1 else None
-        if (not branches or any(b.batch_guards is None or not b.batched for b in branches)
-                or len(set(map(id, models))) != len(models)):
+        state = models[0].state
+        branches = batch_guarded[state]
+        if [m for m in models if m.state != state] or len(set(map(id, models))) != len(models):
             return False
         undecided, takes = models, []
         for branch in branches:

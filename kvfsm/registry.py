@@ -20,36 +20,35 @@ Relation = Callable[[Any], Iterable[Any]]
 """The keys of the objects a coupling moves, read from the model whose transition fires it (a job's CPU slots)."""
 
 
-class OfBatch:
-    """An effect written for batches (`batch(models, **context)`), callable on one model as a batch of one.
+def of_batch(batch: BatchEffect, name: str) -> Effect:
+    """An effect written for batches (`batch(models, **context)`), as an effect on one model (a batch of one); the
+    batch form stays reachable as its `batch` attribute, which is what the machines call for a batch.
 
     A batch of CPU slots or GPU fences moves tens of thousands of models a second; an effect written over the batch
     pays one call per batch instead of one (with its keyword arguments) per model. Such an effect must touch only
     the models it is given and read no model's state: then applying it to a batch equals applying it to each model
     in order, which `tests/test_manager_fire_many.py` checks through the machines."""
+    def one(model: Any, **context: Any) -> None:
+        batch((model,), **context)
 
-    __slots__ = ("batch", "__name__")
-
-    def __init__(self, batch: BatchEffect, name: str) -> None:
-        self.batch, self.__name__ = batch, name
-
-    def __call__(self, model: Any, **context: Any) -> None:
-        self.batch((model,), **context)
+    one.batch, one.__name__ = batch, name  # type: ignore[attr-defined]
+    return one
 
 
-class GuardOfBatch:
-    """A guard written for batches (`batch(models, **context)`: one verdict per model), callable on one model.
+def guard_of_batch(batch: Callable[..., Sequence[bool]], name: str) -> Guard:
+    """A guard written for batches (`batch(models, **context)`: one verdict per model), as a guard of one model,
+    its batch form as its `batch` attribute. Like `of_batch`, it must read only the models it is given: a machine
+    asks it once for a batch of distinct models all in one state, where that equals asking each model in turn."""
+    def one(model: Any, **context: Any) -> bool:
+        return batch((model,), **context)[0]
 
-    Like `OfBatch`, it must read only the models it is given: a machine asks it once for a batch of distinct
-    models all in one state, where that equals asking it of each model in turn."""
+    one.batch, one.__name__ = batch, name  # type: ignore[attr-defined]
+    return one
 
-    __slots__ = ("batch", "__name__")
 
-    def __init__(self, batch: Callable[..., Sequence[bool]], name: str) -> None:
-        self.batch, self.__name__ = batch, name
-
-    def __call__(self, model: Any, **context: Any) -> bool:
-        return self.batch((model,), **context)[0]
+def written_for_batches(fn: Callable[..., Any]) -> bool:
+    """Whether a guard or effect was registered with `batch=True` (`of_batch`, `guard_of_batch`)."""
+    return hasattr(fn, "batch")
 
 
 def batch_form(effect: Effect) -> BatchEffect:
@@ -91,17 +90,17 @@ class Registry:
     relations: dict[tuple[str, str], Relation] = field(default_factory=dict)
 
     def guard(self, lifecycle: str, name: str, batch: bool = False) -> Callable[[Guard], Guard]:
-        """Bind a guard; `batch=True`: `fn` gives a verdict per model of a batch (`GuardOfBatch`), else one."""
+        """Bind a guard; `batch=True`: `fn` gives a verdict per model of a batch (`guard_of_batch`), else one."""
         def register(fn: Guard) -> Guard:
-            self.guards[(lifecycle, name)] = GuardOfBatch(fn, name) if batch else fn
+            self.guards[(lifecycle, name)] = guard_of_batch(fn, name) if batch else fn
             return fn
 
         return register
 
     def effect(self, lifecycle: str, name: str, batch: bool = False) -> Callable[[Effect], Effect]:
-        """Bind an effect; `batch=True`: `fn` takes a batch of models (`OfBatch`), else one model."""
+        """Bind an effect; `batch=True`: `fn` takes a batch of models (`of_batch`), else one model."""
         def register(fn: Effect) -> Effect:
-            self.effects[(lifecycle, name)] = OfBatch(fn, name) if batch else fn
+            self.effects[(lifecycle, name)] = of_batch(fn, name) if batch else fn
             return fn
 
         return register
