@@ -261,10 +261,6 @@ class CompiledLifecycle(LifecycleMachine):
                 return
         self.fire(model, trigger, **context)  # raises the refusal `fire` would
 
-    def allows(self, state: str, trigger: str) -> bool:
-        """Whether the spec gives `trigger` any transition from `state` (guards aside)."""
-        return (state, trigger) in self.table
-
 
 class TransitionsLifecycle(LifecycleMachine):
     """The same lifecycle as a `transitions.Machine`; the reference semantics and the source of diagrams."""

@@ -81,9 +81,39 @@ def test_illegal_trigger_names_lifecycle_state_and_trigger(backend: str) -> None
 def test_refused_guard_raises_and_leaves_the_model_unchanged(backend: str) -> None:
     machines = MachineSet(default_spec(), backend=backend)  # type: ignore[arg-type]
     block = GpuBlock(block_id=0, state="fenced", store_readers=0)  # a count no legal path produces
-    with pytest.raises(GuardRefused):
+    with pytest.raises(GuardRefused, match=r"^lifecycle 'gpu-block': trigger 'unfence' is illegal in state 'fenced' "
+                                           r"\(no guard holds") as refused:
         machines["gpu-block"].fire(block, "unfence")
+    assert (refused.value.lifecycle, refused.value.state, refused.value.trigger) == ("gpu-block", "fenced", "unfence")
     assert (block.state, block.store_readers) == ("fenced", 0)
+
+
+@pytest.mark.parametrize("backend", ["table", "transitions"])
+def test_a_trigger_the_spec_lacks_is_refused_naming_lifecycle_state_and_trigger(backend: str) -> None:
+    machines = MachineSet(default_spec(), backend=backend)  # type: ignore[arg-type]
+    block = CpuBlock(slot=0)
+    with pytest.raises(IllegalTrigger, match="^lifecycle 'cpu-block': trigger 'no-such-trigger' is illegal in "
+                                             "state 'free'$") as refused:
+        machines["cpu-block"].fire(block, "no-such-trigger")
+    assert (refused.value.lifecycle, refused.value.state, refused.value.trigger) == (
+        "cpu-block", "free", "no-such-trigger")
+    assert block.state == "free"
+
+
+@pytest.mark.parametrize("backend", ["table", "transitions"])
+def test_a_machine_takes_only_the_spec_triggers_not_the_library_automatic_moves(backend: str) -> None:
+    """transitions can add a `to_<state>` trigger for every state; a lifecycle must not gain moves the spec lacks."""
+    machines = MachineSet(default_spec(), backend=backend)  # type: ignore[arg-type]
+    block = CpuBlock(slot=0)
+    with pytest.raises(IllegalTrigger):
+        machines["cpu-block"].fire(block, "to_ready")
+    assert block.state == "free"
+
+
+def test_a_refusal_names_its_detail_in_parentheses_and_only_when_there_is_one() -> None:
+    assert str(IllegalTrigger("cpu-block", "free", "evict")) == (
+        "lifecycle 'cpu-block': trigger 'evict' is illegal in state 'free'")
+    assert str(IllegalTrigger("cpu-block", "free", "evict", "why")).endswith("'free' (why)")
 
 
 @pytest.mark.parametrize("backend", ["table", "transitions"])

@@ -118,6 +118,70 @@ def test_arc_clear_forgets_history() -> None:
     assert (len(arc), arc.b1, arc.b2, arc.target) == (0, {}, {}, 0.0)
 
 
+def test_arc_a_b1_ghost_hit_grows_the_target_by_the_ratio_of_b2_to_b1_at_least_one() -> None:
+    arc = ArcPolicy(16)
+    arc.b1.update(dict.fromkeys([1, 2]))
+    arc.b2.update(dict.fromkeys([3, 4, 5, 6]))
+    arc.insert(0, 1)
+    assert arc.target == 2.0 and arc.t2 == {0: 1}
+
+
+def test_arc_a_b2_ghost_hit_shrinks_the_target_by_the_ratio_of_b1_to_b2_down_to_zero() -> None:
+    arc = ArcPolicy(16)
+    arc.b1.update(dict.fromkeys([1, 2, 3, 4]))
+    arc.b2.update(dict.fromkeys([5, 6]))
+    arc.target = 10.0
+    arc.insert(0, 5)
+    assert arc.target == 8.0 and arc.t2 == {0: 5}, "a B2 hit must join T2 with its hash"
+    arc.b1.clear()
+    arc.target = 0.5
+    arc.insert(1, 6)
+    assert arc.target == 0.0
+
+
+def test_arc_a_hit_on_a_t2_block_makes_it_the_most_recent_of_t2() -> None:
+    arc = ArcPolicy(CAPACITY)
+    for slot in range(2):
+        arc.insert(slot, 100 + slot)
+        arc.touch(slot)
+    arc.touch(0)
+    assert list(arc.t2) == [1, 0]
+
+
+def test_arc_forgets_the_oldest_ghost_of_b2_while_t1_and_b1_fit_the_pool() -> None:
+    arc = ArcPolicy(2)
+    arc.t1[0], arc.t2[1] = 100, 101
+    arc.b1[200] = arc.b2[201] = None
+    arc.remove(1)  # B2 gains 101: three ghosts for a pool of two, and T1 + B1 is exactly the pool
+    assert (list(arc.b1), list(arc.b2)) == ([200], [101])
+
+
+def test_arc_forgets_the_oldest_ghost_of_b1_while_t1_and_b1_overflow_the_pool() -> None:
+    arc = ArcPolicy(2)
+    arc.t1[0], arc.t1[1] = 100, 101
+    arc.b1[200] = arc.b2[201] = None
+    arc.remove(0)  # B1 gains 100: T1 + B1 = 3 > 2
+    assert (list(arc.b1), list(arc.b2)) == ([100], [201])
+
+
+def test_arc_takes_t2_first_once_t1_is_no_larger_than_its_target() -> None:
+    arc = ArcPolicy(CAPACITY)
+    arc.insert(0, 100)
+    arc.insert(1, 101)
+    arc.touch(1)
+    arc.target = 1.0  # |T1| == target: T1 is not over its share
+    assert arc.victims(1, lambda _s: True) == [1]
+
+
+def test_arc_counts_t1_down_as_it_picks_from_it_and_turns_to_t2_at_the_target() -> None:
+    arc = ArcPolicy(CAPACITY)
+    for slot in range(4):
+        arc.insert(slot, 100 + slot)
+    arc.touch(3)  # T1 = [0, 1, 2], T2 = [3]
+    arc.target = 1.5
+    assert arc.victims(3, lambda _s: True) == [0, 1, 3]
+
+
 # random sequences ------------------------------------------------------------------------------------------
 
 ops = st.lists(

@@ -351,3 +351,30 @@ def test_usage_counts_every_state_and_sums_to_capacity() -> None:
     assert usage == {"free": 2, "pending-store": 1, "submitted": 0, "ready": 0, "loading": 1, "writing-back": 0,
                      "fetching": 0, "orphaned": 0}
     assert sum(usage.values()) == manager.capacity == 4
+
+
+def test_an_abandoned_write_back_announces_its_blocks_removed_and_an_abandoned_fetch_announces_nothing() -> None:
+    manager = OffloadingManager(4)
+    plan = stored(manager, [11, 12])
+    manager.take_events()
+    manager.pin_for_write_back(plan.slots)
+    manager.abandon_write_back(plan.slots)
+    assert manager.take_events() == [BlockRemoved((11, 12))]
+    fetch = manager.prepare_fetch([21], job_id=7)
+    assert fetch is not None
+    manager.abandon_fetch(fetch.slots)
+    assert manager.take_events() == [], "a fetched block never announced was announced removed"
+
+
+def test_a_fetch_names_its_job_as_the_writer_of_its_slots() -> None:
+    manager = OffloadingManager(4)
+    fetch = manager.prepare_fetch([21, 22], job_id=7)
+    assert fetch is not None
+    assert [manager.blocks[s].writer_job for s in fetch.slots] == [7, 7]
+
+
+def test_the_pool_refuses_by_name_a_coupled_trigger_it_takes_only_from_its_own_planning() -> None:
+    manager = OffloadingManager(4)
+    with pytest.raises(BadSlots, match="^evict: the pool takes this trigger only from its own planning calls$"):
+        manager.fire("evict", [0])
+    assert manager.blocks[0].state == "free"

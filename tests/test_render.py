@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from kvfsm.bindings import default_registry, default_spec
 from kvfsm.render import (
-    DOCS_COMMAND, DOCS_DIR, STATES_MODULE, _camel, _constant, app, couplings_mermaid, mermaid, spec_markdown,
+    DOCS_COMMAND, DOCS_DIR, STATES_MODULE, _camel, _constant, app, couplings_mermaid, digraph, mermaid, spec_markdown,
     states_module, transition_label,
 )
 from kvfsm.spec import DEFAULT_SPEC_DIR, Lifecycle, SpecError, load_spec
@@ -139,3 +139,20 @@ def test_couplings_are_drawn_from_every_transition_that_declares_one() -> None:
         for t in lc.transitions:
             for c in t.couplings:
                 assert f"→ {c.fire} ({c.relation})\" --> {c.lifecycle.replace('-', '_')}" in drawn
+
+
+@pytest.mark.parametrize("lifecycle", LIFECYCLES, ids=_ids(LIFECYCLES))
+def test_the_graphviz_diagram_names_every_guard_and_effect_on_its_edges(lifecycle: Lifecycle) -> None:
+    edges = [line for line in digraph(lifecycle).source.splitlines() if "->" in line]
+    labels = " ".join(edges)
+    for t in lifecycle.transitions:
+        for name in (*t.guards, *t.effects):
+            assert name in labels, f"{lifecycle.name}: {name} is on no edge"
+    assert "None" not in labels
+
+
+@pytest.mark.parametrize("lifecycle", LIFECYCLES, ids=_ids(LIFECYCLES))
+def test_the_graphviz_diagram_draws_no_state_the_spec_lacks(lifecycle: Lifecycle) -> None:
+    drawn = {m.group(1) for line in digraph(lifecycle).source.splitlines() if "->" not in line
+             if (m := re.match(r'\t"?([^"\s\[]+)"? \[', line))} - {"graph", "node", "edge", "__start__"}
+    assert {name for name in drawn if not name.startswith("choice-")} == set(lifecycle.states)
