@@ -487,3 +487,25 @@ def test_a_fence_record_made_on_first_use_names_its_block() -> None:
     fences = GpuFences(default_machines()["gpu-block"])
     fences.fire("fence", [5, 2])
     assert {b: block.block_id for b, block in fences.fenced().items()} == {5: 5, 2: 2}
+
+
+def test_a_store_is_ordered_in_the_step_that_completes_its_cpu_block() -> None:
+    sched = connector()
+    request = Req("r", (501, 502), 9)
+    sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, (0, 1, 2), 0)
+    first = sched.build_connector_meta(SchedulerOutput(scheduled=(ScheduledRequest("r", (0, 1, 2), 4),))).stores
+    assert [s.gpu_blocks for s in first] == [(0,)]
+    second = sched.build_connector_meta(SchedulerOutput(scheduled=(ScheduledRequest("r", (0, 1, 2), 8),))).stores
+    assert [s.gpu_blocks for s in second] == [(1,)], "the second block completed this step and was not stored"
+
+
+def test_a_request_finished_without_saying_aborted_lets_its_stores_run_unflushed() -> None:
+    sched = connector()
+    request = Req("r", (501,), 5)
+    sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, (0, 1), 0)
+    (store,) = sched.build_connector_meta(SchedulerOutput(scheduled=(ScheduledRequest("r", (0, 1), 4),))).stores
+    sched.request_finished("r")
+    assert sched.ledger.requests["r"].state == "draining"
+    assert store.job_id not in sched.build_connector_meta(SchedulerOutput()).flush, "a finish flushed like an abort"
