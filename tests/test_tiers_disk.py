@@ -182,6 +182,50 @@ def test_without_a_fault_the_returning_prefix_is_fetched_from_disk() -> None:
         h.close()
 
 
+def test_the_tier_counters_add_every_write_back_and_every_fetch() -> None:
+    h = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=2, disk_slots=4)
+    try:
+        for prompt in (A + (1,), B + (2,), A + (3,), B + (4,)):  # both written back, then both fetched back
+            _serve(h, prompt)
+        stats = h.connector.scheduler.tiers.stats  # type: ignore[union-attr]
+        assert (stats.blocks_written_back["disk"], stats.blocks_fetched["disk"]) == (4, 4)
+        assert h.final_violations() == []
+    finally:
+        h.close()
+
+
+def test_a_cache_reset_forgets_what_the_disk_tier_published() -> None:
+    h = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=2, disk_slots=4)
+    try:
+        _serve(h, A + (1,))
+        _serve(h, B + (2,))  # A now only on disk
+        h.connector.reset_cache()
+        _serve(h, A + (3,))
+        stats = h.connector.scheduler.tiers.stats  # type: ignore[union-attr]
+        assert stats.blocks_fetched.get("disk", 0) == 0, "a prefix from before the reset was fetched back"
+        assert h.final_violations() == []
+    finally:
+        h.close()
+
+
+def test_write_backs_in_flight_stay_within_their_byte_bound() -> None:
+    h = Harness(SimDevice(), num_gpu_blocks=16, cpu_blocks=4, disk_slots=4, writeback_bound_blocks=1)
+    try:
+        tiers = h.connector.scheduler.tiers
+        assert tiers is not None
+        h.add_request(A + B + (1,), 1)
+        peak = 0
+        for _ in range(40):
+            h.engine.step()
+            h.settle()
+            peak = max(peak, sum(j.nbytes for j in tiers.jobs.values() if j.kind == "write-back" and j.in_flight))
+        assert 0 < peak <= tiers.bound and tiers.stats.blocks_written_back["disk"] == 4
+        assert tiers.stats.writebacks_held > 0, "no candidate ever waited for the bound"
+        assert h.final_violations() == []
+    finally:
+        h.close()
+
+
 # --- every transition of the tier lifecycles is taken -------------------------------------------------------
 
 TIER_CPU_TRIGGERS = {"write-back", "written-back", "allocate-fetch", "fetch-done", "fetch-failed", "abandon-fetch",
