@@ -219,3 +219,21 @@ def test_odd_sized_unaligned_pieces_round_trip_through_byte_words() -> None:
     transfers.load([2, 0, 1], [0, 5, 3], label="load")
     device.run_until_idle()
     assert [torch.equal(block(caches, b), e) for b, e in zip((0, 5, 3), expected)] == [True] * 3
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_each_layer_segment_logs_what_it_reads_and_writes_layer_by_layer(direction: str) -> None:
+    """The ordering invariants judge per-layer copies by the access log: a store segment reads its GPU blocks'
+    layer and writes its CPU slots, a load segment the reverse, each naming its layer."""
+    device, caches, _, transfers = make("kv-first", 1)
+    blocks, slots = (1, 2), (3, 4)
+    segments = (transfers.store_segments(blocks, slots) if direction == "store"
+                else transfers.load_segments(slots, blocks))
+    for segment in range(transfers.num_segments):
+        segments.enqueue(segment, f"{direction} layer {segment}")
+    device.run_until_idle()
+    gpu_mode, cpu_mode = ("read", "write") if direction == "store" else ("write", "read")
+    for segment in range(transfers.num_segments):
+        logged = {(a.mode, a.space, a.block) for a in device.accesses if a.label == f"{direction} layer {segment}"
+                  and (a.space == "cpu" or a.layer == segment)}
+        assert logged == {(gpu_mode, "gpu", b) for b in blocks} | {(cpu_mode, "cpu", s) for s in slots}, segment
