@@ -67,7 +67,7 @@ class RequestRecord:
 
     Beside the lifecycle state it keeps what the scheduler plans with: the engine's view of it, its GPU blocks and
     how many CPU blocks were ordered stored. When its next CPU block completes is kept beside the records, in
-    `Ledger.store_due`, so a step compares every request with it in C.
+    `Ledger.due`, so a step compares every request with it in C.
     """
 
     req_id: str

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from kvfsm.connector.due import StoreDue
 from kvfsm.connector.fences import GpuFences
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
@@ -53,10 +54,9 @@ class Ledger:
         """Requests not yet released: the ones an engine may name."""
         self.requests: dict[str, RequestRecord] = {} if keep_history else self.tracked
         """Requests not yet released (every request of the run with `keep_history`)."""
-        self.store_due: dict[str, int] = {}
-        """Each tracked request's computed-token count at which its next CPU block completes: a step in which the
-        engine reports fewer has nothing of it to store. Beside the records, not in them, so that a step reads every
-        request's in one C-level pass (`map(store_due.__getitem__, ...)`)."""
+        self.due = StoreDue()
+        """Each tracked request's computed-token count at which its next CPU block completes: beside the records,
+        not in them, so that a step reads every request's in one C-level pass."""
         self.deferrals: dict[str, Deferral] = {}
         self.reported_failed: set[int] = set()
         """Failed jobs reported to the engine; kept with the history it is checked against, else not at all."""
@@ -117,7 +117,8 @@ class Ledger:
             if trigger in ENDS_OF_JOBS:
                 self.result.released.add(record.req_id)
             self.deferrals.pop(record.req_id, None)
-            del self.tracked[record.req_id], self.store_due[record.req_id]
+            del self.tracked[record.req_id]
+            self.due.forget(record.req_id)
         return dest
 
     # --- records -------------------------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class Ledger:
     def track(self, record: RequestRecord) -> None:
         """A request the engine named for the first time (or again after it was released)."""
         self.tracked[record.req_id] = self.requests[record.req_id] = record
-        self.store_due[record.req_id] = 0  # not allocated yet: the step looks at it, and plans nothing
+        self.due.set(record.req_id, 0)  # not allocated yet: the step looks at it, and plans nothing
 
     def add_job(self, job: TransferJob) -> None:
         self.jobs[job.job_id] = job

@@ -10,7 +10,7 @@ the scheduler moves it to `submitted` when it builds step N+1's metadata; a pree
 stores are flushed in the next metadata, which the worker executes before the engine reuses any GPU block.
 
 Cost: a step reads its scheduled requests column by column in C (`check_step`: one comparison per request with
-`Ledger.store_due`); Python work goes only to the requests that completed a CPU block, and per CPU block to a
+`StoreDue`); Python work goes only to the requests that completed a CPU block, and per CPU block to a
 bounded number of batched transitions.
 """
 
@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 
 from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
+from kvfsm.connector.due import StoreDue
 from kvfsm.connector.ledger import Ledger, StepResult
 from kvfsm.connector.metadata import (
     ConnectorMetadata,
@@ -115,7 +116,12 @@ class SchedulerConnector:
     @property
     def store_due(self) -> dict[str, int]:
         """Each tracked request's computed-token count at which its next CPU block completes."""
-        return self.ledger.store_due
+        return self.ledger.due.tokens
+
+    @property
+    def due(self) -> StoreDue:
+        """The due points, with the batch last found quiet."""
+        return self.ledger.due
 
     @property
     def gpu_blocks(self) -> dict[int, GpuBlock]:
@@ -180,7 +186,7 @@ class SchedulerConnector:
         record = self._get(request.request_id)
         record.block_ids = tuple(block_ids)
         record.stored_cpu_blocks = 0
-        self.ledger.store_due[record.req_id] = self._cpu_block_tokens
+        self.ledger.due.set(record.req_id, self._cpu_block_tokens)
         match, record.match = record.match, None
         count = num_external_tokens // self.config.gpu_block_size
         self.ledger.fire_request(record, "allocate", external_tokens=count)
@@ -244,7 +250,7 @@ class SchedulerConnector:
         full_cpu = min(num_computed_tokens // self._cpu_block_tokens, len(cpu_hashes), len(block_ids) // k)
         start = record.stored_cpu_blocks
         record.stored_cpu_blocks = max(start, full_cpu)
-        self.ledger.store_due[record.req_id] = (record.stored_cpu_blocks + 1) * self._cpu_block_tokens
+        self.ledger.due.set(record.req_id, (record.stored_cpu_blocks + 1) * self._cpu_block_tokens)
         if full_cpu <= start:
             return None
         plan = self.manager.prepare_store(cpu_hashes[start:full_cpu], self._next_job)

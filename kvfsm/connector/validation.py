@@ -17,6 +17,7 @@ from itertools import compress
 from typing import Any, Protocol
 
 from kvfsm.config import OffloadConfig
+from kvfsm.connector.due import StoreDue
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
 from kvfsm.executor.layouts import KVCaches
 
@@ -34,7 +35,7 @@ class SchedulerHalf(Protocol):
     jobs: Mapping[int, Any]
     requests: Mapping[str, Any]
     tracked: Mapping[str, Any]
-    store_due: Mapping[str, int]
+    due: StoreDue
 
 
 class WorkerHalf(Protocol):
@@ -265,8 +266,9 @@ def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any,
 
     Returns (record, block ids, computed tokens) of the scheduled requests whose next CPU block is due: the only
     ones the step has to plan for. The batch is read column by column in C (a set of its ids, a minimum of its
-    token counts, one comparison per request with `Ledger.store_due`); Python touches only the due requests, so a
-    decode step in which none completes a CPU block costs a few passes at C speed, whatever the batch."""
+    token counts, one comparison per request with its due point); Python touches only the due requests. A batch
+    found quiet is remembered (`StoreDue.known_quiet`), so the steps of a steady decode that complete no CPU block
+    cost one tuple comparison and one C pass over the token counts, whatever the batch."""
     call = "build_connector_meta"
     _instance(call, "output", output, SchedulerOutput)
     for req_id in output.preempted:
@@ -282,6 +284,9 @@ def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any,
                                 "num_computed_tokens; legal: one of each per scheduled request")
     if not req_ids:
         return []
+    due_points = sched.due
+    if not output.preempted and due_points.known_quiet(req_ids, computed):  # a steady decode step ends here
+        return []
     named = set(req_ids)
     if len(named) != len(req_ids):
         raise ContradictoryStep(f"{call}: a request is scheduled twice in one step; name each once")
@@ -291,11 +296,13 @@ def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any,
     if min(computed) < 0:
         req_id, tokens = next((r, c) for r, c in zip(req_ids, computed) if c < 0)
         raise NegativeTokenCount(f"{call}: request {req_id!r} has num_computed_tokens {tokens}; legal: 0 or more")
-    try:  # the tracked requests are exactly those with a store_due; an itemgetter reads them all in one C call
-        dues = operator.itemgetter(*req_ids)(sched.store_due) if len(req_ids) > 1 else (sched.store_due[req_ids[0]],)
+    try:  # the tracked requests are exactly those with a due point
+        dues = due_points.of(req_ids)
     except KeyError as ghost:
         raise UnknownRequest(f"{call}: scheduled request {ghost} is not tracked by the connector") from None
     if not any(map(operator.ge, computed, dues)):  # a quiet decode step ends here
+        if type(req_ids) is tuple:
+            due_points.remember_quiet(req_ids, dues)
         return []
     is_due = list(map(operator.ge, computed, dues))
     tracked, k = sched.tracked, sched.config.block_size_factor
