@@ -97,6 +97,10 @@ class OffloadConfig(BaseModel):
     """Tokens per GPU block, as the engine pages its KV cache."""
     eviction: Literal["lru", "arc"] = "lru"
     mechanism: Mechanism = "auto"
+    staging_bytes: PositiveInt | None = None
+    """Size of each device staging slot of the gathering mechanisms (two per direction): a step's stores go out as
+    a pipeline of chunks of this size, so the copy engine moves one chunk while the next is gathered. None: 128 MiB,
+    capped at the cache's size."""
     num_workers: PositiveInt = 1
     """A job completes when this many workers (tensor-parallel ranks) reported it."""
     layer_loads: bool = False

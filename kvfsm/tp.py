@@ -40,7 +40,7 @@ from kvfsm.executor.device import Device
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import check_all
 from kvfsm.states import CpuBlockState
-from kvfsm.testing.harness import EveryNthFails
+from kvfsm.testing.copy_faults import EveryNthFails
 from kvfsm.testing.mutants import TP_CONTROLS
 from kvfsm.testing.oracle import BlockOracle, poisoned
 from kvfsm.testing.world import DEVICE_LOG_INVARIANTS, DeviceLogWorld, EngineWorld

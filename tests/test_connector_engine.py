@@ -316,7 +316,7 @@ def run_failed_load(h: Harness) -> tuple[list[str], dict[str, tuple[int, ...]]]:
     on_results(h, lambda result: errors.update(result.load_errors))
     offload(h)
     h.add_request(PREFIX, 2, "b")
-    h.faults.armed = "load"
+    h.faults.arm("load")
     return finish(h), errors
 
 
@@ -341,7 +341,7 @@ def test_a_failed_store_publishes_nothing_and_the_prefix_is_recomputed() -> None
     h = harness()
     h.add_request(PREFIX, 1, "a")
     step_lagging(h)
-    h.faults.armed = "store"  # the store ordered in step 1 is submitted in step 2
+    h.faults.arm("store")  # the store ordered in step 1 is submitted in step 2
     assert finish(h) == []
     scheduler = h.connector.scheduler
     assert scheduler.stats.stores_failed == 1 and scheduler.manager.usage()["free"] == 16
@@ -358,7 +358,7 @@ def _busy_run(backend: str) -> tuple[set[tuple[str, str, str, str]], dict[str, i
     second = h.add_request(PREFIX + (50, 51), 3)
     h.engine.step()
     h.settle()
-    h.faults.armed = "store"
+    h.faults.arm("store")
     h.add_request(tuple(range(60, 72)), 2)
     h.engine.step()
     h.settle()

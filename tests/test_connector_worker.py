@@ -12,7 +12,7 @@ import torch
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
 from kvfsm.connector.validation import NotRegistered
-from kvfsm.connector.worker import WorkerConnector
+from kvfsm.connector.worker import WorkerConnector, send_in_turns
 from kvfsm.executor.layouts import LayoutError
 from kvfsm.executor.sim import SimDevice
 from kvfsm.executor.transfer import UnknownLayer
@@ -212,3 +212,13 @@ def test_loads_into_the_same_gpu_block_go_out_one_job_at_a_time() -> None:
     worker.start_load_kv()
     assert [op.label for op in device._queues["load"] if "layer" in op.label] == [
         "load job 1 layer 0", "load job 1 layer 1", "load job 2 layer 0", "load job 2 layer 1"]
+
+
+def test_two_directions_are_sent_in_turns_each_at_about_the_same_share_of_its_bytes() -> None:
+    """Stores of 4 x 2 bytes against loads of 2 x 8: whichever direction has sent the smaller share of its bytes
+    goes next, the smaller piece first on a tie, so both copy engines start early and finish together."""
+    sent: list[str] = []
+    stores = [(2, lambda i=i: sent.append(f"s{i}")) for i in range(4)]
+    loads = [(8, lambda i=i: sent.append(f"l{i}")) for i in range(2)]
+    send_in_turns(stores, loads)
+    assert sent == ["s0", "l0", "s1", "s2", "l1", "s3"]

@@ -36,6 +36,10 @@ NOT_GENERATED = {
     ("request", "draining", "job-done", "draining"):
         "needs one of an aborted request's jobs reported while another is still in flight; met by some of the 600 "
         "derandomized draws of recent commits, not by this one",
+    ("request", "matched", "abort", "draining"):
+        "needs an abort between the lookup and the allocation of a request with a job still in flight (a preempted "
+        "request whose store is still copying, looked up again): the draws of recent commits made one; this one, "
+        "reshuffled when the fault injector learned where a copy fails, does not",
     ("cpu-block", "fetching", "fetch-failed", "free"):
         "a fetch from disk that fails (return_from_disk's read-io-error or corrupt-block): the draws of recent "
         "commits made one; this one, reshuffled when a step's stores became one pipeline of device operations, "

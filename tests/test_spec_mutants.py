@@ -157,7 +157,7 @@ def preempt_before_the_store_goes_out(h: Harness) -> None:
 def reset_before_the_store_goes_out(fault: bool) -> Callable[[Harness], None]:
     """The CPU cache reset in the step after a store was ordered, before it was submitted (which fails if `fault`)."""
     def drive(h: Harness) -> None:
-        h.faults.armed = "store" if fault else None
+        h.faults.arm("store" if fault else None)
         h.add_request(PREFIX, 2, "a")
         h.engine.step()
         h.connector.reset_cache()
@@ -171,7 +171,7 @@ def failed_store_and_loads(h: Harness) -> None:
     """A store that fails, then a load that fails under a request aborted while it loads, and one that fails under
     a running request (which recomputes); each with a second request deferred behind the failing job."""
     other = tuple(range(60, 72))
-    h.faults.armed = "store"
+    h.faults.arm("store")
     h.add_request(PREFIX, 1, "a")
     h.engine.step()
     h.add_request(PREFIX + (9,), 1, "a2")
@@ -180,7 +180,7 @@ def failed_store_and_loads(h: Harness) -> None:
     h.drain()
     for extra, abort in ((5, True), (6, False)):
         h.engine.reset_prefix_cache()
-        h.faults.armed = "load"
+        h.faults.arm("load")
         h.add_request(other + (extra,), 1, f"c{extra}")
         h.add_request(other + (extra, extra), 1, f"d{extra}")
         h.engine.step()

@@ -55,7 +55,7 @@ def test_an_abort_before_an_inline_load_is_reported_drops_the_sample_computed_on
     h = _warm_disk(per_layer=True, layer_loads=True, writeback="on-evict")
     request = h.add_request(PREFIXES[0], 1)
     assert h.connector.scheduler.manager.catalogue, "the prefix is a CPU hit"
-    h.faults.armed = "load"
+    h.faults.arm("load")
     h.engine.step()  # the load goes out and fails; the request computes on it in the same step
     assert request in h.engine.loading and h.engine.live[request].num_sampled == 1
     h.abort(request)

@@ -119,7 +119,7 @@ class WorkerConnector:
         self._pool = HostPool(self.device, self.config.num_cpu_blocks(caches.gpu_block_bytes),
                               k * caches.gpu_block_bytes)
         self._transfers = Transfers(self.device, caches, self._pool, block_size_factor=k,
-                                    mechanism=self.config.mechanism)
+                                    mechanism=self.config.mechanism, staging_bytes=self.config.staging_bytes)
         self._checksums = SlotChecksums(self._pool) if self.config.checksum else None
         if self.config.lower_tiers:
             site = TierSite(self.config, self._pool.slot_bytes, self.worker, caches, self._pool)
@@ -159,7 +159,8 @@ class WorkerConnector:
         self._meta = meta
 
     def handle_preemptions(self) -> None:
-        """Before the engine writes any reused GPU block: submit the flushed stores still pending, wait for all."""
+        """Before the engine writes any reused GPU block: submit the flushed stores still pending, wait for all,
+        failed ones too: a store that failed part-way through its pipeline still has chunks reading the blocks."""
         flushed = [self.jobs[j] for j in self._meta.flush if j in self.jobs and self.jobs[j].in_flight]
         pending = []
         for job in flushed:
@@ -167,7 +168,7 @@ class WorkerConnector:
                 pending.append(job)
             self._job.fire(job, "flush")
         send_in_turns(self._store_pieces(pending))
-        self.wait([job.job_id for job in flushed if job.in_flight])
+        self.wait([job.job_id for job in flushed])
 
     def start_load_kv(self) -> None:
         """Hand this step's write-backs and fetches to the lower tiers, then send the stores prepared last step and

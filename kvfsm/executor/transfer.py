@@ -50,10 +50,11 @@ class Transfers:
     """Enqueues stores on the "store" stream and loads on the "load" stream of `device`.
 
     With staged-gather (the default) it holds four device staging slots of `staging_bytes` each (two per
-    direction, capped at the cache's size), so a store and a load can run at once without sharing a slot."""
+    direction, capped at the cache's size; 128 MiB unless given), so a store and a load can run at once without
+    sharing a slot."""
 
     def __init__(self, device: Device, caches: KVCaches, pool: HostPool, block_size_factor: int,
-                 mechanism: str = "auto", staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 mechanism: str = "auto", staging_bytes: int | None = None) -> None:
         if block_size_factor < 1:
             raise TransferError(f"block_size_factor must be at least 1, got {block_size_factor}")
         if pool.slot_bytes != block_size_factor * caches.gpu_block_bytes:
@@ -67,7 +68,7 @@ class Transfers:
         self._pool = pool
         self.block_size_factor = block_size_factor
         self.mechanism = resolve(mechanism, caches)
-        self._mechanism = build(self.mechanism, caches, staging_bytes)
+        self._mechanism = build(self.mechanism, caches, staging_bytes or DEFAULT_STAGING_BYTES)
         self._segments = {plane.name: i for i, plane in enumerate(caches.planes)}
 
     def _host_offset(self, slot: int, sub_block: int) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvfsm.executor.sim import SimDevice
+from kvfsm.testing.copy_faults import Direction, Stage
 from kvfsm.testing.harness import SHAPE, TP_SHAPE, Harness
 from kvfsm.testing.mooncake_store import shared_master
 from kvfsm.testing.mutants import MUTANTS, TP_MUTANTS
@@ -55,6 +56,8 @@ class Workload:
     streams' interleavings are the other workloads' subject; each replay of a Mooncake workload does real network
     I/O, so its schedules are kept few)."""
 
+    staging_blocks: int | None = None
+    """Staging slots this many GPU blocks long: a step's stores go out as a pipeline of that many-block chunks."""
     ranks: int = 1
     """Tensor-parallel ranks, each on its own SimDevice holding its share of the heads."""
 
@@ -109,10 +112,11 @@ def reset_offload_cache(h: Harness) -> None:
     h.connector.reset_cache()
 
 
-def fail_next(direction: str, rank: int) -> HostAction:
-    """Arm `rank`'s next store or load to fail (the other ranks' copies of that job succeed)."""
+def fail_next(direction: Direction, rank: int = 0, stage: Stage = "check", after: int = 0) -> HostAction:
+    """Arm `rank`'s next store or load to fail at `stage` (`kvfsm.testing.copy_faults`; the other ranks' copies of
+    that job succeed)."""
     def arm(h: Harness) -> None:
-        h.rank_faults[rank].armed = direction
+        h.rank_faults[rank].arm(direction, stage, after)
 
     return arm
 
@@ -137,6 +141,7 @@ class _Replay:
                                layer_stores=workload.layer_stores,
                                disk_slots=workload.disk_slots, writeback_bound_blocks=workload.writeback_bound_blocks,
                                mooncake_master=shared_master() if workload.mooncake else None,
+                               staging_blocks=workload.staging_blocks,
                                shape=TP_SHAPE if workload.ranks > 1 else SHAPE)
         self.host_index = 0
 
@@ -303,13 +308,24 @@ SMALL_WORKLOADS: dict[str, Workload] = {
         actions=(add(_P + (1,), 3), step, step, preempt_first_reclaiming, step),
         num_gpu_blocks=6, cpu_blocks=3,
     ),
+    "reload-fails-mid-copy": Workload(
+        actions=(add(_P + (1,), 1), step, step, step, forget_gpu_prefixes, fail_next("load", stage="copy", after=1),
+                 add(_P + (2,), 1), step, step),
+        num_gpu_blocks=6, cpu_blocks=3,
+    ),
+    "flush-fails-mid-copy": Workload(
+        actions=(add(_P + (1,), 3), step, fail_next("store", stage="copy", after=1), preempt_first_reclaiming, step),
+        num_gpu_blocks=6, cpu_blocks=3, staging_blocks=1,
+    ),
 }
 """Small workloads that between them reach every hazard: a stored prefix reloaded by two requests at once after
 the GPU forgot it; three requests sharing a prefix with a forced preemption; a running request that preempts
 another mid-store to grow; with an engine that computes layer by layer and calls the per-layer hooks, a reload
 computed in the step that loads it, and a request preempted while its per-layer stores are in flight; and a request
 preempted under memory pressure a step after its store was submitted, so the store may still be on the copy stream
-when its blocks are rewritten (vLLM 29870)."""
+when its blocks are rewritten (vLLM 29870); a reload whose load fails after its first layer was sent, recomputed
+while that layer may still be copying; and a request preempted under memory pressure whose store, flushed as a
+pipeline of one-block chunks, fails after its first chunk was sent."""
 
 TP_WORKLOADS: dict[str, Workload] = {
     "tp-preempt-mid-copy": Workload(

@@ -22,11 +22,11 @@ from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine, EngineConfig
 from kvfsm.engine.model import ModelShape
 from kvfsm.executor.device import Device
-from kvfsm.executor.transfer import TransferError
 from kvfsm.invariants import check_all
 from kvfsm.machines import Backend, MachineSet
 from kvfsm.states import CpuBlockState
 from kvfsm.states import TierEntryState as Entry
+from kvfsm.testing.copy_faults import FaultInjector
 from kvfsm.testing.mooncake_store import MooncakeFaults, tier_of
 from kvfsm.testing.mutants import MUTANTS, TP_MUTANTS
 from kvfsm.testing.oracle import BlockOracle, expected_tokens, poisoned
@@ -41,53 +41,6 @@ TP_SHAPE = ModelShape(num_layers=2, num_heads=2, head_dim=4, block_size=2, vocab
 """Two heads, so that two tensor-parallel ranks hold one each."""
 
 
-class InjectedFault(TransferError):
-    """A transfer failure the test asked for."""
-
-
-class FaultInjector:
-    """Wraps a worker's transfers; when armed for a direction, the next store or load is refused as a real
-    failure would be."""
-
-    def __init__(self, transfers: object) -> None:
-        self._transfers = transfers
-        self.armed: str | None = None  # "store", "load", or None
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._transfers, name)
-
-    def _maybe_fail(self, direction: str) -> None:
-        if self.armed == direction:
-            self.armed = None
-            raise InjectedFault(f"injected {direction} failure")
-
-    def store_chunks(self, *args: object, **kwargs: object) -> object:
-        self._maybe_fail("store")
-        return self._transfers.store_chunks(*args, **kwargs)  # type: ignore[attr-defined]
-
-    def load_segments(self, *args: object, **kwargs: object) -> object:
-        self._maybe_fail("load")
-        return self._transfers.load_segments(*args, **kwargs)  # type: ignore[attr-defined]
-
-    def store_segments(self, *args: object, **kwargs: object) -> object:
-        self._maybe_fail("store")
-        return self._transfers.store_segments(*args, **kwargs)  # type: ignore[attr-defined]
-
-
-class EveryNthFails(FaultInjector):
-    """Every `n`-th store or load a worker submits fails: one rank's copies failing while the others' succeed."""
-
-    def __init__(self, transfers: object, n: int) -> None:
-        super().__init__(transfers)
-        self.n = n
-        self.submitted = 0
-
-    def _maybe_fail(self, direction: str) -> None:
-        self.submitted += 1
-        if self.submitted % self.n == 0:
-            raise InjectedFault(f"injected failure of {direction} #{self.submitted}")
-
-
 @dataclass
 class Submitted:
     prompt: tuple[int, ...]
@@ -96,7 +49,9 @@ class Submitted:
 
 
 class Harness:
-    """`device` is one device, or one per tensor-parallel rank (each with its own worker half and faults)."""
+    """`device` is one device, or one per tensor-parallel rank (each with its own worker half and faults).
+    `staging_blocks` sizes the staging slots in GPU blocks, so a step's stores go out as a pipeline of several
+    chunks (as a real cache's do) instead of one."""
 
     def __init__(self, device: Device | Sequence[Device], num_gpu_blocks: int, cpu_blocks: int,
                  block_size_factor: int = 1,
@@ -105,7 +60,8 @@ class Harness:
                  per_layer: bool = False, layer_loads: bool = False, layer_stores: bool = False,
                  disk_slots: int = 0, writeback: Literal["eager", "on-evict"] = "eager",
                  writeback_bound_blocks: int = 2, report_lag: int = 0, mooncake_master: str | None = None,
-                 mooncake_options: dict[str, object] | None = None, tier_threads: bool = False) -> None:
+                 mooncake_options: dict[str, object] | None = None, tier_threads: bool = False,
+                 staging_blocks: int | None = None) -> None:
         self.devices = list(device) if isinstance(device, Sequence) else [device]
         self.device = self.devices[0]
         self.shape = shape
@@ -124,7 +80,8 @@ class Harness:
                                gpu_block_size=shape.block_size, checksum=checksum, layer_loads=layer_loads,
                                layer_stores=layer_stores, lower_tiers=tiers,
                                writeback_max_bytes_in_flight=writeback_bound_blocks * cpu_block_bytes,
-                               num_workers=len(self.devices))
+                               num_workers=len(self.devices),
+                               staging_bytes=staging_blocks * shape.gpu_block_bytes if staging_blocks else None)
         self.io = ManualIo()
         """The tiers' I/O queue: tests choose when each read or write runs, as they choose device streams (unless
         `tier_threads`: the tiers' own threads, as in production)."""

@@ -18,6 +18,7 @@ from kvfsm.executor.sim import SimDevice, first_runnable
 from kvfsm.mooncake import available as mooncake_available
 from kvfsm.states import TierEntryState as Entry
 from kvfsm.states import TransferJobState
+from kvfsm.testing.copy_faults import STAGES
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.mooncake_store import shared_master
 from kvfsm.testing.mutants import MUTANTS
@@ -84,8 +85,10 @@ def _reset(harness: Harness, choice: int) -> None:
 
 
 def _fail(harness: Harness, choice: int) -> None:
-    """Arm one rank's next store or load to fail (with tensor parallelism the other ranks' copies succeed)."""
-    harness.rank_faults[choice // 2 % len(harness.rank_faults)].armed = ("store", "load")[choice % 2]
+    """Arm one rank's next store or load to fail (with tensor parallelism the other ranks' copies succeed), when it
+    is checked, when a step's jobs are merged into one pipeline, or after 0 to 3 of its pieces were enqueued."""
+    harness.rank_faults[choice // 2 % len(harness.rank_faults)].arm(
+        ("store", "load")[choice % 2], STAGES[choice // 2 % len(STAGES)], choice // 6 % 4)
 
 
 def _fail_tier_write(harness: Harness, choice: int) -> None:
@@ -170,21 +173,25 @@ class OffloadInterleavings(RuleBasedStateMachine):
     @initialize(gpu_blocks=st.integers(6, 12), cpu_blocks=st.integers(2, 6), factor=st.sampled_from([1, 2]),
                 prompts=st.lists(PROMPTS, min_size=1, max_size=3), per_layer=st.booleans(),
                 layer_loads=st.booleans(), layer_stores=st.booleans(), data=st.data(),
-                report_lag=st.sampled_from([0, 1, 2]))
+                report_lag=st.sampled_from([0, 1, 2]), staging_blocks=st.sampled_from([None, 1, 2]))
     def setup(self, gpu_blocks: int, cpu_blocks: int, factor: int, prompts: list[tuple[tuple[int, ...], int]],
               per_layer: bool, layer_loads: bool, layer_stores: bool, data: st.DataObject,
-              report_lag: int) -> None:
+              report_lag: int, staging_blocks: int | None) -> None:
         """The engine computes whole forwards or layer by layer (calling the per-layer hooks, with or without
         loads computed in their own step and per-layer stores), unless the mutant under test needs one of them;
         with no lower tier, a disk tier or a Mooncake tier below the CPU pool (that tier, for a mutant of its
         rule). `report_lag` 1 or 2 delivers transfer reports that many steps late, as vLLM's async scheduling
         does, with or without a lower tier. A lower tier is warmed first: every prefix written back and pushed out
-        of CPU, so lookups fetch from it and the GPU blocks freed meanwhile hold poison."""
+        of CPU, so lookups fetch from it and the GPU blocks freed meanwhile hold poison. `staging_blocks` 1 or 2
+        sends a step's stores as a pipeline of one- or two-block chunks, so a store can fail part-way through."""
         needs = MUTANTS[self.mutant] if self.mutant is not None else None
         if needs is not None and needs.per_layer is not None:
             per_layer = needs.per_layer
         layer_loads = per_layer and (layer_loads or (needs is not None and needs.layer_loads))
         layer_stores = per_layer and (layer_stores or (needs is not None and needs.layer_stores))
+        fails_part_way = needs.fails_part_way if needs is not None else None
+        if fails_part_way is not None:
+            staging_blocks = 1
         shares = [tier for tier in self.lower_tiers for _ in range(1 if tier == "mooncake" else 2)]
         tier = data.draw(st.sampled_from(shares), label="lower tier")
         writeback = data.draw(st.sampled_from(["eager", "on-evict"]), label="write-back") if tier != "none" else "eager"
@@ -193,12 +200,15 @@ class OffloadInterleavings(RuleBasedStateMachine):
                                layer_loads=layer_loads, layer_stores=layer_stores,
                                disk_slots=6 if tier == "disk" else 0, writeback=writeback,
                                report_lag=report_lag,
+                               staging_blocks=staging_blocks,
                                mooncake_master=shared_master() if tier == "mooncake" else None)
         if tier != "none":  # warm the tier: each prefix stored, written back, and pushed out of CPU by the next
             for prefix in PREFIXES:
                 self.h.engine.reset_prefix_cache()
                 self.h.add_request(prefix + (0,), 1)
                 self.h.drain()
+        if fails_part_way is not None:  # the mutant's hunt: every such copy fails after its first piece
+            self.h.faults.arm(fails_part_way, "copy", after=1, every=True)
         for prompt, max_new in prompts:
             self.h.add_request(prompt, max_new)
 
@@ -212,7 +222,7 @@ class OffloadInterleavings(RuleBasedStateMachine):
 
     @rule(data=st.data(), arrivals=st.lists(PROMPTS, max_size=2), lag=st.integers(0, 6), forget=st.booleans(),
           poll_lag=st.sampled_from([0, 0, 3, 100]), hold=HOLDS, then=st.sampled_from([None, *IN_FLIGHT]),
-          choice=st.integers(0, 7))
+          choice=st.integers(0, 23))
     def step(self, data: st.DataObject, arrivals: list[tuple[tuple[int, ...], int]], lag: int, forget: bool,
              poll_lag: int, hold: frozenset[str], then: Trigger | None, choice: int) -> None:
         """New requests arrive (after the GPU prefix cache is dropped if `forget`, so they reload from CPU), one

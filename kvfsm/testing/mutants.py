@@ -12,9 +12,11 @@ from typing import Callable, Sequence
 
 from kvfsm.connector import Connector, SchedulerConnector
 from kvfsm.engine.engine import Engine
+from kvfsm.executor.device import StreamName
 from kvfsm.manager.catalogue import Lookup
 from kvfsm.states import CpuBlockState, TransferJobState
 from kvfsm.records import TransferJob
+from kvfsm.testing.copy_faults import Direction
 from kvfsm.testing.mooncake_store import MOONCAKE_MUTANTS
 from kvfsm.testing.tier_mutants import TIER_MUTANTS
 
@@ -33,6 +35,9 @@ class Mutant:
     """Whether the bug needs stores started by `save_kv_layer`."""
     tier: str | None = None
     """The lower tier (`disk`, `mooncake`) whose rule it breaks: it only shows with that tier configured."""
+    fails_part_way: Direction | None = None
+    """The copies whose failure part-way through their pipeline the bug needs: the interleavings' hunt for it makes
+    every such copy fail after its first piece, stores sent in one-block chunks."""
 
 
 def _no_compute_barrier(engine: Engine, connector: Connector) -> None:
@@ -44,22 +49,51 @@ def _no_preemption_flush(engine: Engine, connector: Connector) -> None:
     connector.worker.handle_preemptions = lambda: None  # type: ignore[method-assign]
 
 
-def _flush_waits_pending_only(engine: Engine, connector: Connector) -> None:
-    """The preemption hook waits only for the flushed stores it submits itself, not for those already copying."""
+def _flush_waits_only_for(connector: Connector, choose: Callable[[], Callable[[int], bool]]) -> None:
+    """The preemption hook waits only for the flushed stores a predicate keeps (`choose` makes it as the hook
+    starts)."""
     worker = connector.worker
     handle, wait = worker.handle_preemptions, worker.wait
 
     def handle_preemptions() -> None:
-        jobs = worker.jobs
-        pending = {j for j in worker._meta.flush
-                   if j in jobs and jobs[j].state == TransferJobState.PENDING_STORE}
-        worker.wait = lambda job_ids: wait([j for j in job_ids if j in pending])  # type: ignore[method-assign]
+        keep = choose()
+        worker.wait = lambda job_ids: wait([j for j in job_ids if keep(j)])  # type: ignore[method-assign]
         try:
             handle()
         finally:
             worker.wait = wait  # type: ignore[method-assign]
 
     worker.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
+
+
+def _flush_waits_pending_only(engine: Engine, connector: Connector) -> None:
+    """The preemption hook waits only for the flushed stores it submits itself, not for those already copying."""
+    worker = connector.worker
+
+    def pending() -> Callable[[int], bool]:
+        jobs = worker.jobs
+        return {j for j in worker._meta.flush
+                if j in jobs and jobs[j].state == TransferJobState.PENDING_STORE}.__contains__
+
+    _flush_waits_only_for(connector, pending)
+
+
+def _flush_skips_failed_stores(engine: Engine, connector: Connector) -> None:
+    """The preemption hook does not wait for a flushed store that failed part-way through its pipeline."""
+    worker = connector.worker
+    _flush_waits_only_for(connector, lambda: lambda j: j not in worker._failed)
+
+
+def _fail_without_end_event(engine: Engine, connector: Connector) -> None:
+    """A copy that fails part-way is reported at once, not once the copies it had already enqueued ran."""
+    worker = connector.worker
+    fail = worker._fail
+
+    def fail_at_once(job: TransferJob, stream: StreamName, err: Exception) -> None:
+        fail(job, stream, err)
+        worker._events.pop(job.job_id, None)
+
+    worker._fail = fail_at_once  # type: ignore[method-assign]
 
 
 def _no_load_dedup(engine: Engine, connector: Connector) -> None:
@@ -182,6 +216,11 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("no-preemption-flush", "fence (vLLM 29870)", _no_preemption_flush),
         Mutant("flush-waits-pending-only", "fence (vLLM 29870: a store already copying when its request is "
                "preempted still reads the blocks the engine reuses)", _flush_waits_pending_only),
+        Mutant("flush-skips-failed-stores", "fence (a flushed store that failed part-way through its chunks still "
+               "reads the blocks the engine reuses)", _flush_skips_failed_stores, per_layer=False,
+               fails_part_way="store"),
+        Mutant("fail-without-end-event", "load-before-use (a load that failed part-way is recomputed while a layer "
+               "it had sent still writes the blocks)", _fail_without_end_event, fails_part_way="load"),
         Mutant("no-load-dedup", "single-load (vLLM 29087)", _no_load_dedup),
         Mutant("no-write-after-read-wait", "load-after-readers (vLLM 47282)", _no_write_after_read_wait),
         Mutant("no-fence", "fence (finished request's blocks reused mid-store)", _no_fence),
