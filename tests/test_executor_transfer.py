@@ -108,7 +108,7 @@ def test_poison_control_shows_a_missing_copy() -> None:
 
 @pytest.mark.parametrize(("call", "error"), [
     (lambda t: t.store([0, 1, 2], [0]), TransferError),
-    (lambda t: t.store([0, 1], [0, 0]), TransferError),
+    (lambda t: t.store([0, 1, 2, 3], [0, 0]), TransferError),
     (lambda t: t.store([0, NUM_BLOCKS], [0]), IdOutOfRange),
     (lambda t: t.store([0, -1], [0]), IdOutOfRange),
     (lambda t: t.store([0, 1], [8]), IdOutOfRange),
@@ -129,6 +129,43 @@ def test_malformed_job_raises_before_anything_is_enqueued(call, error: type[Exce
     with pytest.raises(error):
         call(transfers)
     assert device.idle
+
+
+TWICE = "name the same one twice: one of the two writes would be lost"
+REFUSALS = {
+    "store-count": (lambda t: t.store([0, 1, 2], [0]), "a store of 1 CPU slots needs 2 GPU blocks, got 3"),
+    "store-slot-twice": (lambda t: t.store([0, 1, 2, 3], [0, 0]), f"CPU slots [0, 0] {TWICE}"),
+    "store-block-high": (lambda t: t.store([0, NUM_BLOCKS], [0]), "GPU blocks [12] out of range [0, 12)"),
+    "store-slot-high": (lambda t: t.store([0, 1], [8]), "CPU slots [8] out of range [0, 8)"),
+    "load-too-many": (lambda t: t.load([0], [1, 2, 3]),
+                      "a load of 1 CPU slots from sub-block 0 fills 1 to 2 GPU blocks, got 3"),
+    "load-unused-slot": (lambda t: t.load([0, 1], [1]),
+                         "a load of 2 CPU slots from sub-block 0 fills 3 to 4 GPU blocks, got 1"),
+    "load-offset": (lambda t: t.load([0], [1], gpu_offset=2), "gpu_offset must be in [0, 2), got 2"),
+    "load-block-twice": (lambda t: t.load([0], [1, 1]), f"GPU blocks [1, 1] {TWICE}"),
+    "load-slot-high": (lambda t: t.load([9], [1, 2]), "CPU slots [9] out of range [0, 8)"),
+    "load-block-high": (lambda t: t.load([0], [1, NUM_BLOCKS]), "GPU blocks [12] out of range [0, 12)"),
+    "merged-loads-block-twice": (lambda t: t.merge([t.load_segments([0], [1]), t.load_segments([1], [1])]),
+                                 f"GPU blocks of the merged jobs [1, 1] {TWICE}"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_malformed_job_is_refused_naming_what_is_wrong(case: str) -> None:
+    """The refusal is what a failed job's log line shows: it names the ids, the bound or the counts at fault."""
+    call, message = REFUSALS[case]
+    _, _, _, transfers = make("kv-first", 2)
+    with pytest.raises(TransferError) as refused:
+        call(transfers)
+    assert str(refused.value) == message
+
+
+def test_merged_stores_writing_one_cpu_block_twice_are_refused_naming_the_blocks() -> None:
+    _, caches, _, transfers = make("kv-first", 2)
+    block_bytes = caches.gpu_block_bytes
+    with pytest.raises(TransferError) as refused:
+        transfers.merge_chunks([transfers.store_chunks([0, 1], [0]), transfers.store_chunks([2, 3], [0])])
+    assert str(refused.value) == f"CPU blocks of the merged stores [0, {block_bytes}, 0, {block_bytes}] {TWICE}"
 
 
 def test_pool_slot_size_must_hold_k_gpu_blocks() -> None:
