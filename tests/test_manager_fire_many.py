@@ -153,3 +153,21 @@ def test_control_that_skips_guards_is_caught_for_the_guard() -> None:
     assert [f[1] for f in fields] == ["writable"] and [f[1] for f in bad_fields] == ["fenced"]
     assert [t[:3] for t in bad_trace] == [t[:3] for t in trace], "the control reports every transition it takes"
     assert bad_refusal is refusal is None
+
+
+FENCE_BATCHES = {
+    "split between the two unfence branches": ([["fence", "fence"], ["fence"], ["fence"]], [0, 1, 2]),
+    "of mixed states, one refused": ([["fence"], []], [0, 1]),
+    "naming one block twice": ([["fence", "fence"], ["fence"]], [0, 0, 1]),
+}
+"""Batches of GPU fences that the guarded batch path must decide as firing `unfence` on each in turn would."""
+
+
+@pytest.mark.parametrize("case", sorted(FENCE_BATCHES))
+def test_a_batch_of_fences_unfences_as_one_at_a_time_would(case: str) -> None:
+    walks, batch = FENCE_BATCHES[case]
+    machine = default_machines()["gpu-block"]
+    one_by_one = [walked("gpu-block", i, w) for i, w in enumerate(walks)]
+    batched = [walked("gpu-block", i, w) for i, w in enumerate(walks)]
+    assert (unobserved_outcome(machine, lambda ms: machine.fire_many(ms, "unfence"), batched, batch)
+            == unobserved_outcome(machine, lambda ms: [machine.fire(m, "unfence") for m in ms], one_by_one, batch))
