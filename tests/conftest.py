@@ -38,9 +38,11 @@ mutants' hunts of up to 1500 examples each, the manager's controls), and those t
 `python -O` run) or soak 100k requests. Each costs minutes per surviving mutant on 2 cores; all run in CI on the
 unmutated code."""
 
-FOCUS = {"kvfsm.connector.validation.": ("test_boundaries.py", "test_boundaries_property.py", "test_boundaries_messages.py")}
+FOCUS = {"kvfsm.connector.validation.": ("test_boundaries.py", "test_boundaries_property.py", "test_boundaries_messages.py",
+                                         "test_connector_due.py")}
 """Modules whose mutants are judged by their own tests only: a check that refuses bad input is exercised by every
-test, but only the boundary tests feed it bad input, so the rest can only make its survivors slow."""
+test, but only the boundary tests (and the due points' tests, for the quiet-step fast path) feed it bad input, so
+the rest can only make its survivors slow."""
 
 
 def _skipped_under_mutmut(item: pytest.Item, mutant: str) -> bool:

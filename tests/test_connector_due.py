@@ -9,7 +9,7 @@ from kvfsm.config import OffloadConfig
 from kvfsm.connector.due import StoreDue
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput, WorkerOutput
 from kvfsm.connector.scheduler import SchedulerConnector
-from kvfsm.connector.validation import NegativeTokenCount, UnknownRequest
+from kvfsm.connector.validation import ContradictoryStep, NegativeTokenCount, UnknownRequest
 
 BLOCK = 4
 
@@ -117,3 +117,14 @@ def test_a_released_request_named_again_in_a_remembered_batch_is_refused() -> No
     assert sched.request_finished("r0") is False  # its stores are done: released at once
     with pytest.raises(UnknownRequest):
         step(sched, requests, tokens)
+
+
+def test_a_remembered_batch_that_also_preempts_one_of_its_requests_is_refused() -> None:
+    sched, requests = running(2)
+    tokens = [r.num_tokens + 1 for r in requests]
+    for _ in range(2):
+        step(sched, requests, tokens)  # the second is remembered quiet
+    with pytest.raises(ContradictoryStep):
+        sched.build_connector_meta(SchedulerOutput(scheduled=tuple(
+            ScheduledRequest(r.request_id, tuple(range(3 * i, 3 * i + 3)), c)
+            for i, (r, c) in enumerate(zip(requests, tokens))), preempted=("r1",)))
