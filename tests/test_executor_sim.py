@@ -93,8 +93,17 @@ def test_host_blocking_inside_its_own_streams_operation_is_a_named_deadlock() ->
     event = device.new_event()
     device.enqueue("store", "store", "blocks on itself", lambda: device.synchronize(event))
     device.record("store", event)
-    with pytest.raises(SimDeadlock):
+    with pytest.raises(SimDeadlock) as deadlock:
         device.run_until_idle()
+    assert str(deadlock.value) == "the host waits for record on store (issued #2), but no stream can make progress"
+
+
+def test_running_a_stream_with_nothing_runnable_is_refused_naming_what_can_run() -> None:
+    device = SimDevice()
+    device.enqueue("compute", "compute", "compute step 1", lambda: None)
+    with pytest.raises(SimScheduleError) as refused:
+        device.run_one("load")
+    assert str(refused.value) == "stream 'load' has no runnable operation (runnable: ['compute'])"
 
 
 def test_the_access_log_keeps_issue_and_execution_order() -> None:
@@ -123,6 +132,24 @@ def test_unpinning_a_foreign_buffer_is_refused() -> None:
     device = SimDevice()
     buffer = device.pin_host(16)
     device.unpin_host(buffer)
-    with pytest.raises(UnknownHostBuffer):
+    with pytest.raises(UnknownHostBuffer) as refused:
         device.unpin_host(buffer)
+    assert str(refused.value) == "this buffer was not allocated by pin_host, or was already released"
 
+
+def test_a_host_allocation_of_no_bytes_is_refused_and_one_byte_is_not() -> None:
+    device = SimDevice()
+    with pytest.raises(ValueError) as refused:
+        device.pin_host(0)
+    assert str(refused.value) == "a host allocation needs a positive size, got 0"
+    device.unpin_host(device.pin_host(1))
+
+
+
+def test_draining_the_device_from_inside_one_of_its_operations_is_a_named_deadlock() -> None:
+    device = SimDevice()
+    device.enqueue("store", "store", "drains the device", lambda: device.run_until_idle())
+    device.enqueue("store", "store", "store job 1", lambda: None)
+    with pytest.raises(SimDeadlock) as deadlock:
+        device.run_until_idle()
+    assert str(deadlock.value) == "operations remain queued, but no stream can make progress"
