@@ -17,13 +17,9 @@ from kvfsm.executor.sim import SimDevice
 from kvfsm.states import TransferJobState
 from kvfsm.testing.copy_faults import STAGES, Direction, Stage
 from kvfsm.testing.harness import Harness
-from kvfsm.testing.mutants import MUTANTS
+from test_connector_engine import PREFIX, Control, mutant
 
-PREFIX = tuple(range(10, 28))
-"""18 tokens: nine 2-token GPU blocks."""
 OTHER = tuple(range(40, 58))
-
-Control = Callable[[Harness], None]
 
 
 def lagging(stream: str) -> Callable[[list[str]], str]:
@@ -49,9 +45,8 @@ def run(h: Harness, steps: int = 6) -> list[str]:
     return h.final_violations()
 
 
-def no_end_event(h: Harness) -> None:
-    """Control: a job that fails at submission is reported at once, not after the copies it had enqueued."""
-    MUTANTS["fail-without-end-event"].apply(h.engine, h.connector)
+def worker_log(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvfsm.connector.worker"]
 
 
 def failed_load(h: Harness, stage: Stage, after: int) -> list[str]:
@@ -95,7 +90,7 @@ def test_a_load_that_fails_after_some_layers_were_sent_is_reported_only_once_the
 
 
 def test_a_load_failure_reported_before_its_sent_layers_landed_is_caught() -> None:
-    found = failed_load(harness(control=no_end_event), "copy", after=1)
+    found = failed_load(harness(control=mutant("fail-without-end-event")), "copy", after=1)
     assert any(line.startswith("load-before-use") for line in found)
 
 
@@ -104,7 +99,7 @@ def test_a_finished_request_keeps_its_blocks_until_its_part_sent_store_failed() 
 
 
 def test_a_store_failure_reported_before_its_sent_chunks_ran_is_caught() -> None:
-    found = failed_store(harness(gpu_blocks=12, control=no_end_event), "copy", after=2, max_new=1)
+    found = failed_store(harness(gpu_blocks=12, control=mutant("fail-without-end-event")), "copy", after=2, max_new=1)
     assert any(line.startswith("fence") for line in found)
 
 
@@ -125,9 +120,8 @@ def test_a_flushed_store_that_fails_part_way_is_waited_for_before_its_blocks_are
 
 
 def test_a_flush_that_skips_a_failed_store_is_caught() -> None:
-    def skip_failed(h: Harness) -> None:
-        MUTANTS["flush-skips-failed-stores"].apply(h.engine, h.connector)
-    found = preempted_during_failing_flush(harness(staging_blocks=1, gpu_blocks=12, control=skip_failed), 1)
+    control = mutant("flush-skips-failed-stores")
+    found = preempted_during_failing_flush(harness(staging_blocks=1, gpu_blocks=12, control=control), 1)
     assert any(line.startswith("fence") for line in found)
 
 
@@ -184,7 +178,7 @@ def test_a_copy_failed_at_submission_is_logged_naming_its_job_and_the_error(
     h = harness()
     assert (failed_load if direction == "load" else failed_store)(h, stage, after) == []
     job = 1 if direction == "load" else 0  # job 0 stored the prefix the load returns to
-    logged = [r.getMessage() for r in caplog.records if r.name == "kvfsm.connector.worker"]
+    logged = worker_log(caplog)
     assert len(logged) == 1
     assert logged[0].startswith(f"{direction} job {job} failed at submission: InjectedFault: injected {direction} failure")
 
@@ -208,7 +202,7 @@ def test_a_store_whose_end_event_cannot_be_recorded_fails_logged_and_is_recomput
     h.device.record = record_unless_store_end  # type: ignore[method-assign]
     assert run(h) == []
     assert lost and h.connector.scheduler.stats.stores_failed == 1
-    assert [r.getMessage() for r in caplog.records if r.name == "kvfsm.connector.worker"] == [
+    assert worker_log(caplog) == [
         "store job 0: no end event could be recorded: no event"]
 
 
@@ -222,5 +216,5 @@ def test_a_per_layer_store_that_fails_ends_as_one_failed_job_logged_and_outputs_
     h.add_request(OTHER, 2)
     assert run(h) == []
     assert h.connector.scheduler.stats.stores_failed == 1
-    logged = [r.getMessage() for r in caplog.records if r.name == "kvfsm.connector.worker"]
+    logged = worker_log(caplog)
     assert len(logged) == 1 and logged[0].startswith("store job 0 failed at submission: InjectedFault: injected store")

@@ -84,10 +84,11 @@ def running(count: int) -> tuple[SchedulerConnector, list[Req]]:
     return sched, requests
 
 
-def step(sched: SchedulerConnector, requests: list[Req], computed: list[int]):  # type: ignore[no-untyped-def]
+def step(sched: SchedulerConnector, requests: list[Req], computed: list[int],  # type: ignore[no-untyped-def]
+         preempted: tuple[str, ...] = ()):
     return sched.build_connector_meta(SchedulerOutput(scheduled=tuple(
         ScheduledRequest(r.request_id, tuple(range(3 * int(r.request_id[1:]), 3 * int(r.request_id[1:]) + 3)), c)
-        for r, c in zip(requests, computed))))
+        for r, c in zip(requests, computed)), preempted=preempted))
 
 
 def test_a_decode_step_after_quiet_ones_still_refuses_a_negative_token_count() -> None:
@@ -125,6 +126,4 @@ def test_a_remembered_batch_that_also_preempts_one_of_its_requests_is_refused() 
     for _ in range(2):
         step(sched, requests, tokens)  # the second is remembered quiet
     with pytest.raises(ContradictoryStep):
-        sched.build_connector_meta(SchedulerOutput(scheduled=tuple(
-            ScheduledRequest(r.request_id, tuple(range(3 * i, 3 * i + 3)), c)
-            for i, (r, c) in enumerate(zip(requests, tokens))), preempted=("r1",)))
+        step(sched, requests, tokens, preempted=("r1",))

@@ -22,10 +22,12 @@ SHAPE = (2, NUM_BLOCKS, 4, 1, 8)
 """kv-first: (K/V, blocks, tokens per block, heads, head dim)."""
 
 
-def make_worker(k: int = 1, cpu_blocks: int = 4) -> tuple[WorkerConnector, SimDevice, list[torch.Tensor]]:
+def make_worker(k: int = 1, cpu_blocks: int = 4,
+                layer_stores: bool = False) -> tuple[WorkerConnector, SimDevice, list[torch.Tensor]]:
     """A registered worker over two layers of distinct, random KV bytes."""
     device = SimDevice()
-    worker = WorkerConnector(OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=k, gpu_block_size=4), device)
+    worker = WorkerConnector(OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=k, gpu_block_size=4,
+                                           layer_stores=layer_stores), device)
     generator = torch.Generator().manual_seed(7)
     layers = [torch.randn(SHAPE, generator=generator).half() for _ in range(2)]
     worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(layers)}, "kv-first")

@@ -7,27 +7,15 @@ import pytest
 import torch
 
 from kvfsm.config import OffloadConfig
-from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
+from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, WorkerOutput
 from kvfsm.connector.validation import NotRegistered
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.sim import SimDevice
 from kvfsm.testing.copy_faults import FaultInjector
-from test_connector_worker import SHAPE
+from test_connector_worker import make_worker, store
 
 LAYERS = ("layer.0", "layer.1")
-
-
-def layered_worker(layer_stores: bool = True) -> tuple[WorkerConnector, SimDevice, list[torch.Tensor]]:
-    device = SimDevice()
-    worker = WorkerConnector(OffloadConfig(cpu_blocks=4, gpu_block_size=4, layer_stores=layer_stores), device)
-    generator = torch.Generator().manual_seed(11)
-    layers = [torch.randn(SHAPE, generator=generator).half() for _ in LAYERS]
-    worker.register_kv_caches(dict(zip(LAYERS, layers)), "kv-first")
-    return worker, device, layers
-
-
-def store(job_id: int, block: int, slot: int) -> StoreOrder:
-    return StoreOrder(job_id=job_id, req_id=f"r{job_id}", gpu_blocks=(block,), cpu_slots=(slot,))
+"""The layers `make_worker` registers."""
 
 
 def forward(worker: WorkerConnector, meta: ConnectorMetadata, saved: tuple[str, ...] = LAYERS) -> WorkerOutput:
@@ -44,14 +32,14 @@ def forward(worker: WorkerConnector, meta: ConnectorMetadata, saved: tuple[str, 
 
 def test_a_per_layer_store_is_reported_only_from_the_step_after_it_was_ordered() -> None:
     """The scheduler moves it to submitted as the next step starts; a report in its own step would precede that."""
-    worker, _, _ = layered_worker()
-    assert forward(worker, ConnectorMetadata(step=1, stores=(store(0, 2, 0),))).done == ()
+    worker, _, _ = make_worker(layer_stores=True)
+    assert forward(worker, ConnectorMetadata(step=1, stores=(store(0, (2,), (0,)),))).done == ()
     assert forward(worker, ConnectorMetadata(step=2)).done == (0,)
 
 
 def test_layers_the_engine_did_not_save_go_out_when_the_forward_ends() -> None:
-    worker, device, layers = layered_worker()
-    forward(worker, ConnectorMetadata(step=1, stores=(store(0, 3, 1),)), saved=("layer.0",))
+    worker, device, layers = make_worker(layer_stores=True)
+    forward(worker, ConnectorMetadata(step=1, stores=(store(0, (3,), (1,)),)), saved=("layer.0",))
     assert forward(worker, ConnectorMetadata(step=2)).done == (0,)
     slot = worker.pool.buffer[worker.pool.slot_bytes:2 * worker.pool.slot_bytes]
     expected = torch.cat([layer[:, 3].contiguous().view(torch.uint8).reshape(-1) for layer in layers])
@@ -60,8 +48,8 @@ def test_layers_the_engine_did_not_save_go_out_when_the_forward_ends() -> None:
 
 
 def test_without_layer_stores_save_kv_layer_sends_nothing() -> None:
-    worker, device, _ = layered_worker(layer_stores=False)
-    worker.bind_connector_metadata(ConnectorMetadata(step=1, stores=(store(0, 2, 0),)))
+    worker, device, _ = make_worker(layer_stores=False)
+    worker.bind_connector_metadata(ConnectorMetadata(step=1, stores=(store(0, (2,), (0,)),)))
     worker.handle_preemptions()
     worker.start_load_kv()
     for layer in LAYERS:
@@ -70,18 +58,18 @@ def test_without_layer_stores_save_kv_layer_sends_nothing() -> None:
 
 
 def test_a_per_layer_store_refused_when_checked_leaves_the_steps_other_stores_to_go_out() -> None:
-    worker, _, _ = layered_worker()
+    worker, _, _ = make_worker(layer_stores=True)
     faults = FaultInjector(worker._transfers)
     worker._transfers = faults  # type: ignore[assignment]
     faults.arm("store")
-    forward(worker, ConnectorMetadata(step=1, stores=(store(0, 2, 0), store(1, 3, 1))))
+    forward(worker, ConnectorMetadata(step=1, stores=(store(0, (2,), (0,)), store(1, (3,), (1,)))))
     out = forward(worker, ConnectorMetadata(step=2))
     assert (out.done, out.failed) == ((1,), (0,))
 
 
 def test_a_worker_forgets_every_job_it_reported() -> None:
-    worker, _, _ = layered_worker(layer_stores=False)
-    forward(worker, ConnectorMetadata(step=1, stores=(store(0, 2, 0), store(1, 3, 1))))
+    worker, _, _ = make_worker(layer_stores=False)
+    forward(worker, ConnectorMetadata(step=1, stores=(store(0, (2,), (0,)), store(1, (3,), (1,)))))
     forward(worker, ConnectorMetadata(step=2, loads=(
         LoadOrder(job_id=2, req_id="r2", gpu_blocks=(5,), cpu_slots=(0,)),)))
     forward(worker, ConnectorMetadata(step=3))

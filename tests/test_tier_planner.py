@@ -4,6 +4,8 @@ on a `SimDevice`, its I/O run when each test says)."""
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 
 from kvfsm.connector.metadata import TierReport
@@ -11,11 +13,15 @@ from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.executor.sim import SimDevice
 from kvfsm.testing.harness import Harness
 
-A, B = (11, 12, 13, 14), (21, 22, 23, 24)
+A = (11, 12, 13, 14)
 
 
-def disk_harness(**options: object) -> Harness:
-    return Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=2, disk_slots=4, **options)  # type: ignore[arg-type]
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    """An engine with a one-disk tier below a two-block CPU pool, closed (disk directory removed) after the test."""
+    harness = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=2, disk_slots=4)
+    yield harness
+    harness.close()
 
 
 def planner(h: Harness) -> TierPlanner:
@@ -37,48 +43,36 @@ def write_back_in_flight(h: Harness) -> tuple[int, ...]:
     raise AssertionError("no write-back was submitted")
 
 
-def test_a_write_back_in_flight_at_a_cache_reset_publishes_nothing_when_it_lands() -> None:
-    h = disk_harness()
-    try:
-        keys = write_back_in_flight(h)
-        h.connector.reset_cache()
-        h.drain()  # the write lands, the tier polls it done, the planner hears of it
-        assert h.disk is not None and h.disk.lookup(keys) == 0, "a write-back from before the reset was published"
-        assert h.final_violations() == []
-    finally:
-        h.close()
+def test_a_write_back_in_flight_at_a_cache_reset_publishes_nothing_when_it_lands(h: Harness) -> None:
+    keys = write_back_in_flight(h)
+    h.connector.reset_cache()
+    h.drain()  # the write lands, the tier polls it done, the planner hears of it
+    assert h.disk is not None and h.disk.lookup(keys) == 0, "a write-back from before the reset was published"
+    assert h.final_violations() == []
 
 
-def test_a_write_back_that_fails_counts_only_the_blocks_it_wrote() -> None:
-    h = disk_harness()
-    try:
-        h.tier_faults.inject("disk-full")
-        keys = write_back_in_flight(h)
-        h.drain()
-        stats = planner(h).stats
-        failed = sum(stats.failures.values())
-        assert failed > 0, "the disk-full fault failed no key"
-        assert stats.blocks_written_back["disk"] == len(keys) - failed
-        assert h.final_violations() == []
-    finally:
-        h.close()
+def test_a_write_back_that_fails_counts_only_the_blocks_it_wrote(h: Harness) -> None:
+    h.tier_faults.inject("disk-full")
+    keys = write_back_in_flight(h)
+    h.drain()
+    stats = planner(h).stats
+    failed = sum(stats.failures.values())
+    assert failed > 0, "the disk-full fault failed no key"
+    assert stats.blocks_written_back["disk"] == len(keys) - failed
+    assert h.final_violations() == []
 
 
-def test_a_write_back_abandoned_at_its_deadline_frees_its_slots_once_its_write_returns() -> None:
-    h = disk_harness()
-    try:
-        planner(h).keep_history = False  # as in production: a released job is forgotten
-        write_back_in_flight(h)
-        h.tier_faults.inject("stall")  # the disk hangs past the write's deadline
-        h.engine.step()
-        assert planner(h).stats.failures, "the write-back was not abandoned"
-        h.drain()  # the write returns: the job is released, its slots freed
-        usage = h.connector.scheduler.manager.usage()
-        assert usage.get("writing-back", 0) == 0 and usage.get("orphaned", 0) == 0
-        assert planner(h).jobs == {} and planner(h).idle
-        assert h.final_violations() == []
-    finally:
-        h.close()
+def test_a_write_back_abandoned_at_its_deadline_frees_its_slots_once_its_write_returns(h: Harness) -> None:
+    planner(h).keep_history = False  # as in production: a released job is forgotten
+    write_back_in_flight(h)
+    h.tier_faults.inject("stall")  # the disk hangs past the write's deadline
+    h.engine.step()
+    assert planner(h).stats.failures, "the write-back was not abandoned"
+    h.drain()  # the write returns: the job is released, its slots freed
+    usage = h.connector.scheduler.manager.usage()
+    assert usage.get("writing-back", 0) == 0 and usage.get("orphaned", 0) == 0
+    assert planner(h).jobs == {} and planner(h).idle
+    assert h.final_violations() == []
 
 
 def refusal(h: Harness, worker: int, report: TierReport) -> str:
@@ -87,30 +81,22 @@ def refusal(h: Harness, worker: int, report: TierReport) -> str:
     return str(refused.value.args[0])
 
 
-def test_a_report_of_a_tier_job_not_in_flight_is_refused_naming_worker_and_job() -> None:
-    h = disk_harness()
-    try:
-        assert refusal(h, 0, TierReport(job_id=999)) == \
-            "worker 0 reported tier job 999, which is not in flight for it"
-        write_back_in_flight(h)
-        h.drain()
-        done = max(planner(h).jobs)
-        assert refusal(h, 0, TierReport(job_id=done)) == \
-            f"worker 0 reported tier job {done}, which is not in flight for it"
-    finally:
-        h.close()
+def test_a_report_of_a_tier_job_not_in_flight_is_refused_naming_worker_and_job(h: Harness) -> None:
+    assert refusal(h, 0, TierReport(job_id=999)) == \
+        "worker 0 reported tier job 999, which is not in flight for it"
+    write_back_in_flight(h)
+    h.drain()
+    done = max(planner(h).jobs)
+    assert refusal(h, 0, TierReport(job_id=done)) == \
+        f"worker 0 reported tier job {done}, which is not in flight for it"
 
 
-def test_a_release_of_a_tier_job_the_worker_does_not_hold_is_refused_naming_worker_and_job() -> None:
-    h = disk_harness()
-    try:
-        write_back_in_flight(h)
-        job = max(planner(h).jobs)
-        assert refusal(h, 0, TierReport(job_id=job, release=True)) == \
-            f"worker 0 released tier job {job}, which it does not hold"
-        assert refusal(h, 0, TierReport(job_id=999, release=True)) == \
-            "worker 0 released tier job 999, which it does not hold"
-        h.drain()
-        assert h.final_violations() == []
-    finally:
-        h.close()
+def test_a_release_of_a_tier_job_the_worker_does_not_hold_is_refused_naming_worker_and_job(h: Harness) -> None:
+    write_back_in_flight(h)
+    job = max(planner(h).jobs)
+    assert refusal(h, 0, TierReport(job_id=job, release=True)) == \
+        f"worker 0 released tier job {job}, which it does not hold"
+    assert refusal(h, 0, TierReport(job_id=999, release=True)) == \
+        "worker 0 released tier job 999, which it does not hold"
+    h.drain()
+    assert h.final_violations() == []
