@@ -160,6 +160,12 @@ REFUSALS: dict[str, tuple[type[Exception], Case]] = {
         DuplicateBlockIds, lambda w: lambda: w.connector.update_state_after_alloc(w.matched, [12, 12, 13], 0)),
     "alloc-block-ids-not-ints": (
         WrongType, lambda w: lambda: w.connector.update_state_after_alloc(w.matched, ["12"], 0)),  # type: ignore
+    "alloc-block-ids-a-string": (
+        WrongType, lambda w: lambda: w.connector.update_state_after_alloc(w.matched, "12", 0)),  # type: ignore
+    "alloc-block-at-the-cache-size": (
+        BlockIdOutOfRange, lambda w: lambda: w.connector.update_state_after_alloc(w.matched, [12, 13, 16], 0)),
+    "alloc-empty-request-id": (
+        MalformedRequest, lambda w: lambda: w.connector.update_state_after_alloc(Req("", (), 3), [0], 0)),
     "alloc-more-tokens-than-offered": (
         MoreTokensThanOffered, lambda w: lambda: w.connector.update_state_after_alloc(w.matched, [12, 13, 14, 15], 16)),
     "alloc-tokens-not-whole-blocks": (

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvfsm.config import DiskTierConfig, OffloadConfig
-from kvfsm.bindings import default_spec
+from kvfsm.bindings import default_registry, default_spec
 from kvfsm.connector import Connector, RankBlockSizeMismatch, WorkerConnector, WorkerCountMismatch
 from kvfsm.connector.metadata import (
     ConnectorMetadata,
@@ -23,9 +23,11 @@ from kvfsm.connector.metadata import (
     WorkerOutput,
 )
 from kvfsm.connector.validation import (
+    BlockIdOutOfRange,
     ContradictoryStep,
     NegativeTokenCount,
     NotRegistered,
+    RequestStateForbids,
     ReusedJobId,
     UnknownJob,
     WrongType,
@@ -33,13 +35,28 @@ from kvfsm.connector.validation import (
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.sim import SimDevice
 from kvfsm.machines import MachineSet
+from kvfsm.spec import load_spec
 from kvfsm.testing.snapshot import snapshot
+from kvfsm.testing.spec_mutants import SpecMutant, shipped
 from kvfsm.invariants import Deferral
 from test_boundaries import BLOCK, NUM_BLOCKS, PREFIX, REFUSALS, Req, caches, scheduled, world
+from test_connector_scheduler import connector as scheduler_half, prompt, store_prefix
 
 MESSAGES = {
     "alloc-before-lookup": "update_state_after_alloc: request 'ghost' was never looked up; call "
                            "get_num_new_matched_tokens first",
+    "alloc-block-at-the-cache-size": "update_state_after_alloc: GPU block ids [16] of request 'matched' are outside "
+                                     "the KV cache; legal ids: [0, 16)",
+    "alloc-block-ids-a-string": "update_state_after_alloc: block_ids must be a sequence of ints, got str",
+    "alloc-block-ids-not-ints": "update_state_after_alloc: a block id of request 'matched' must be an int, got str "
+                                "'12'",
+    "alloc-empty-request-id": "update_state_after_alloc: request_id must be a non-empty str, got ''",
+    "alloc-negative-block": "update_state_after_alloc: GPU block ids [-1] of request 'matched' are outside the KV "
+                            "cache; legal ids: [0, 16)",
+    "alloc-negative-external-tokens": "update_state_after_alloc: num_external_tokens is -4; a token count is 0 or "
+                                      "more",
+    "alloc-of-a-running-request": "update_state_after_alloc: request 'running' is running, which has no 'allocate' "
+                                  "transition; legal only for a request that is matched",
     "alloc-block-beyond-the-cache": "update_state_after_alloc: GPU block ids [99] of request 'matched' are outside "
                                     "the KV cache; legal ids: [0, 16)",
     "alloc-block-named-twice": "update_state_after_alloc: request 'matched' names GPU blocks [12] more than once; "
@@ -52,6 +69,9 @@ MESSAGES = {
     "finish-of-a-loading-request": "request_finished: request 'loading' is loading, which has no 'finish' transition; "
                                    "legal only for a request that is running",
     "finish-with-a-non-bool-aborted": "request_finished: aborted must be a bool, got str",
+    "lookup-of-a-running-request": "get_num_new_matched_tokens: request 'running' is running, which has no 'lookup' "
+                                   "transition; legal only for a request that is deferred or matched or new or "
+                                   "preempted",
     "report-from-an-unknown-worker": "update_connector_output: a report from worker 3; legal ranks: 0 to 0",
     "report-of-an-unknown-job": "update_connector_output: worker 0 reported job 999, which is not in flight for it; "
                                 "legal: each job in flight, once per worker",
@@ -177,3 +197,48 @@ def test_a_lookup_of_a_prefix_being_loaded_is_deferred_to_the_next_step_naming_i
     assert w.connector.get_num_new_matched_tokens(Req("third", PREFIX, 13), 0) is None
     assert sched.ledger.requests["third"].state == "deferred"
     assert sched.deferrals["third"] == Deferral(step=sched.step + 1, blockers=frozenset({w.load_job}))
+
+
+def test_a_negative_block_id_is_refused_while_the_cache_size_is_unknown_saying_ids_are_zero_or_more() -> None:
+    sched = scheduler_half()
+    sched.get_num_new_matched_tokens(prompt("new", [7]), 0)
+    with pytest.raises(BlockIdOutOfRange) as refused:
+        sched.update_state_after_alloc(prompt("new", [7]), [3, -2], 0)
+    assert str(refused.value) == ("update_state_after_alloc: GPU block ids [-2] of request 'new' are outside the KV "
+                                  "cache; legal ids: 0 or more")
+
+
+def test_a_load_after_a_gpu_prefix_fits_in_exactly_the_blocks_it_needs() -> None:
+    sched = scheduler_half()
+    store_prefix(sched, prompt("first", [1, 2, 3]), range(4))
+    assert sched.get_num_new_matched_tokens(prompt("again", [1, 2, 3]), BLOCK) == (2 * BLOCK, True)
+    sched.update_state_after_alloc(prompt("again", [1, 2, 3]), [5, 6, 7], 2 * BLOCK)  # 1 cached + 2 loaded
+    assert sched.ledger.requests["again"].state == "loading"
+
+
+def test_a_request_that_loads_nothing_may_be_allocated_no_blocks_whatever_its_gpu_prefix() -> None:
+    sched = scheduler_half()
+    assert sched.get_num_new_matched_tokens(prompt("new", [7, 8]), BLOCK) == (0, False)
+    sched.update_state_after_alloc(prompt("new", [7, 8]), [], 0)
+    assert sched.ledger.requests["new"].state == "running"
+
+
+def test_a_refusal_names_the_legal_states_of_the_lifecycle_its_connector_runs(tmp_path: Path) -> None:
+    """Two connectors in one process on different request lifecycles: each refuses by its own spec."""
+    documents = shipped().documents
+    for transition in documents["request.yaml"]["transitions"]:
+        if transition["trigger"] == "finish":
+            transition["source"] = ["matched", "running"]
+    variant = load_spec(SpecMutant("finish-from-matched", documents).write(tmp_path), registry=default_registry())
+    shipped_world = world()
+    with pytest.raises(RequestStateForbids, match="legal only for a request that is running$"):
+        shipped_world.connector.request_finished("loading")
+    c = Connector(OffloadConfig(cpu_blocks=8, gpu_block_size=BLOCK), SimDevice(), machines=MachineSet(variant))
+    c.register_kv_caches(caches(), "kv-first")
+    c.get_num_new_matched_tokens(Req("r", (), 3), 0)
+    c.update_state_after_alloc(Req("r", (), 3), [0], 0)
+    c.build_connector_meta(SchedulerOutput(preempted=("r",)))
+    with pytest.raises(RequestStateForbids) as refused:
+        c.request_finished("r")
+    assert str(refused.value) == ("request_finished: request 'r' is preempted, which has no 'finish' transition; "
+                                  "legal only for a request that is matched or running")

@@ -242,7 +242,7 @@ def check_alloc(sched: SchedulerHalf, request: object, block_ids: Sequence[objec
     if tokens % block_size:
         raise UnalignedTokenCount(
             f"{call}: num_external_tokens is {tokens}; legal: a multiple of gpu_block_size {block_size}")
-    first_gpu, offered = record.match if record.match is not None else (0, 0)
+    first_gpu, offered = record.match  # a matched request's lookup recorded its match in the same call
     if tokens > offered * block_size:
         raise MoreTokensThanOffered(
             f"{call}: request {req_id!r} accepted {tokens} external tokens, but the lookup offered "
