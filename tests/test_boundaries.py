@@ -143,6 +143,8 @@ REFUSALS: dict[str, tuple[type[Exception], Case]] = {
         MalformedRequest, lambda w: lambda: w.connector.get_num_new_matched_tokens(Req("new", (1, 2, 3), 5), 0)),
     "lookup-negative-request-length": (
         MalformedRequest, lambda w: lambda: w.connector.get_num_new_matched_tokens(Req("new", (), -1), 0)),
+    "lookup-float-request-length": (
+        WrongType, lambda w: lambda: w.connector.get_num_new_matched_tokens(Req("new", (), 5.0), 0)),  # type: ignore
     "lookup-not-a-request": (
         WrongType, lambda w: lambda: w.connector.get_num_new_matched_tokens(object(), 0)),  # type: ignore[arg-type]
     "lookup-of-a-running-request": (

@@ -13,7 +13,13 @@ import torch
 
 from kvfsm.config import DiskTierConfig, OffloadConfig
 from kvfsm.bindings import default_registry, default_spec
-from kvfsm.connector import Connector, RankBlockSizeMismatch, WorkerConnector, WorkerCountMismatch
+from kvfsm.connector import (
+    Connector,
+    RankBlockSizeMismatch,
+    SchedulerConnector,
+    WorkerConnector,
+    WorkerCountMismatch,
+)
 from kvfsm.connector.metadata import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -26,6 +32,7 @@ from kvfsm.connector.validation import (
     BlockIdOutOfRange,
     ContradictoryStep,
     NegativeTokenCount,
+    NotPositive,
     NotRegistered,
     RequestStateForbids,
     ReusedJobId,
@@ -69,6 +76,12 @@ MESSAGES = {
     "finish-of-a-loading-request": "request_finished: request 'loading' is loading, which has no 'finish' transition; "
                                    "legal only for a request that is running",
     "finish-with-a-non-bool-aborted": "request_finished: aborted must be a bool, got str",
+    "lookup-bool-token-count": "get_num_new_matched_tokens: num_computed_tokens must be an int, got the bool True",
+    "lookup-float-request-length": "get_num_new_matched_tokens: request 'new' num_tokens must be an int, got float "
+                                   "5.0",
+    "lookup-float-token-count": "get_num_new_matched_tokens: num_computed_tokens must be an int, got float 4.0",
+    "lookup-more-hashes-than-full-blocks": "get_num_new_matched_tokens: request 'new' has 3 block hashes for 5 "
+                                           "tokens; legal: one per full 4-token block, at most 1",
     "lookup-of-a-running-request": "get_num_new_matched_tokens: request 'running' is running, which has no 'lookup' "
                                    "transition; legal only for a request that is deferred or matched or new or "
                                    "preempted",
@@ -242,3 +255,35 @@ def test_a_refusal_names_the_legal_states_of_the_lifecycle_its_connector_runs(tm
         c.request_finished("r")
     assert str(refused.value) == ("request_finished: request 'r' is preempted, which has no 'finish' transition; "
                                   "legal only for a request that is matched or running")
+
+
+def test_a_request_of_zero_tokens_is_looked_up_as_a_miss() -> None:
+    assert scheduler_half().get_num_new_matched_tokens(Req("empty", (), 0), 0) == (0, False)
+
+
+def test_a_lookup_may_count_every_token_of_the_request_as_computed() -> None:
+    assert scheduler_half().get_num_new_matched_tokens(prompt("cached", [7, 8]), 2 * BLOCK + 1) == (0, False)
+
+
+@pytest.mark.parametrize(("make", "exception", "message"), [
+    (lambda: SchedulerConnector({"cpu_blocks": 8}, 64), WrongType,
+     "SchedulerConnector: config must be a OffloadConfig, got dict"),
+    (lambda: SchedulerConnector(OffloadConfig(cpu_blocks=8), 0), NotPositive,
+     "SchedulerConnector: gpu_block_bytes is 0; legal: 1 or more"),
+    (lambda: SchedulerConnector(OffloadConfig(cpu_blocks=8), 64, num_gpu_blocks=0), NotPositive,
+     "SchedulerConnector: num_gpu_blocks is 0; legal: 1 or more"),
+    (lambda: SchedulerConnector(OffloadConfig(cpu_blocks=8), 64.0), WrongType,
+     "SchedulerConnector: gpu_block_bytes must be an int, got float 64.0"),
+    (lambda: SchedulerConnector(OffloadConfig(cpu_blocks=8), 64, num_gpu_blocks="8"), WrongType,
+     "SchedulerConnector: num_gpu_blocks must be an int, got str '8'"),
+    (lambda: SchedulerConnector(OffloadConfig(cpu_blocks=8), None), WrongType,
+     "SchedulerConnector: gpu_block_bytes is required (the bytes of one GPU block across all layers)"),
+], ids=["config", "zero-block-bytes", "zero-gpu-blocks", "float-block-bytes", "str-gpu-blocks", "no-block-bytes"])
+def test_a_scheduler_half_built_from_bad_arguments_is_refused_naming_the_argument(make, exception, message: str) -> None:
+    with pytest.raises(exception) as refused:
+        make()
+    assert str(refused.value) == message
+
+
+def test_a_scheduler_half_accepts_a_one_byte_block_and_a_one_block_cache() -> None:
+    SchedulerConnector(OffloadConfig(cpu_blocks=8), 1, num_gpu_blocks=1)

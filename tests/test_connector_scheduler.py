@@ -178,6 +178,17 @@ def test_a_lookup_defers_while_its_prefix_is_being_stored() -> None:
     assert sched.deferrals["b"].blockers == {meta.stores[0].job_id}
 
 
+def test_a_deferred_lookup_waits_only_for_the_job_holding_its_first_busy_block() -> None:
+    sched = connector()
+    req = prompt("a", [1, 2])
+    admit(sched, req, range(3))
+    (first,) = compute(sched, req, range(3), computed=BLOCK).stores
+    (second,) = compute(sched, req, range(3), computed=2 * BLOCK).stores
+    assert first.job_id != second.job_id
+    assert admit(sched, prompt("b", [1, 2]), range(3, 6)) is None
+    assert sched.deferrals["b"].blockers == {first.job_id}
+
+
 # stores ----------------------------------------------------------------------------------------------------
 
 
@@ -509,3 +520,25 @@ def test_a_request_finished_without_saying_aborted_lets_its_stores_run_unflushed
     sched.request_finished("r")
     assert sched.ledger.requests["r"].state == "draining"
     assert store.job_id not in sched.build_connector_meta(SchedulerOutput()).flush, "a finish flushed like an abort"
+
+
+# construction ------------------------------------------------------------------------------------------------
+
+
+def test_a_scheduler_half_keeps_no_history_and_records_no_kv_events_unless_asked() -> None:
+    sched = SchedulerConnector(OffloadConfig(cpu_blocks=8, gpu_block_size=BLOCK), GPU_BLOCK_BYTES)
+    store_prefix(sched, prompt("a", [1, 2]), range(3))
+    assert sched.manager.take_events() == [] and "a" not in sched.ledger.requests and not sched.jobs
+
+
+def test_a_pool_sized_in_bytes_holds_the_whole_cpu_blocks_that_fit() -> None:
+    config = OffloadConfig(cpu_bytes=10 * 2 * GPU_BLOCK_BYTES + 1, block_size_factor=2, gpu_block_size=BLOCK)
+    assert len(SchedulerConnector(config, GPU_BLOCK_BYTES).manager.blocks) == 10
+
+
+def test_the_first_step_is_numbered_one() -> None:
+    assert idle_step(connector()).step == 1
+
+
+def test_a_fresh_scheduler_half_reports_no_load_errors() -> None:
+    assert connector().get_block_ids_with_load_errors() == set()

@@ -88,7 +88,6 @@ class SchedulerConnector:
         self.ledger = Ledger(self.machines, self.manager, keep_history, num_gpu_blocks or 0)
         self.stats = ConnectorStats()
         self.step = 0
-        self.keep_history = keep_history
         self._next_job = 0
         self._new_loads: list[TransferJob] = []
         self._prepared: list[TransferJob] = []
