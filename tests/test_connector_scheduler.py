@@ -497,7 +497,16 @@ def test_a_fence_record_made_on_first_use_names_its_block() -> None:
     the engine find it by its id."""
     fences = GpuFences(default_machines()["gpu-block"])
     fences.fire("fence", [5, 2])
-    assert {b: block.block_id for b, block in fences.fenced().items()} == {5: 5, 2: 2}
+    fences.fire("fence", [7])  # beyond every block named before: the records grow again, each at its id
+    assert {b: block.block_id for b, block in fences.fenced().items()} == {5: 5, 2: 2, 7: 7}
+
+
+def test_a_step_scheduling_a_request_not_yet_allocated_plans_nothing_for_it() -> None:
+    sched = connector()
+    looked_up = prompt("looked-up", [1, 2])
+    assert sched.get_num_new_matched_tokens(looked_up, 0) == (0, False)
+    assert compute(sched, looked_up, range(3)).stores == ()
+    assert sched.ledger.requests["looked-up"].state == "matched"
 
 
 def test_a_store_is_ordered_in_the_step_that_completes_its_cpu_block() -> None:

@@ -15,11 +15,11 @@ from test_connector_prometheus import offload_then_reload
 
 def test_every_store_and_load_adds_to_the_totals() -> None:
     stats = ConnectorStats()
-    for ok in (True, True, False):
+    for ok in (True, False, True, False):
         stats.record_store(2, ok, 100, 0.5)
         stats.record_load(3, ok, 10, 0.25)
-    assert (stats.blocks_stored, stats.bytes_stored, stats.stores_failed, stats.store_seconds) == (4, 400, 1, 1.5)
-    assert (stats.blocks_loaded, stats.bytes_loaded, stats.loads_failed, stats.load_seconds) == (6, 60, 1, 0.75)
+    assert (stats.blocks_stored, stats.bytes_stored, stats.stores_failed, stats.store_seconds) == (4, 400, 2, 2.0)
+    assert (stats.blocks_loaded, stats.bytes_loaded, stats.loads_failed, stats.load_seconds) == (6, 60, 2, 1.0)
 
 
 def test_a_histogram_bucket_counts_and_sums_every_time_it_observes() -> None:

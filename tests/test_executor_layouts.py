@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvfsm.config import OffloadConfig
+from kvfsm.connector import Connector
 from kvfsm.executor import LAYOUTS, LayoutError, register_kv_caches
 from kvfsm.executor.layouts import allocate_kv_caches
+from kvfsm.executor.sim import SimDevice
 
 BLOCK_BYTES = {  # 4 layers, 16-token blocks, 2 heads, 8 dims, bf16 (MLA: one 8-dim latent per token)
     "kv-first": 4 * 2 * 16 * 2 * 8 * 2,
@@ -72,3 +75,10 @@ def test_bad_registration_raises_layout_error(case) -> None:
 def test_the_same_caches_register_when_well_formed() -> None:
     """Control for the table above: the base tensor it distorts registers."""
     assert register_kv_caches({"a": kv(), "b": kv()}, "kv-first").num_blocks == 6
+
+
+def test_a_connector_registers_each_layer_group_the_engine_names() -> None:
+    tensors, groups = allocate_kv_caches("kv-first", 4, 10, 16, 2, 8, torch.bfloat16, "cpu", num_groups=2)
+    connector = Connector(OffloadConfig(cpu_blocks=8, gpu_block_size=16), SimDevice())
+    caches = connector.register_kv_caches(tensors, "kv-first", groups)
+    assert caches.layouts == {"group0": "kv-first", "group1": "kv-first"}

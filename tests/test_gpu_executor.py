@@ -125,3 +125,24 @@ def test_delayed_stream_race_corrupts_the_control_and_never_kvfsm(race, record_p
     print(f"\n{race.__name__}: control corrupt {control}/{TRIALS}, kvfsm corrupt {kvfsm}/{TRIALS}")
     assert control > TRIALS // 2
     assert kvfsm == 0
+
+
+def test_poisoning_cpu_slots_takes_its_turn_on_the_stream_without_holding_up_the_host() -> None:
+    """The poison of a CPU slot is a copy on the named stream: it lands only after what that stream already runs
+    (a fill done at once by the host could hit a slot that a copy in flight still writes), and the host does not
+    wait for it."""
+    device = CudaDevice()
+    tensors, groups = allocate_kv_caches("kv-first", 2, 8, 16, 2, 64, torch.bfloat16, "cuda")
+    caches = register_kv_caches(tensors, "kv-first", groups)
+    with HostPool(device, 2, caches.gpu_block_bytes) as pool:
+        transfers = Transfers(device, caches, pool, 1)
+        transfers.poison_cpu([0], "store")  # the first fill loads its kernel, which waits for the whole GPU
+        done = device.new_event()
+        device.record("store", done)
+        device.synchronize(done)
+        device.enqueue("store", "store", "delay", lambda: torch.cuda._sleep(100_000_000))  # ~50 ms on an H100
+        transfers.poison_cpu([1], "store")
+        poisoned_at_once = bool((pool.slot(1) == POISON_BYTE).any())
+        device.record("store", done)
+        device.synchronize(done)
+        assert (poisoned_at_once, bool((pool.slot(1) == POISON_BYTE).all())) == (False, True)

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from pydantic import ValidationError
 
 from kvfsm.config import DiskTierConfig, OffloadConfig
+from kvfsm.connector import Connector
+from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.sim import SimDevice
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.tier_faults import FAULTS
@@ -293,3 +296,18 @@ def test_the_fault_free_path_alone_leaves_tier_transitions_untaken() -> None:
     """The control of the coverage check: without faults and resets, failure and orphan edges are missing."""
     missing = _declared_tier_edges() - _edges_of_a_returning_prefix(None, None)
     assert ("tier-job", "submitted", "abandon", "abandoned") in missing
+
+
+@pytest.mark.parametrize("keep_history", [True, False])
+def test_a_connector_keeps_its_tiers_lookups_exactly_when_it_keeps_history(tmp_path: Path,
+                                                                             keep_history: bool) -> None:
+    """The tier invariants read what each lookup counted; an engine's connector keeps nothing it would not read."""
+    config = OffloadConfig(cpu_blocks=4, gpu_block_size=4,
+                           lower_tiers=[DiskTierConfig(path=str(tmp_path), capacity_bytes=1 << 20)])
+    connector = Connector(config, SimDevice(), keep_history=keep_history)
+    connector.register_kv_caches(allocate_kv_caches("kv-first", 2, 8, 4, 1, 4, torch.float32, "cpu")[0], "kv-first")
+    (tier,) = connector.worker.lower_tiers
+    try:
+        assert tier.entries.keep_lookups is keep_history
+    finally:
+        connector.worker.shutdown()

@@ -1,0 +1,154 @@
+"""What each transfer mechanism issues: the runs it coalesces, the chunks a staging slot cuts a job into, the copies
+per run, and byte-exact round trips of whole jobs and of layer segments through the smallest staging slot."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+import torch
+
+from kvfsm.executor import HostPool, KVCaches, SimDevice, Transfers, register_kv_caches
+from kvfsm.executor import mechanisms, transfer
+from kvfsm.executor.layouts import allocate_kv_caches
+from kvfsm.executor.mechanisms import device_index, resolve, runs
+from kvfsm.executor.rows import RowCopies
+from test_executor_transfer import CASES, NUM_BLOCKS, JoinLog, block, make
+
+
+def one_tensor(layout: str, mechanism: str) -> tuple[SimDevice, KVCaches, HostPool, Transfers]:
+    """Random caches of a single registered tensor and a pool, with a staging slot of one GPU block."""
+    device = SimDevice()
+    tensors, groups = allocate_kv_caches(layout, 1, NUM_BLOCKS, 2, 2, 4, torch.bfloat16, "cpu")
+    for t in tensors.values():
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
+                                                generator=torch.Generator().manual_seed(3)))
+    caches = register_kv_caches(tensors, layout, groups)
+    pool = HostPool(device, 8, caches.gpu_block_bytes)
+    return device, caches, pool, Transfers(device, caches, pool, 1, mechanism, staging_bytes=caches.gpu_block_bytes)
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(bytes per row, rows) of every row copy a mechanism issues, in order."""
+    log: list[tuple[int, int]] = []
+    issue = RowCopies.copy
+
+    def logged(self: RowCopies, dst: torch.Tensor, dst_offset: int, dst_pitch: int, src: torch.Tensor,
+               src_offset: int, src_pitch: int, width: int, height: int) -> None:
+        log.append((width, height))
+        issue(self, dst, dst_offset, dst_pitch, src, src_offset, src_pitch, width, height)
+
+    monkeypatch.setattr(RowCopies, "copy", logged)
+    return log
+
+
+def test_a_run_is_consecutive_blocks_whose_offsets_advance_by_the_stride_together() -> None:
+    assert list(runs([3, 4, 5, 9, 10], [0, 8, 16, 40, 56], 8)) == [(0, 3, 0, 3), (3, 9, 40, 1), (4, 10, 56, 1)]
+
+
+def test_a_block_index_is_int64_even_for_no_blocks() -> None:
+    """Index kernels refuse any other dtype, and an empty list would otherwise become a float tensor."""
+    for ids in ([], [4, 1]):
+        index = device_index(ids, torch.device("cpu"))
+        assert index.dtype == torch.int64 and index.tolist() == ids
+
+
+def test_auto_moves_blocks_by_dma_alone_from_exactly_the_minimum_piece_size() -> None:
+    tensors, groups = allocate_kv_caches("cross-layer", 16, 2, 16, 8, 128, torch.bfloat16, "cpu")  # 1 MiB blocks
+    caches = register_kv_caches(tensors, "cross-layer", groups)
+    assert caches.gpu_block_bytes == mechanisms.COPY_ENGINE_MIN_PIECE
+    assert resolve("auto", caches) == "cross-layer"
+
+
+@pytest.mark.parametrize("staging_blocks", [1, 4])
+@pytest.mark.parametrize("mechanism", ["staged-gather", "staged-copy"])
+def test_a_staged_store_pipeline_chunk_is_as_many_blocks_as_a_staging_slot_holds(mechanism: str,
+                                                                               staging_blocks: int) -> None:
+    _, caches, _, transfers = make("blocks-first", 1, mechanism, staging_blocks=staging_blocks)
+    chunks = transfers.store_chunks(range(6), range(6))
+    assert chunks.count == -(-6 // staging_blocks)
+    assert chunks.nbytes(0) == staging_blocks * caches.gpu_block_bytes
+
+
+def test_a_direct_copy_store_pipeline_uploads_no_gpu_block_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the gathering mechanisms index blocks on the device; for a direct copy the upload would be wasted."""
+    uploads: list[tuple[int, ...]] = []
+
+    def counted(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        uploads.append(tuple(ids))
+        return device_index(ids, device)
+
+    monkeypatch.setattr(transfer, "device_index", counted)
+    device, _, _, transfers = make("blocks-first", 1, "copy-per-block")
+    chunks = transfers.store_chunks([0, 1, 2], [0, 1, 2])
+    chunks.enqueue(0, "chunk 0")
+    device.run_until_idle()
+    assert uploads == []
+
+
+def test_a_whole_staged_store_or_load_waits_for_its_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    joins: list[bool] = []
+    monkeypatch.setattr(mechanisms, "lanes_for", lambda device: JoinLog(joins))
+    device, _, _, transfers = make("kv-first", 1, "staged-gather")
+    transfers.store([1, 2], [3, 4])
+    transfers.load([3, 4], [5, 6])
+    device.run_until_idle()
+    assert joins == [True, True]
+
+
+def test_staged_gather_issues_one_dma_per_chunk_of_consecutive_host_blocks(copies: list[tuple[int, int]]) -> None:
+    device, caches, _, transfers = make("kv-first", 1, "staged-gather", staging_blocks=3)
+    transfers.store([7, 2, 9, 0, 5, 11], range(6))
+    device.run_until_idle()
+    assert copies == [(3 * caches.gpu_block_bytes, 1)] * 2
+
+
+def test_staged_copy_gathers_a_run_of_consecutive_gpu_blocks_with_one_copy_per_tensor(
+        copies: list[tuple[int, int]]) -> None:
+    device, caches, _, transfers = make("blocks-first", 1, "staged-copy", staging_blocks=4)
+    transfers.store([2, 3, 4, 5], [0, 1, 2, 3])
+    device.run_until_idle()
+    gathers = [(plane.block_bytes, 4) for plane in caches.planes]
+    assert copies == gathers + [(4 * caches.gpu_block_bytes, 1)]
+
+
+@pytest.mark.parametrize(("layout", "mechanism"), CASES)
+def test_a_job_of_one_registered_tensor_round_trips_every_byte(layout: str, mechanism: str) -> None:
+    device, caches, pool, transfers = one_tensor(layout, mechanism)
+    sources, slots = [4, 5, 6, 1], [2, 3, 4, 0]
+    expected = [block(caches, b).clone() for b in sources]
+    transfers.store(sources, slots)
+    device.run_until_idle()
+    assert all(torch.equal(pool.slot(s), e) for s, e in zip(slots, expected))
+    targets = [8, 9, 10, 3]
+    transfers.poison_gpu(targets, "load")
+    transfers.load(slots, targets)
+    device.run_until_idle()
+    assert all(torch.equal(block(caches, b), e) for b, e in zip(targets, expected))
+
+
+def store_and_load_by_segments(device: SimDevice, transfers: Transfers, sources: Sequence[int],
+                               slots: Sequence[int], targets: Sequence[int]) -> None:
+    stores = transfers.store_segments(sources, slots)
+    for segment in range(transfers.num_segments):
+        stores.enqueue(segment, f"store layer {segment}")
+    device.run_until_idle()
+    transfers.poison_gpu(targets, "load")
+    loads = transfers.load_segments(slots, targets)
+    for segment in range(transfers.num_segments):
+        loads.enqueue(segment, f"load layer {segment}")
+    device.run_until_idle()
+
+
+@pytest.mark.parametrize("one", [True, False], ids=["one-tensor", "four-layers"])
+@pytest.mark.parametrize(("layout", "mechanism"), CASES)
+def test_layer_segments_round_trip_every_byte_through_a_one_block_staging_slot(layout: str, mechanism: str,
+                                                                               one: bool) -> None:
+    device, caches, pool, transfers = (one_tensor(layout, mechanism) if one
+                                       else make(layout, 1, mechanism, staging_blocks=1))
+    sources, slots, targets = [4, 5, 6, 1, 2, 3], [2, 3, 4, 0, 6, 7], [8, 9, 10, 11, 0, 7]
+    expected = [block(caches, b).clone() for b in sources]
+    store_and_load_by_segments(device, transfers, sources, slots, targets)
+    assert all(torch.equal(pool.slot(s), e) for s, e in zip(slots, expected))
+    assert all(torch.equal(block(caches, b), e) for b, e in zip(targets, expected))
