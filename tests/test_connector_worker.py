@@ -16,18 +16,19 @@ from kvfsm.connector.worker import WorkerConnector, send_in_turns
 from kvfsm.executor.layouts import LayoutError
 from kvfsm.executor.sim import SimDevice
 from kvfsm.executor.transfer import UnknownLayer
+from kvfsm.testing.copy_faults import FaultInjector
 
 NUM_BLOCKS = 8
 SHAPE = (2, NUM_BLOCKS, 4, 1, 8)
 """kv-first: (K/V, blocks, tokens per block, heads, head dim)."""
 
 
-def make_worker(k: int = 1, cpu_blocks: int = 4,
-                layer_stores: bool = False) -> tuple[WorkerConnector, SimDevice, list[torch.Tensor]]:
+def make_worker(k: int = 1, cpu_blocks: int = 4, layer_stores: bool = False,
+                layer_loads: bool = False) -> tuple[WorkerConnector, SimDevice, list[torch.Tensor]]:
     """A registered worker over two layers of distinct, random KV bytes."""
     device = SimDevice()
     worker = WorkerConnector(OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=k, gpu_block_size=4,
-                                           layer_stores=layer_stores), device)
+                                           layer_stores=layer_stores, layer_loads=layer_loads), device)
     generator = torch.Generator().manual_seed(7)
     layers = [torch.randn(SHAPE, generator=generator).half() for _ in range(2)]
     worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(layers)}, "kv-first")
@@ -181,6 +182,65 @@ def test_a_load_lands_one_segment_per_layer_and_completes_only_after_the_last() 
     assert worker.get_finished() == WorkerOutput(done=(0,))
 
 
+def start_one_load(worker: WorkerConnector, fail_after: int | None = None) -> None:
+    """Order one load of GPU block 3 from CPU slot 0 and send it; with `fail_after`, it fails after sending that
+    many layer segments."""
+    if fail_after is not None:
+        faults = FaultInjector(worker._transfers)
+        faults.arm("load", "copy" if fail_after else "check", fail_after)
+        worker._transfers = faults  # type: ignore[assignment]
+    worker.bind_connector_metadata(ConnectorMetadata(step=1, loads=(LoadOrder(
+        job_id=0, req_id="r", gpu_blocks=(3,), cpu_slots=(0,)),)))
+    worker.start_load_kv()
+
+
+def land_first_segment(device: SimDevice) -> None:
+    """Run the compute barrier, then the load stream up to (not into) its second layer's segment."""
+    device.run_one("compute")
+    while [op.label for op in device._queues["load"]][:1] != ["load job 0 layer 1"]:
+        device.run_one("load")
+
+
+@pytest.mark.parametrize(("layer", "may_compute"), [("layer.0", True), ("layer.1", False)])
+def test_a_layer_computes_once_its_own_segment_landed_not_the_whole_load(layer: str, may_compute: bool) -> None:
+    worker, device, _ = make_worker(layer_loads=True)
+    start_one_load(worker)
+    worker.wait_for_layer_load(layer)
+    land_first_segment(device)
+    assert ("compute" in device.runnable()) is may_compute
+
+
+def test_a_layer_whose_segment_a_failed_load_never_sent_waits_for_the_segments_it_did_send() -> None:
+    worker, device, _ = make_worker(layer_loads=True)
+    start_one_load(worker, fail_after=1)
+    worker.wait_for_layer_load("layer.1")
+    device.run_one("compute")  # the load's barrier; what is left on compute is the hook's wait
+    assert [op.label for op in device._queues["compute"]] == ["wait on compute"]
+    assert "compute" not in device.runnable()  # layer 0's segment may still write the request's blocks
+    while device._queues["load"]:
+        device.run_one("load")
+    assert "compute" in device.runnable()
+    assert worker.get_finished() == WorkerOutput(failed=(0,))
+
+
+def test_a_failed_load_whose_end_could_not_be_recorded_leaves_the_layer_hooks_nothing_to_wait_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device that cannot record the failed load's end (a CUDA error) leaves no event: the hook goes on."""
+    worker, device, _ = make_worker(layer_loads=True)
+    record = device.record
+
+    def record_or_fail_on_load(stream: str, event: object) -> None:
+        if stream == "load":
+            raise RuntimeError("the device cannot record")
+        record(stream, event)
+
+    monkeypatch.setattr(device, "record", record_or_fail_on_load)
+    start_one_load(worker, fail_after=0)
+    worker.wait_for_layer_load("layer.0")
+    assert "wait on compute" not in [op.label for op in device._queues["compute"]]
+    assert worker.get_finished() == WorkerOutput(failed=(0,))
+
+
 def stored_slots(worker: WorkerConnector, device: SimDevice, sources: tuple[int, ...]) -> None:
     """Store GPU blocks `sources` into CPU slots 0.. and let the stores land."""
     step(worker, ConnectorMetadata(step=1, stores=(store(0, sources, tuple(range(len(sources)))),)))
@@ -224,3 +284,4 @@ def test_two_directions_are_sent_in_turns_each_at_about_the_same_share_of_its_by
     loads = [(8, lambda i=i: sent.append(f"l{i}")) for i in range(2)]
     send_in_turns(stores, loads)
     assert sent == ["s0", "l0", "s1", "s2", "l1", "s3"]
+
