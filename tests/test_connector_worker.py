@@ -55,6 +55,12 @@ def store(job_id: int, gpu_blocks: tuple[int, ...], cpu_slots: tuple[int, ...]) 
 # registration ----------------------------------------------------------------------------------------------
 
 
+def test_a_worker_moves_blocks_with_the_configured_mechanism() -> None:
+    worker = WorkerConnector(OffloadConfig(cpu_blocks=4, gpu_block_size=4, mechanism="copy-per-block"), SimDevice())
+    worker.register_kv_caches({"layer.0": torch.zeros(SHAPE)}, "kv-first")
+    assert worker.transfers.mechanism == "copy-per-block"
+
+
 @pytest.mark.parametrize("tensors, layout", [
     ({"layer.0": torch.zeros(3, NUM_BLOCKS, 4, 1, 8)}, "kv-first"),  # three planes, not K and V
     ({"layer.0": torch.zeros(SHAPE)}, "paged"),  # no such layout

@@ -309,5 +309,6 @@ def test_a_connector_keeps_its_tiers_lookups_exactly_when_it_keeps_history(tmp_p
     (tier,) = connector.worker.lower_tiers
     try:
         assert tier.entries.keep_lookups is keep_history
+        assert tier.file.name.endswith("-0.slots")  # one slot file per worker rank
     finally:
         connector.worker.shutdown()
