@@ -1,19 +1,32 @@
 """The scheduler half's tier planner, rule by rule: what a cache reset does to write-backs in flight, what the
-counters count when keys fail, how an abandoned write-back ends, and which tier reports it refuses (one disk tier
-on a `SimDevice`, its I/O run when each test says)."""
+counters count when keys fail, how an abandoned job ends, which tier reports it refuses, and which tier loaded
+tokens are credited to (one disk tier on a `SimDevice`, its I/O run when each test says); then the planner alone
+over two disk tiers (`Below`): lookup across tiers, the write-back byte bound and which blocks are written back."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from itertools import count
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from kvfsm.connector.metadata import TierReport
+from kvfsm.bindings import default_spec
+from kvfsm.config import DiskTierConfig, OffloadConfig, WriteBack
+from kvfsm.connector.metadata import TierOrder, TierReport
 from kvfsm.connector.tier_planner import TierPlanner
+from kvfsm.connector.tier_runner import TierRunner, UnknownTier
+from kvfsm.executor.pool import HostPool
 from kvfsm.executor.sim import SimDevice
+from kvfsm.machines import MachineSet
+from kvfsm.manager import OffloadingManager
 from kvfsm.testing.harness import Harness
+from kvfsm.tiers.disk import DiskTier
+from kvfsm.tiers.io import ManualIo
+from test_tiers_disk import B, _serve
 
 A = (11, 12, 13, 14)
+C = (31, 32, 33, 34)
 
 
 @pytest.fixture
@@ -100,3 +113,261 @@ def test_a_release_of_a_tier_job_the_worker_does_not_hold_is_refused_naming_work
         "worker 0 released tier job 999, which it does not hold"
     h.drain()
     assert h.final_violations() == []
+
+
+def test_a_tier_job_that_ended_blocks_no_cpu_slot(h: Harness) -> None:
+    """A request that meets one of its slots busy later must not wait for a job that is over."""
+    write_back_in_flight(h)
+    job = next(j for j in planner(h).jobs.values() if j.in_flight)
+    assert planner(h).blockers(job.cpu_slots) == {job.job_id}
+    h.drain()
+    assert planner(h).blockers(job.cpu_slots) == set()
+
+
+def test_an_order_for_a_tier_the_worker_did_not_open_is_refused_naming_it(h: Harness) -> None:
+    assert h.disk is not None
+    runner = TierRunner((h.disk,), h.connector.worker.pool)
+    order = TierOrder(job_id=7, kind="fetch", tier="tape", keys=(1,), cpu_slots=(0,))
+    with pytest.raises(UnknownTier) as refused:
+        runner.submit([order])
+    assert refused.value.args[0] == "tier order 7 names tier 'tape'; open: ['disk']"
+
+
+# --- where loaded tokens came from, and a fetch abandoned after a reset -----------------------------------------
+
+@pytest.mark.parametrize(("fault", "credited"), [("corrupt-block", 2), ("stall", 0)])
+def test_a_tier_is_credited_only_with_the_tokens_of_blocks_its_fetches_brought(fault: str, credited: int) -> None:
+    """A fetch of A fails for its first block (corrupt) or whole (abandoned at its deadline); the request computes
+    what it lacked and stores it. Loaded later from the CPU pool, the blocks it computed came from no tier."""
+    h = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=4, disk_slots=6)
+    try:
+        for prompt in (A + (1,), B + (2,), C + (3,)):  # A pushed out of the CPU pool, kept on disk
+            _serve(h, prompt)
+        h.engine.reset_prefix_cache()
+        if fault == "corrupt-block":
+            h.tier_faults.inject(fault)
+        h.add_request(A + (4,), 1)
+        h.engine.step()  # the fetch is ordered and its read submitted
+        if fault == "stall":
+            h.tier_faults.inject(fault)
+        h.drain()
+        _serve(h, A + (5,))
+        assert planner(h).stats.tokens_loaded_from["disk"] == credited
+        assert h.final_violations() == []
+    finally:
+        h.close()
+
+
+def test_a_fetch_abandoned_after_a_cache_reset_frees_its_slots_once_its_read_returns(h: Harness) -> None:
+    _serve(h, A + (1,))
+    _serve(h, B + (2,))  # A now only on disk
+    h.engine.reset_prefix_cache()
+    h.add_request(A + (3,), 1)
+    h.engine.step()  # the fetch is ordered and its read submitted
+    h.connector.reset_cache()
+    h.tier_faults.inject("stall")
+    h.engine.step()  # the read is past its deadline: the fetch is abandoned
+    assert planner(h).stats.failures == {"timeout": 2}
+    h.drain()
+    assert h.connector.scheduler.manager.usage()["orphaned"] == 0
+    assert h.final_violations() == []
+
+
+# --- the planner alone, over disk tiers of its own: keys placed in the CPU pool and the tiers by hand ------------
+
+BLOCK = 64
+
+
+class Below:
+    """A tier planner over a CPU pool and disk tiers opened here (no engine). Tests place keys in the pool
+    (`ready`) and the tiers (`publish`), then run steps: `orders` submits the step's orders to the tiers through a
+    `TierRunner`, as a worker does, and `land` runs their I/O and reports what ended."""
+
+    def __init__(self, path: Path, writebacks: Sequence[WriteBack], cpu_blocks: int, bound_blocks: int) -> None:
+        names = ("near", "far")[:len(writebacks)]
+        config = OffloadConfig(cpu_blocks=cpu_blocks, writeback_max_bytes_in_flight=bound_blocks * BLOCK,
+                               lower_tiers=tuple(DiskTierConfig(name=name, path=path, capacity_bytes=4 * BLOCK,
+                                                                writeback=policy, evict_lookahead_blocks=2)
+                                                 for name, policy in zip(names, writebacks)))
+        machines = MachineSet(default_spec())
+        self.io = ManualIo()
+        self.tiers = {name: DiskTier(name, path, 4 * BLOCK, BLOCK, self.io) for name in names}
+        self.manager = OffloadingManager(cpu_blocks, "lru", machines, events=False)
+        self.planner = TierPlanner(config, tuple(self.tiers.values()), self.manager, BLOCK, count(100).__next__,
+                                   machines)
+        self.runner = TierRunner(tuple(self.tiers.values()), HostPool(SimDevice(), cpu_blocks, BLOCK))
+        self._jobs = count(1000)
+
+    def ready(self, keys: Sequence[int]) -> None:
+        """Store `keys` into the CPU pool, ready."""
+        plan = self.manager.prepare_store(keys, next(self._jobs))
+        assert plan is not None
+        self.manager.mark_submitted(plan.slots)
+        self.manager.complete_store(plan.slots, True)
+
+    def publish(self, tier: str, keys: Sequence[int]) -> None:
+        self.tiers[tier].submit_write(next(self._jobs), keys, [memoryview(bytes(BLOCK)) for _ in keys])
+        self.io.run_all()
+        assert all(done.ok for done in self.tiers[tier].poll())
+
+    def orders(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """This step's orders (kind, tier, keys), submitted to the tiers."""
+        orders = self.planner.orders(step=0)
+        self.runner.submit(orders)
+        return [(o.kind, o.tier, o.keys) for o in orders]
+
+    def land(self) -> None:
+        self.io.run_all()
+        for report in self.runner.poll():
+            self.planner.report(0, report, step=0)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+@pytest.fixture
+def below(tmp_path: Path) -> Iterator[Callable[..., Below]]:
+    opened: list[Below] = []
+
+    def open_(*writebacks: WriteBack, cpu_blocks: int = 4, bound_blocks: int = 4) -> Below:
+        opened.append(Below(tmp_path, writebacks, cpu_blocks, bound_blocks))
+        return opened[-1]
+
+    yield open_
+    for each in opened:
+        each.close()
+
+
+# lookup across tiers (eager tiers: nothing is written back that was not stored)
+
+
+def test_a_prefix_only_the_second_tier_holds_is_fetched_from_it(below: Callable[..., Below]) -> None:
+    b = below("eager", "eager")
+    b.publish("far", [1, 2])
+    deferred = b.planner.fetch_missing([1, 2], 0, step=0)
+    orders = b.planner.orders(0)
+    assert [(o.tier, o.keys) for o in orders] == [("far", (1, 2))]
+    assert deferred == {orders[0].job_id}
+
+
+def test_a_prefix_the_first_tier_holds_whole_is_fetched_from_it_alone(below: Callable[..., Below]) -> None:
+    b = below("eager", "eager")
+    b.publish("near", [1, 2])
+    b.publish("far", [1, 2])
+    deferred = b.planner.fetch_missing([1, 2], 0, step=0)
+    orders = b.planner.orders(0)
+    assert [(o.tier, o.keys) for o in orders] == [("near", (1, 2))]
+    assert deferred == {orders[0].job_id}
+
+
+def test_a_prefix_split_across_two_tiers_is_fetched_from_each_the_second_going_on_where_the_first_stopped(
+        below: Callable[..., Below]) -> None:
+    b = below("eager", "eager")
+    b.ready([1])  # the CPU hit
+    b.publish("near", [2])
+    b.publish("far", [3])
+    deferred = b.planner.fetch_missing([1, 2, 3], 1, step=0)
+    orders = b.planner.orders(0)
+    assert [(o.tier, o.keys) for o in orders] == [("near", (2,)), ("far", (3,))]
+    assert deferred == {o.job_id for o in orders} and len(deferred) == 2, "the request does not defer on both"
+
+
+def test_a_fetch_the_cpu_pool_has_no_room_for_is_not_ordered_and_the_request_defers_on_the_earlier_ones(
+        below: Callable[..., Below]) -> None:
+    b = below("eager", "eager", cpu_blocks=2)
+    assert b.manager.prepare_store([9], 1) is not None  # the pool's other slot: a store in flight, not evictable
+    b.publish("near", [1])
+    b.publish("far", [2])
+    deferred = b.planner.fetch_missing([1, 2], 0, step=0)
+    orders = b.planner.orders(0)
+    assert [(o.tier, o.keys) for o in orders] == [("near", (1,))]
+    assert deferred == {orders[0].job_id}
+
+
+# write-back
+
+
+def test_a_write_back_candidate_waits_while_write_backs_in_flight_fill_the_byte_bound(
+        below: Callable[..., Below]) -> None:
+    b = below("eager", bound_blocks=1)
+    b.ready([1, 2])
+    b.planner.stored([1, 2])
+    assert b.orders() == [("write-back", "near", (1,))]
+    assert b.orders() == [], "a second write-back was ordered beyond the bound"
+    b.land()
+    assert b.orders() == [("write-back", "near", (2,))]
+
+
+def test_each_plan_in_which_a_write_back_candidate_waits_for_the_bound_counts_once(
+        below: Callable[..., Below]) -> None:
+    b = below("eager", bound_blocks=1)
+    b.ready([1, 2])
+    b.planner.stored([1, 2])
+    b.orders()
+    b.orders()
+    assert b.planner.stats.writebacks_held == 2
+
+
+def test_write_backs_to_several_tiers_share_one_byte_bound(below: Callable[..., Below]) -> None:
+    """A block is pinned for one write-back at a time: the far tier's candidates are those the near one left."""
+    b = below("eager", "eager", bound_blocks=3)
+    b.ready([1, 2, 3, 4])
+    b.publish("near", [2, 3, 4])
+    b.planner.stored([1, 2, 3, 4])
+    assert b.orders() == [("write-back", "near", (1,)), ("write-back", "far", (2, 3))]
+
+
+def test_a_tier_that_holds_every_candidate_does_not_stop_the_next_tiers_write_backs(
+        below: Callable[..., Below]) -> None:
+    b = below("eager", "eager")
+    b.ready([1])
+    b.publish("near", [1])
+    b.planner.stored([1])
+    assert b.orders() == [("write-back", "far", (1,))]
+
+
+def test_a_key_its_tier_is_still_writing_is_not_ordered_written_again(below: Callable[..., Below]) -> None:
+    """After a cache reset the key is stored again while the write-back from before the reset still runs."""
+    b = below("eager")
+    b.ready([1])
+    b.planner.stored([1])
+    assert b.orders() == [("write-back", "near", (1,))]
+    b.manager.reset()
+    b.planner.reset()
+    b.ready([1])
+    b.planner.stored([1])
+    assert b.orders() == []
+
+
+def test_an_eager_write_back_passes_over_a_block_evicted_before_its_turn(below: Callable[..., Below]) -> None:
+    b = below("eager")
+    b.ready([2])
+    b.planner.stored([1, 2])  # 1 is no longer in the pool
+    assert b.orders() == [("write-back", "near", (2,))]
+
+
+def test_a_block_loading_when_its_eager_write_back_comes_up_is_written_back_once_the_load_ended(
+        below: Callable[..., Below]) -> None:
+    b = below("eager")
+    b.ready([1])
+    slots = b.manager.prepare_load([1])
+    b.planner.stored([1])
+    assert b.orders() == []
+    b.manager.complete_load(slots)
+    assert b.orders() == [("write-back", "near", (1,))]
+
+
+def test_on_evict_writes_back_the_one_ready_block_when_fewer_than_its_lookahead_are_ready(
+        below: Callable[..., Below]) -> None:
+    b = below("on-evict")
+    b.ready([1])
+    assert b.orders() == [("write-back", "near", (1,))]
+
+
+def test_on_evict_does_not_write_back_again_a_block_its_tier_holds(below: Callable[..., Below]) -> None:
+    b = below("on-evict")
+    b.ready([1])
+    assert b.orders() == [("write-back", "near", (1,))]
+    b.land()
+    assert b.orders() == []
+
