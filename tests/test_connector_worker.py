@@ -291,3 +291,29 @@ def test_two_directions_are_sent_in_turns_each_at_about_the_same_share_of_its_by
     send_in_turns(stores, loads)
     assert sent == ["s0", "l0", "s1", "s2", "l1", "s3"]
 
+
+
+def test_a_load_into_a_gpu_block_a_store_still_reads_waits_for_that_store_even_when_the_store_lags() -> None:
+    """The scheduler never orders this (the fence holds such a block), so this is the worker's own defence: the
+    store must copy out the block's old bytes before the load overwrites them."""
+    worker, device, layers = make_worker()
+    stored_slots(worker, device, (0,))
+    before = blocks(layers, [2])
+    step(worker, ConnectorMetadata(step=3, stores=(store(1, (2,), (1,)),)))
+    device.scheduler = lambda options: next((o for o in options if o != "store"), options[0])
+    step(worker, ConnectorMetadata(step=4, loads=(LoadOrder(job_id=2, req_id="b", gpu_blocks=(2,), cpu_slots=(0,)),)))
+    device.run_until_idle()
+    assert worker.get_finished() == WorkerOutput(done=(1, 2))
+    step(worker, ConnectorMetadata(step=5, loads=(LoadOrder(job_id=3, req_id="c", gpu_blocks=(5,), cpu_slots=(1,)),)))
+    device.run_until_idle()
+    for want, got in zip(before, blocks(layers, [5])):
+        assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+
+
+def test_stores_into_one_cpu_slot_go_out_one_pipeline_each_and_both_land() -> None:
+    """Never ordered by the scheduler; merged into one pipeline they would be refused as writing a slot twice."""
+    worker, device, _ = make_worker()
+    step(worker, ConnectorMetadata(step=1, stores=(store(0, (1,), (0,)), store(1, (2,), (0,)))))
+    step(worker, ConnectorMetadata(step=2))
+    device.run_until_idle()
+    assert worker.get_finished() == WorkerOutput(done=(0, 1))
