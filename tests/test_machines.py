@@ -110,6 +110,26 @@ def test_a_machine_takes_only_the_spec_triggers_not_the_library_automatic_moves(
     assert block.state == "free"
 
 
+def test_a_compiled_guard_refusal_lists_the_guards_of_every_branch_word_for_word() -> None:
+    _, table, _ = probe_machines()
+    with pytest.raises(GuardRefused) as refused:
+        table["transfer-job"].fire(Probe("submitted"), "complete")
+    assert str(refused.value) == (
+        "lifecycle 'transfer-job': trigger 'complete' is illegal in state 'submitted' "
+        "(no guard holds: is-store+all-segments-landed / is-load+all-segments-landed)")
+
+
+@pytest.mark.parametrize(("backend", "machine_type"), [(None, CompiledLifecycle), ("table", CompiledLifecycle),
+                                                        ("transitions", TransitionsLifecycle)])
+def test_a_machine_set_builds_every_lifecycle_on_its_backend_the_compiled_table_by_default(
+        backend: str | None, machine_type: type) -> None:
+    spec = default_spec()
+    machines = MachineSet(spec) if backend is None else MachineSet(spec, backend=backend)  # type: ignore[arg-type]
+    assert machines.backend == (backend or "table")
+    assert {type(machine) for machine in machines} == {machine_type}
+    assert len(machines.machines) == len(spec.lifecycles)
+
+
 def test_a_refusal_names_its_detail_in_parentheses_and_only_when_there_is_one() -> None:
     assert str(IllegalTrigger("cpu-block", "free", "evict")) == (
         "lifecycle 'cpu-block': trigger 'evict' is illegal in state 'free'")

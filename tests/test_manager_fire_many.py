@@ -2,13 +2,14 @@
 
 Checked on the two lifecycles the connector fires in batches: CPU blocks (no guards) and GPU-block fences (whose
 `unfence` branches are chosen by guards), with an observer attached (each model through `fire`) and without one
-(runs of models whose effects, written over batches, run once per run), a model named twice in a batch included.
+(runs of models whose effects, written over batches, run once per run), a model named twice in a batch included;
+and on small test lifecycles of the shapes the shipped ones lack.
 """
 
 from __future__ import annotations
 
-from dataclasses import astuple
-from typing import Any, Callable
+from dataclasses import astuple, dataclass, field
+from typing import Any, Callable, Sequence
 
 import pytest
 from hypothesis import given
@@ -17,6 +18,8 @@ from hypothesis import strategies as st
 from kvfsm.bindings import default_registry
 from kvfsm.machines import CompiledLifecycle, IllegalTrigger, default_machines
 from kvfsm.records import CpuBlock, GpuBlock
+from kvfsm.registry import Registry
+from kvfsm.spec import Lifecycle
 
 MODELS: dict[str, Callable[[int], Any]] = {"cpu-block": CpuBlock, "gpu-block": GpuBlock}
 """The batched lifecycles and how to build a model of each from an id."""
@@ -159,6 +162,7 @@ FENCE_BATCHES = {
     "split between the two unfence branches": ([["fence", "fence"], ["fence"], ["fence"]], [0, 1, 2]),
     "of mixed states, one refused": ([["fence"], []], [0, 1]),
     "naming one block twice": ([["fence", "fence"], ["fence"]], [0, 0, 1]),
+    "with a refused block ahead of a fenced one": ([[], ["fence"]], [0, 1]),
 }
 """Batches of GPU fences that the guarded batch path must decide as firing `unfence` on each in turn would."""
 
@@ -171,3 +175,87 @@ def test_a_batch_of_fences_unfences_as_one_at_a_time_would(case: str) -> None:
     batched = [walked("gpu-block", i, w) for i, w in enumerate(walks)]
     assert (unobserved_outcome(machine, lambda ms: machine.fire_many(ms, "unfence"), batched, batch)
             == unobserved_outcome(machine, lambda ms: [machine.fire(m, "unfence") for m in ms], one_by_one, batch))
+
+
+# lifecycles of other shapes ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Token:
+    """A model of the small lifecycles below: a count their guards read, and what their effects wrote."""
+
+    n: int
+    state: str = "a"
+    marks: list[str] = field(default_factory=list)
+
+
+def _within(tokens: Sequence[Token], *, limit: int, **_: object) -> list[bool]:
+    return [token.n <= limit for token in tokens]
+
+
+def _stamp(tokens: Sequence[Token], *, job_id: int, **_: object) -> None:
+    for token in tokens:
+        token.marks.append(f"job {job_id}")
+
+
+def token_registry() -> Registry:
+    """Guards and effects of the token lifecycles: some written for batches, some reading the firing's context."""
+    registry = Registry()
+    registry.guard("token", "positive")(lambda token, **_: token.n > 0)
+    registry.guard("token", "over-one", batch=True)(lambda tokens, **_: [t.n > 1 for t in tokens])
+    registry.guard("token", "at-least-one", batch=True)(lambda tokens, **_: [t.n >= 1 for t in tokens])
+    registry.guard("token", "within", batch=True)(_within)
+    registry.effect("token", "stamp", batch=True)(_stamp)
+    return registry
+
+
+def token_machine(*transitions: dict[str, Any]) -> CompiledLifecycle:
+    states = {t["dest"] for t in transitions}  # each state of these lifecycles is entered by some transition
+    lifecycle = Lifecycle.model_validate({"lifecycle": "token", "description": "a test lifecycle", "initial": "a",
+                                          "states": dict.fromkeys(states, "a test state"),
+                                          "transitions": transitions})
+    return CompiledLifecycle(lifecycle, token_registry())
+
+
+PLAIN_BESIDE_GUARDED = (
+    {"trigger": "go", "source": "a", "dest": "b"},
+    {"trigger": "go", "source": "b", "dest": "c", "guards": ["positive"]},
+    {"trigger": "back", "source": "c", "dest": "a"},
+)
+"""`go` leaves `a` by a plain move and `b` by a guard not written for batches."""
+
+OVERLAPPING_GUARDS = (
+    {"trigger": "go", "source": "a", "dest": "b", "guards": ["over-one"]},
+    {"trigger": "go", "source": "a", "dest": "c", "guards": ["at-least-one"]},
+    {"trigger": "back", "source": ["b", "c"], "dest": "a"},
+)
+"""Both guards of `go` hold for a token above one: the first declared branch must take it."""
+
+READS_CONTEXT = (
+    {"trigger": "go", "source": "a", "dest": "b", "guards": ["within"], "effects": ["stamp"]},
+    {"trigger": "back", "source": "b", "dest": "a"},
+)
+"""A guard and an effect, both written for batches, that read keyword arguments of the firing."""
+
+TOKEN_BATCHES: dict[str, tuple[tuple[dict[str, Any], ...], list[Token], dict[str, Any]]] = {
+    "a plain move then a guarded one": (PLAIN_BESIDE_GUARDED, [Token(0, "a"), Token(1, "b")], {}),
+    "of guards not written for batches": (PLAIN_BESIDE_GUARDED, [Token(1, "b"), Token(2, "b")], {}),
+    "split between overlapping guards": (OVERLAPPING_GUARDS, [Token(2), Token(1)], {}),
+    "with a token no guard admits": (OVERLAPPING_GUARDS, [Token(1), Token(0)], {}),
+    "whose guards and effects read the context": (READS_CONTEXT, [Token(1), Token(5)], {"limit": 3, "job_id": 7}),
+}
+"""Batches of `go` on lifecycles other than the shipped ones: (transitions, tokens, keyword arguments)."""
+
+
+@pytest.mark.parametrize("case", sorted(TOKEN_BATCHES))
+def test_fire_many_equals_fire_on_each_for_lifecycles_of_other_shapes(case: str) -> None:
+    """The shipped lifecycles leave some paths of `fire_many` untried (a trigger both plain and guarded, guards that
+    overlap or leave a model out, a context read by guards): these lifecycles take each of them."""
+    transitions, tokens, context = TOKEN_BATCHES[case]
+    machine = token_machine(*transitions)
+    batch = list(range(len(tokens)))
+    one_by_one = [Token(t.n, t.state) for t in tokens]
+    batched = [Token(t.n, t.state) for t in tokens]
+    assert (unobserved_outcome(machine, lambda ms: machine.fire_many(ms, "go", **context), batched, batch)
+            == unobserved_outcome(machine, lambda ms: [machine.fire(m, "go", **context) for m in ms], one_by_one,
+                                  batch))

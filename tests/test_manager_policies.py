@@ -80,6 +80,13 @@ def test_arc_a_hit_promotes_a_block_from_t1_to_t2() -> None:
         check_promotion(NoPromotion(CAPACITY))
 
 
+def test_arc_a_batch_of_stores_or_hits_is_one_insert_or_touch_per_slot_in_order() -> None:
+    arc = ArcPolicy(CAPACITY)
+    arc.insert_many([(0, 100), (1, 101), (2, 102)])
+    arc.touch_many([2, 0])
+    assert (arc.t1, list(arc.t2.items())) == ({1: 101}, [(2, 102), (0, 100)])
+
+
 def test_arc_evicts_t1_before_t2_while_t1_exceeds_its_target() -> None:
     arc = ArcPolicy(CAPACITY)
     for slot in range(3):

@@ -82,6 +82,8 @@ def test_lookup_counts_no_block_after_a_busy_one() -> None:
     stored(manager, [9], job_id=3)
     slots = manager.prepare_load([2])
     assert manager.lookup([1, 2, 3]) == Lookup(hits=1, busy=(slots[0], pending.slots[1]))
+    manager.complete_store(pending.slots[1:], True)  # 3 is ready again behind the loading 2
+    assert manager.lookup([1, 2, 3]) == Lookup(hits=1, busy=slots)
 
 
 def test_a_block_being_loaded_is_busy_so_a_second_reader_defers() -> None:
@@ -115,9 +117,11 @@ def test_prepare_load_refuses_a_block_that_is_not_ready_and_pins_nothing() -> No
     stored(manager, [1])
     manager.prepare_store([2], job_id=2)
     before = snapshot(manager)
-    for hashes in ([1, 2], [1, 3]):
-        with pytest.raises(NotLoadable):
+    for hashes, refusal in (([1, 2], "hash 0x2 cannot be loaded: pending-store"),
+                            ([1, 3], "hash 0x3 cannot be loaded: not catalogued")):
+        with pytest.raises(NotLoadable) as refused:
             manager.prepare_load(hashes)
+        assert str(refused.value) == refusal
     assert snapshot(manager) == before
 
 
@@ -325,17 +329,33 @@ def test_a_batch_naming_a_bad_slot_raises_and_moves_nothing(slots: list[int]) ->
     assert snapshot(manager) == before
 
 
+@pytest.mark.parametrize(("slots", "refusal"), [
+    ([0, 0], "submit: a slot is named twice in [0, 0]"),
+    ([2], "submit: a slot of [2] is outside the pool of 2"),
+    ([-1], "submit: a slot of [-1] is outside the pool of 2"),
+    ([0, 1], "submit is illegal for (slot, state) [(1, 'free')]"),
+])
+def test_a_bad_batch_is_refused_naming_its_trigger_and_slots(slots: list[int], refusal: str) -> None:
+    manager = OffloadingManager(2)
+    manager.prepare_store([1], job_id=1)
+    with pytest.raises(BadSlots) as refused:
+        manager.mark_submitted(slots)
+    assert str(refused.value) == refusal
+
+
 def test_a_hash_named_twice_in_one_call_raises() -> None:
     manager = OffloadingManager(2)
     for call in (lambda h: manager.prepare_store(h, 1), manager.prepare_load):
-        with pytest.raises(DuplicateHashes):
+        with pytest.raises(DuplicateHashes) as refused:
             call([1, 1])
+        assert str(refused.value) == "a hash is named twice in one call: [1, 1]"
     assert states(manager) == ["free", "free"]
 
 
 def test_bad_construction_raises() -> None:
-    with pytest.raises(UnknownPolicy):
+    with pytest.raises(UnknownPolicy) as refused:
         OffloadingManager(2, "mru")  # type: ignore[arg-type]
+    assert str(refused.value) == "unknown eviction policy 'mru'; choose one of ['arc', 'lru']"
     with pytest.raises(BadPoolSize, match="at least one slot"):
         OffloadingManager(0)
     with pytest.raises(BadPoolSize, match="policy capacity 3 != pool size 2"):
