@@ -531,6 +531,26 @@ def test_a_request_finished_without_saying_aborted_lets_its_stores_run_unflushed
     assert store.job_id not in sched.build_connector_meta(SchedulerOutput()).flush, "a finish flushed like an abort"
 
 
+def test_a_store_covers_only_the_gpu_blocks_its_step_names() -> None:
+    sched = connector()
+    req = prompt("a", [1, 2, 3, 4])
+    admit(sched, req, range(5))
+    (order,) = compute(sched, req, (0, 1)).stores  # all tokens computed, two blocks named
+    assert (order.gpu_blocks, len(order.cpu_slots)) == ((0, 1), 2)
+
+
+def test_every_store_the_pool_has_no_room_for_adds_to_the_refusals() -> None:
+    sched = connector(cpu_blocks=1)
+    admit(sched, prompt("a", [1]), range(2))
+    assert len(compute(sched, prompt("a", [1]), range(2)).stores) == 1  # its slot stays busy: never reported
+    for name, hashes, blocks in (("b", [2], (2, 3)), ("c", [3], (4, 5))):
+        admit(sched, prompt(name, hashes), blocks)
+    both = SchedulerOutput(scheduled=(ScheduledRequest(req_id="b", block_ids=(2, 3), num_computed_tokens=BLOCK + 1),
+                                      ScheduledRequest(req_id="c", block_ids=(4, 5), num_computed_tokens=BLOCK + 1)))
+    assert sched.build_connector_meta(both).stores == ()
+    assert sched.stats.store_refusals == 2
+
+
 # construction ------------------------------------------------------------------------------------------------
 
 

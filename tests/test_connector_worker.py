@@ -317,3 +317,14 @@ def test_stores_into_one_cpu_slot_go_out_one_pipeline_each_and_both_land() -> No
     step(worker, ConnectorMetadata(step=2))
     device.run_until_idle()
     assert worker.get_finished() == WorkerOutput(done=(0, 1))
+
+
+def test_shutting_down_waits_for_every_layer_segment_of_a_load_in_flight() -> None:
+    """The host pool is unpinned at shutdown: no copy may still read it."""
+    worker, device, _ = make_worker()
+    stored_slots(worker, device, (0,))
+    worker.bind_connector_metadata(ConnectorMetadata(step=3, loads=(
+        LoadOrder(job_id=1, req_id="a", gpu_blocks=(6,), cpu_slots=(0,)),)))
+    worker.start_load_kv()
+    worker.shutdown()
+    assert [op.label for op in device._queues["load"]] == []
