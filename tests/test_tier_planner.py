@@ -158,6 +158,42 @@ def test_a_tier_is_credited_only_with_the_tokens_of_blocks_its_fetches_brought(f
         h.close()
 
 
+def on_disk_only(prompt: tuple[int, ...]) -> Harness:
+    """An engine with two GPU blocks (4 tokens) per CPU block whose disk tier holds `prompt`'s CPU blocks, its
+    three-block CPU pool and its GPU prefix cache holding none of them."""
+    h = Harness(SimDevice(), num_gpu_blocks=16, cpu_blocks=3, block_size_factor=2, disk_slots=8)
+    _serve(h, prompt + (1,))
+    _serve(h, tuple(range(41, 53)) + (2,))  # three CPU blocks: the prompt's are pushed out of the CPU pool
+    h.engine.reset_prefix_cache()
+    return h
+
+
+def test_a_tier_is_credited_with_every_token_of_the_cpu_blocks_a_load_takes_whole() -> None:
+    """Two GPU blocks (4 tokens) per CPU block: A and B, fetched from disk, are loaded whole: 8 tokens."""
+    h = on_disk_only(A + B)
+    try:
+        _serve(h, A + B + (3,))
+        assert planner(h).stats.tokens_loaded_from["disk"] == 8
+        assert h.final_violations() == []
+    finally:
+        h.close()
+
+
+def test_a_load_that_starts_mid_cpu_block_credits_its_tier_only_with_the_tokens_it_takes() -> None:
+    """The GPU prefix cache holds A and half of B (3 GPU blocks); the load takes B's other half and C from disk:
+    2 + 4 tokens, not the whole of B nor the blocks the GPU prefix covered."""
+    h = on_disk_only(A + B + C)
+    try:
+        _serve(h, A + B[:2] + (3,))  # loads A from disk (4 tokens), computes the rest
+        assert planner(h).stats.tokens_loaded_from["disk"] == 4
+        h.add_request(A + B + C + (4,), 1)
+        h.drain()
+        assert planner(h).stats.tokens_loaded_from["disk"] == 4 + 6
+        assert h.final_violations() == []
+    finally:
+        h.close()
+
+
 def test_a_fetch_abandoned_after_a_cache_reset_frees_its_slots_once_its_read_returns(h: Harness) -> None:
     _serve(h, A + (1,))
     _serve(h, B + (2,))  # A now only on disk
