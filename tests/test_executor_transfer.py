@@ -432,23 +432,28 @@ def test_only_the_first_chunk_of_a_store_pipeline_waits_for_the_store_stream(joi
     assert joins == [True, False, False]
 
 
-def test_every_store_layer_segment_waits_for_the_store_stream(joins: list[bool]) -> None:
-    """Each layer of a per-layer store goes out behind its own compute event, so none may skip the wait."""
+def send_every_layer(direction: str) -> int:
+    """Enqueue and run every layer segment of a two-block job in `direction`; returns the number of layers."""
     device, _, _, transfers = make("kv-first", 1)
-    segments = transfers.store_segments([1, 2], [3, 4])
+    if direction == "store":
+        segments = transfers.store_segments([1, 2], [3, 4])
+    else:
+        segments = transfers.load_segments([3, 4], [1, 2])
     for segment in range(transfers.num_segments):
         segments.enqueue(segment, f"layer {segment}")
     device.run_until_idle()
-    assert joins == [True] * transfers.num_segments
+    return transfers.num_segments
+
+
+def test_every_store_layer_segment_waits_for_the_store_stream(joins: list[bool]) -> None:
+    """Each layer of a per-layer store goes out behind its own compute event, so none may skip the wait."""
+    layers = send_every_layer("store")
+    assert joins == [True] * layers
 
 
 def test_only_the_first_layer_segment_of_a_load_waits_for_the_load_stream(joins: list[bool]) -> None:
-    device, _, _, transfers = make("kv-first", 1)
-    segments = transfers.load_segments([3, 4], [1, 2])
-    for segment in range(transfers.num_segments):
-        segments.enqueue(segment, f"layer {segment}")
-    device.run_until_idle()
-    assert joins == [True] + [False] * (transfers.num_segments - 1)
+    layers = send_every_layer("load")
+    assert joins == [True] + [False] * (layers - 1)
 
 
 def test_a_store_pipeline_uploads_its_gpu_block_index_once(monkeypatch: pytest.MonkeyPatch) -> None:
