@@ -13,7 +13,8 @@ from kvfsm.executor import mechanisms, transfer
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.mechanisms import device_index, resolve, runs
 from kvfsm.executor.rows import RowCopies
-from test_executor_transfer import CASES, NUM_BLOCKS, JoinLog, block, make
+from test_executor_pipelines import JoinLog
+from test_executor_transfer import CASES, NUM_BLOCKS, block, make
 
 
 def one_tensor(layout: str, mechanism: str) -> tuple[SimDevice, KVCaches, HostPool, Transfers]:
