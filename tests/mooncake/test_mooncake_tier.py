@@ -74,6 +74,21 @@ def test_an_engine_loads_a_prefix_another_engine_stored(mooncake, tenant) -> Non
     clean(b)
 
 
+def test_an_engine_does_not_write_back_a_block_another_engine_published(mooncake, tenant) -> None:
+    b = engine(mooncake, tenant=tenant)
+    b.add_request(PROMPT, max_new_tokens=3)
+    b.engine.step()  # B's lookup misses: nothing is in the store yet, so B computes the prefix itself
+    a = engine(mooncake, tenant=tenant)
+    serve(a, PROMPT)  # meanwhile A computes the same prefix and publishes it
+    published = {entry.key for entry in a.mooncake.entries}
+    clean(a)
+    drive(b)  # B stores the prefix in its CPU pool; its eager write-back finds the keys in the store
+    assert from_store(b) == 0, "B loaded the prefix instead of computing it"
+    assert published and {entry.key for entry in b.mooncake.entries} == published
+    assert b.connector.scheduler.tiers.stats.blocks_written_back["mooncake"] == 0, "B wrote back A's blocks"
+    clean(b)
+
+
 @pytest.mark.parametrize("difference", ["model", "dtype", "tenant", "layout"])
 def test_engines_that_differ_miss_each_others_keys(mooncake, tenant, difference: str) -> None:
     a = engine(mooncake, tenant=tenant)
