@@ -55,6 +55,7 @@ from kvfsm.connector.validation import (
 )
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.sim import SimDevice
+from kvfsm.machines import MachineSet
 from kvfsm.testing.snapshot import snapshot
 
 BLOCK = 4
@@ -77,8 +78,9 @@ def caches(block_tokens: int = BLOCK) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def registered(**config: Any) -> Connector:
-    connector = Connector(OffloadConfig(**{"cpu_blocks": 8, "gpu_block_size": BLOCK, **config}), SimDevice())
+def registered(machines: MachineSet | None = None, **config: Any) -> Connector:
+    connector = Connector(OffloadConfig(**{"cpu_blocks": 8, "gpu_block_size": BLOCK, **config}), SimDevice(),
+                          machines=machines)
     connector.register_kv_caches(caches(), "kv-first")
     return connector
 

@@ -46,7 +46,7 @@ from kvfsm.spec import load_spec
 from kvfsm.testing.snapshot import snapshot
 from kvfsm.testing.spec_mutants import SpecMutant, shipped
 from kvfsm.invariants import Deferral
-from test_boundaries import BLOCK, NUM_BLOCKS, PREFIX, REFUSALS, Req, caches, scheduled, world
+from test_boundaries import BLOCK, NUM_BLOCKS, PREFIX, REFUSALS, Req, caches, registered, scheduled, world
 from test_connector_scheduler import connector as scheduler_half, prompt, store_prefix
 
 MESSAGES = {
@@ -246,8 +246,7 @@ def test_a_refusal_names_the_legal_states_of_the_lifecycle_its_connector_runs(tm
     shipped_world = world()
     with pytest.raises(RequestStateForbids, match="legal only for a request that is running$"):
         shipped_world.connector.request_finished("loading")
-    c = Connector(OffloadConfig(cpu_blocks=8, gpu_block_size=BLOCK), SimDevice(), machines=MachineSet(variant))
-    c.register_kv_caches(caches(), "kv-first")
+    c = registered(MachineSet(variant))
     c.get_num_new_matched_tokens(Req("r", (), 3), 0)
     c.update_state_after_alloc(Req("r", (), 3), [0], 0)
     c.build_connector_meta(SchedulerOutput(preempted=("r",)))

@@ -17,6 +17,7 @@ from kvfsm.executor.layouts import LayoutError
 from kvfsm.executor.sim import SimDevice
 from kvfsm.executor.transfer import UnknownLayer
 from kvfsm.testing.copy_faults import FaultInjector
+from test_connector_copy_faults import lagging
 
 NUM_BLOCKS = 8
 SHAPE = (2, NUM_BLOCKS, 4, 1, 8)
@@ -176,18 +177,6 @@ def test_a_layer_hook_naming_an_unregistered_layer_is_refused_before_anything_ch
     assert worker.jobs == {}
 
 
-def test_a_load_lands_one_segment_per_layer_and_completes_only_after_the_last() -> None:
-    worker, device, _ = make_worker()
-    worker.bind_connector_metadata(ConnectorMetadata(step=1, loads=(LoadOrder(
-        job_id=0, req_id="r", gpu_blocks=(3,), cpu_slots=(0,)),)))
-    worker.start_load_kv()
-    while [op.label for op in device._queues["load"]][:1] != ["load job 0 layer 1"]:
-        device.run_one(device.runnable()[0])  # compute's barrier, then the load up to its second layer
-    assert worker.get_finished() == WorkerOutput() and worker.jobs[0].landed_segments == 1
-    device.run_until_idle()
-    assert worker.get_finished() == WorkerOutput(done=(0,))
-
-
 def start_one_load(worker: WorkerConnector, fail_after: int | None = None) -> None:
     """Order one load of GPU block 3 from CPU slot 0 and send it; with `fail_after`, it fails after sending that
     many layer segments."""
@@ -205,6 +194,15 @@ def land_first_segment(device: SimDevice) -> None:
     device.run_one("compute")
     while [op.label for op in device._queues["load"]][:1] != ["load job 0 layer 1"]:
         device.run_one("load")
+
+
+def test_a_load_lands_one_segment_per_layer_and_completes_only_after_the_last() -> None:
+    worker, device, _ = make_worker()
+    start_one_load(worker)
+    land_first_segment(device)
+    assert worker.get_finished() == WorkerOutput() and worker.jobs[0].landed_segments == 1
+    device.run_until_idle()
+    assert worker.get_finished() == WorkerOutput(done=(0,))
 
 
 @pytest.mark.parametrize(("layer", "may_compute"), [("layer.0", True), ("layer.1", False)])
@@ -300,7 +298,7 @@ def test_a_load_into_a_gpu_block_a_store_still_reads_waits_for_that_store_even_w
     stored_slots(worker, device, (0,))
     before = blocks(layers, [2])
     step(worker, ConnectorMetadata(step=3, stores=(store(1, (2,), (1,)),)))
-    device.scheduler = lambda options: next((o for o in options if o != "store"), options[0])
+    device.scheduler = lagging("store")
     step(worker, ConnectorMetadata(step=4, loads=(LoadOrder(job_id=2, req_id="b", gpu_blocks=(2,), cpu_slots=(0,)),)))
     device.run_until_idle()
     assert worker.get_finished() == WorkerOutput(done=(1, 2))

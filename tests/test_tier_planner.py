@@ -30,11 +30,23 @@ C = (31, 32, 33, 34)
 
 
 @pytest.fixture
-def h() -> Iterator[Harness]:
-    """An engine with a one-disk tier below a two-block CPU pool, closed (disk directory removed) after the test."""
-    harness = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=2, disk_slots=4)
-    yield harness
-    harness.close()
+def harness() -> Iterator[Callable[..., Harness]]:
+    """Opens engines on a `SimDevice` (`Harness` options), each closed (disk directory removed) after the test."""
+    opened: list[Harness] = []
+
+    def open_(**options: object) -> Harness:
+        opened.append(Harness(SimDevice(), **options))  # type: ignore[arg-type]
+        return opened[-1]
+
+    yield open_
+    for each in opened:
+        each.close()
+
+
+@pytest.fixture
+def h(harness: Callable[..., Harness]) -> Harness:
+    """An engine with a one-disk tier below a two-block CPU pool."""
+    return harness(num_gpu_blocks=8, cpu_blocks=2, disk_slots=4)
 
 
 def planner(h: Harness) -> TierPlanner:
@@ -136,62 +148,56 @@ def test_an_order_for_a_tier_the_worker_did_not_open_is_refused_naming_it(h: Har
 # --- where loaded tokens came from, and a fetch abandoned after a reset -----------------------------------------
 
 @pytest.mark.parametrize(("fault", "credited"), [("corrupt-block", 2), ("stall", 0)])
-def test_a_tier_is_credited_only_with_the_tokens_of_blocks_its_fetches_brought(fault: str, credited: int) -> None:
+def test_a_tier_is_credited_only_with_the_tokens_of_blocks_its_fetches_brought(
+        harness: Callable[..., Harness], fault: str, credited: int) -> None:
     """A fetch of A fails for its first block (corrupt) or whole (abandoned at its deadline); the request computes
     what it lacked and stores it. Loaded later from the CPU pool, the blocks it computed came from no tier."""
-    h = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=4, disk_slots=6)
-    try:
-        for prompt in (A + (1,), B + (2,), C + (3,)):  # A pushed out of the CPU pool, kept on disk
-            _serve(h, prompt)
-        h.engine.reset_prefix_cache()
-        if fault == "corrupt-block":
-            h.tier_faults.inject(fault)
-        h.add_request(A + (4,), 1)
-        h.engine.step()  # the fetch is ordered and its read submitted
-        if fault == "stall":
-            h.tier_faults.inject(fault)
-        h.drain()
-        _serve(h, A + (5,))
-        assert planner(h).stats.tokens_loaded_from["disk"] == credited
-        assert h.final_violations() == []
-    finally:
-        h.close()
+    h = harness(num_gpu_blocks=8, cpu_blocks=4, disk_slots=6)
+    for prompt in (A + (1,), B + (2,), C + (3,)):  # A pushed out of the CPU pool, kept on disk
+        _serve(h, prompt)
+    h.engine.reset_prefix_cache()
+    if fault == "corrupt-block":
+        h.tier_faults.inject(fault)
+    h.add_request(A + (4,), 1)
+    h.engine.step()  # the fetch is ordered and its read submitted
+    if fault == "stall":
+        h.tier_faults.inject(fault)
+    h.drain()
+    _serve(h, A + (5,))
+    assert planner(h).stats.tokens_loaded_from["disk"] == credited
+    assert h.final_violations() == []
 
 
-def on_disk_only(prompt: tuple[int, ...]) -> Harness:
+def on_disk_only(harness: Callable[..., Harness], prompt: tuple[int, ...]) -> Harness:
     """An engine with two GPU blocks (4 tokens) per CPU block whose disk tier holds `prompt`'s CPU blocks, its
     three-block CPU pool and its GPU prefix cache holding none of them."""
-    h = Harness(SimDevice(), num_gpu_blocks=16, cpu_blocks=3, block_size_factor=2, disk_slots=8)
+    h = harness(num_gpu_blocks=16, cpu_blocks=3, block_size_factor=2, disk_slots=8)
     _serve(h, prompt + (1,))
     _serve(h, tuple(range(41, 53)) + (2,))  # three CPU blocks: the prompt's are pushed out of the CPU pool
     h.engine.reset_prefix_cache()
     return h
 
 
-def test_a_tier_is_credited_with_every_token_of_the_cpu_blocks_a_load_takes_whole() -> None:
+def test_a_tier_is_credited_with_every_token_of_the_cpu_blocks_a_load_takes_whole(
+        harness: Callable[..., Harness]) -> None:
     """Two GPU blocks (4 tokens) per CPU block: A and B, fetched from disk, are loaded whole: 8 tokens."""
-    h = on_disk_only(A + B)
-    try:
-        _serve(h, A + B + (3,))
-        assert planner(h).stats.tokens_loaded_from["disk"] == 8
-        assert h.final_violations() == []
-    finally:
-        h.close()
+    h = on_disk_only(harness, A + B)
+    _serve(h, A + B + (3,))
+    assert planner(h).stats.tokens_loaded_from["disk"] == 8
+    assert h.final_violations() == []
 
 
-def test_a_load_that_starts_mid_cpu_block_credits_its_tier_only_with_the_tokens_it_takes() -> None:
+def test_a_load_that_starts_mid_cpu_block_credits_its_tier_only_with_the_tokens_it_takes(
+        harness: Callable[..., Harness]) -> None:
     """The GPU prefix cache holds A and half of B (3 GPU blocks); the load takes B's other half and C from disk:
     2 + 4 tokens, not the whole of B nor the blocks the GPU prefix covered."""
-    h = on_disk_only(A + B + C)
-    try:
-        _serve(h, A + B[:2] + (3,))  # loads A from disk (4 tokens), computes the rest
-        assert planner(h).stats.tokens_loaded_from["disk"] == 4
-        h.add_request(A + B + C + (4,), 1)
-        h.drain()
-        assert planner(h).stats.tokens_loaded_from["disk"] == 4 + 6
-        assert h.final_violations() == []
-    finally:
-        h.close()
+    h = on_disk_only(harness, A + B + C)
+    _serve(h, A + B[:2] + (3,))  # loads A from disk (4 tokens), computes the rest
+    assert planner(h).stats.tokens_loaded_from["disk"] == 4
+    h.add_request(A + B + C + (4,), 1)
+    h.drain()
+    assert planner(h).stats.tokens_loaded_from["disk"] == 4 + 6
+    assert h.final_violations() == []
 
 
 def test_a_fetch_abandoned_after_a_cache_reset_frees_its_slots_once_its_read_returns(h: Harness) -> None:
