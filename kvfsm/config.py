@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
-Mechanism = Literal["auto", "copy-per-block", "staged-gather", "cross-layer", "staged-copy"]
+Mechanism = Literal["auto", "copy-per-block", "staged-gather", "fused-gather", "cross-layer", "staged-copy"]
 WriteBack = Literal["eager", "on-evict"]
 """eager: a block is written back as soon as its store completed. on-evict: the blocks next in line for CPU
 eviction are written back before they are evicted, so the tier receives what the CPU pool is about to lose."""

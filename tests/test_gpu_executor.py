@@ -9,7 +9,8 @@ import torch
 from kvfsm.executor import LAYOUTS, MECHANISMS, POISON_BYTE, CudaDevice, HostPool, KVCaches, Transfers
 from kvfsm.executor import register_kv_caches
 from kvfsm.executor.layouts import allocate_kv_caches
-from kvfsm.executor.mechanisms import BLOCK_CONTIGUOUS_ONLY
+from kvfsm.executor.mechanisms import BLOCK_CONTIGUOUS_ONLY, device_index
+from kvfsm.executor.rows import RawRows, RowCopies
 
 pytestmark = pytest.mark.gpu
 TRIALS = 50
@@ -146,3 +147,60 @@ def test_poisoning_cpu_slots_takes_its_turn_on_the_stream_without_holding_up_the
         device.record("store", done)
         device.synchronize(done)
         assert (poisoned_at_once, bool((pool.slot(1) == POISON_BYTE).all())) == (False, True)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_launch_gathers_the_bytes_a_launch_per_plane_gathers(layout: str) -> None:
+    """The one-launch gather (Triton, every plane at once; a pipeline's leading chunk) fills a staging slot with
+    exactly the blocks asked for, as the per-plane index_select of later chunks does."""
+    device, caches, pool, transfers = rig(layout, 1, "staged-gather")
+    mechanism = transfers._mechanism
+    assert mechanism._one_launch is not None, "Triton is on the device image: the one-launch path must be in use"
+    blocks = torch.randperm(64)[:5].tolist()
+    index = device_index(blocks, caches.device)
+    n = len(blocks) * caches.gpu_block_bytes
+    for slot in mechanism._staging["store"]:
+        slot.fill_(POISON_BYTE)
+    mechanism._gather(blocks, index, 0, leading=True)
+    mechanism._gather(blocks, index, 1)
+    torch.cuda.synchronize()
+    staged, per_plane = (slot[:n] for slot in mechanism._staging["store"])
+    assert torch.equal(staged, per_plane)
+    assert torch.equal(staged, torch.cat([block(caches, b) for b in blocks]))
+    pool.close()
+
+
+def test_held_row_copies_go_out_in_order_one_direction_per_driver_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies inside one driver batch may run in any order, so a batch holds one direction only, in the order the
+    copies were asked for, and a copy of another kind first sends what is held: a read of bytes just written
+    then sees them."""
+    batches: list[tuple[bool, int]] = []
+    issue = RawRows.copy_many
+
+    def logged(self: RawRows, dsts: list[int], srcs: list[int], sizes: list[int], to_device: bool,
+               device: int) -> None:
+        batches.append((to_device, len(sizes)))
+        issue(self, dsts, srcs, sizes, to_device, device)
+
+    monkeypatch.setattr(RawRows, "copy_many", logged)
+    device = CudaDevice()
+    host = device.pin_host(1 << 16)
+    host[:4096] = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
+    gpu = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(device.streams["store"]), RowCopies(gpu.device, batched=True) as rows:
+        for i in range(3):  # host -> device, a KiB each
+            rows.copy(gpu, i * 1024, 1024, host, i * 1024, 1024, 1024, 1)
+        for i in range(2):  # device -> host: reads what the first batch wrote
+            rows.copy(host, 8192 + i * 1024, 1024, gpu, i * 1024, 1024, 1024, 1)
+        rows.copy(host, 16384, 512, gpu, 0, 1024, 512, 2)  # two rows: a 2-D copy, never held
+        rows.copy(gpu, 32768, 1024, host, 8192, 1024, 1024, 1)
+    torch.cuda.synchronize()
+    assert batches == [(True, 3), (False, 2), (True, 1)]
+    assert torch.equal(host[8192:10240], host[:2048])
+    assert torch.equal(host[16384:16896], host[:512]) and torch.equal(host[16896:17408], host[1024:1536])
+    assert torch.equal(gpu[32768:33792].cpu(), host[:1024])
+    with RowCopies(gpu.device, batched=True) as rows:  # the legacy default stream refuses batches: copies at once
+        rows.copy(gpu, 40960, 1024, host, 0, 1024, 1024, 1)
+    torch.cuda.synchronize()
+    assert len(batches) == 3 and torch.equal(gpu[40960:41984].cpu(), host[:1024])
+    device.unpin_host(host)

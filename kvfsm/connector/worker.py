@@ -278,13 +278,14 @@ class WorkerConnector:
     def get_finished(self) -> WorkerOutput:
         """Jobs whose copies completed (or failed) since the last call, each reported once."""
         done = []
+        landed: set[int] = set()
         for job in self.jobs.values():
             if job.state not in _RUNNING:
                 continue
             if self._ordered_this_step(job):
                 continue
             if job.segments:
-                self._land_segments(job)
+                self._land_segments(job, landed)
                 finished = job.landed_segments == job.segments
             else:
                 finished = self.device.query(self._events[job.job_id])
@@ -306,11 +307,15 @@ class WorkerConnector:
         so it is reported (done or failed) from then on."""
         return job.kind == "store" and job.ordered_step == self._meta.step
 
-    def _land_segments(self, job: TransferJob) -> None:
-        """Segments land in the order they were enqueued on one stream: fire `land-segment` for each done one."""
+    def _land_segments(self, job: TransferJob, landed: set[int]) -> None:
+        """Segments land in the order they were enqueued on one stream: fire `land-segment` for each done one.
+        `landed`: ids of the events this report already saw done (a step's loads share one event per segment, so
+        each is asked once, not once per job)."""
         for event in self._segment_events[job.job_id][job.landed_segments:]:
-            if not self.device.query(event):
-                return
+            if id(event) not in landed:
+                if not self.device.query(event):
+                    return
+                landed.add(id(event))
             self._job.fire(job, "land-segment")
 
     def wait(self, job_ids: Sequence[int]) -> None:

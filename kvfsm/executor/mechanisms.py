@@ -8,7 +8,11 @@ moves exactly those bytes; they differ only in how many copies they issue and wh
 - "cross-layer": the same plan, refused unless every tensor holds each block contiguously, where it issues one
   copy per run of blocks (per tensor).
 - "staged-gather": gather a chunk of scattered blocks on the device into a staging slot (one kernel pair per
-  tensor), then one DMA per contiguous host run; two slots pipelined so gathering overlaps the DMA.
+  tensor), then one DMA per contiguous host run; two slots pipelined so gathering overlaps the DMA. The first
+  chunk of a pipeline, whose gather stands between the step's start and its first DMA, is gathered by one launch
+  for every tensor (`kvfsm.executor.gather`) where that runs.
+- "fused-gather": staged-gather with every chunk gathered by one launch: the least host time and the most
+  bandwidth, for a larger share of a concurrent kernel's time (see `resolve`).
 
 Every mechanism also moves one layer segment (one registered tensor) of a job on its own (`run_segment`), which is
 what per-layer loads and stores issue. A segment's bytes in a run of consecutive CPU blocks are rows a GPU block
@@ -17,6 +21,7 @@ apart, so staged-gather moves them with one 2-D DMA per run (`kvfsm.executor.row
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import lru_cache
 from dataclasses import dataclass
@@ -24,15 +29,18 @@ from typing import Iterator, Literal, Protocol, Sequence
 
 import torch
 
+from kvfsm.executor import gather
 from kvfsm.executor.lanes import SLOTS, Lanes, Step, lanes_for
 from kvfsm.executor.layouts import KVCaches, Plane
 from kvfsm.executor.rows import RowCopies
 
 Direction = Literal["store", "load"]
-MECHANISMS = ("copy-per-block", "cross-layer", "staged-gather", "staged-copy")
+MECHANISMS = ("copy-per-block", "cross-layer", "staged-gather", "fused-gather", "staged-copy")
 BLOCK_CONTIGUOUS_ONLY = frozenset({"cross-layer", "staged-copy"})
 """Mechanisms that refuse caches where a block is several pieces of one tensor (kv-first)."""
 DEFAULT_STAGING_BYTES = 128 << 20  # per slot; 2 slots per direction
+
+log = logging.getLogger(__name__)
 
 
 class MechanismError(ValueError):
@@ -69,22 +77,22 @@ def chunk_runs(offsets: tuple[int, ...], chunk: int, stride: int) -> tuple[tuple
                  for i in range(0, len(offsets), chunk))
 
 
-def _move(rows: RowCopies, direction: Direction, gpu: torch.Tensor, host: torch.Tensor) -> None:
-    """One contiguous byte range each way, as a one-row copy: straight to the driver on CUDA, where a tensor
-    `copy_` cost several times the host time (a DMA-only job issues one per run of blocks)."""
-    n = gpu.numel()
+def _move(rows: RowCopies, direction: Direction, gpu: torch.Tensor, gpu_offset: int, host: torch.Tensor,
+          host_offset: int, nbytes: int) -> None:
+    """`nbytes` contiguous bytes at `gpu_offset` of `gpu` to or from `host_offset` of `host`, as a one-row copy:
+    straight to the driver on CUDA, where a tensor `copy_` cost several times the host time (a DMA-only job
+    issues one per run of blocks). Offsets, not sliced views: a view costs a few µs of host time per copy."""
     if direction == "store":
-        rows.copy(host, 0, n, gpu, 0, n, n, 1)
+        rows.copy(host, host_offset, nbytes, gpu, gpu_offset, nbytes, nbytes, 1)
     else:
-        rows.copy(gpu, 0, n, host, 0, n, n, 1)
+        rows.copy(gpu, gpu_offset, nbytes, host, host_offset, nbytes, nbytes, 1)
 
 
 def device_index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     """`ids` as an int64 tensor on `device`, copied without blocking the host (pageable copies would)."""
-    index = torch.tensor(ids, dtype=torch.int64)
-    if device.type == "cuda":
-        return index.pin_memory().to(device, non_blocking=True)
-    return index
+    if device.type == "cuda":  # made in pinned memory at once: no pageable tensor to copy into pinned first
+        return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 class Mechanism(Protocol):
@@ -113,14 +121,18 @@ class DirectCopy:
         self._caches = caches
         self.chunk_blocks: int | None = None
 
-    def _pieces(self, plane: Plane, gpu_start: int, host_start: int, n: int) -> Iterator[tuple[torch.Tensor, int]]:
-        block_bytes = self._caches.gpu_block_bytes
+    def _pieces(self, plane: Plane, gpu_start: int, host_start: int, n: int) -> Iterator[tuple[int, int, int]]:
+        """(byte offset in `plane.rows`, byte offset in the host buffer, bytes) of each contiguous piece of the
+        run of `n` blocks from `gpu_start`."""
+        block_bytes, rows = self._caches.gpu_block_bytes, plane.rows
+        piece_stride, block_stride = rows.stride(0), rows.stride(1)
         if plane.pieces == 1 and plane.block_bytes == block_bytes:
-            yield plane.rows[0, gpu_start:gpu_start + n].reshape(-1), host_start
+            yield gpu_start * block_stride, host_start, n * block_bytes
             return
         for i in range(n):
             for p in range(plane.pieces):
-                yield plane.rows[p, gpu_start + i], host_start + i * block_bytes + plane.offset + p * plane.piece_bytes
+                yield (p * piece_stride + (gpu_start + i) * block_stride,
+                       host_start + i * block_bytes + plane.offset + p * plane.piece_bytes, plane.piece_bytes)
 
     def run(self, direction: Direction, placement: Placement, host: torch.Tensor,
             index: torch.Tensor | None = None, join: bool = True) -> None:
@@ -131,11 +143,12 @@ class DirectCopy:
         self._copy(direction, placement, host, self._caches.planes[segment:segment + 1])
 
     def _copy(self, direction: Direction, placement: Placement, host: torch.Tensor, planes: Sequence[Plane]) -> None:
-        stride, rows = self._caches.gpu_block_bytes, RowCopies(self._caches.device)
-        for _, gpu_start, host_start, n in runs(placement.gpu_blocks, placement.host_offsets, stride):
-            for plane in planes:
-                for gpu, offset in self._pieces(plane, gpu_start, host_start, n):
-                    _move(rows, direction, gpu, host[offset:offset + gpu.numel()])
+        stride = self._caches.gpu_block_bytes
+        with RowCopies(self._caches.device, batched=True) as rows:  # one driver call for the job's copies
+            for _, gpu_start, host_start, n in runs(placement.gpu_blocks, placement.host_offsets, stride):
+                for plane in planes:
+                    for gpu_offset, host_offset, nbytes in self._pieces(plane, gpu_start, host_start, n):
+                        _move(rows, direction, plane.rows, gpu_offset, host, host_offset, nbytes)
 
 
 def word_dtype(caches: KVCaches) -> torch.dtype:
@@ -149,6 +162,11 @@ def word_dtype(caches: KVCaches) -> torch.dtype:
 class StagedGather:
     """Gather/scatter chunks of blocks through two device staging slots; one DMA per contiguous host run."""
 
+    gathers_by_kernel = True
+    """A chunk's gather is a kernel (one launch for every plane where `kvfsm.executor.gather` runs)."""
+    fuse_every_chunk = False
+    """Gather every chunk by one launch, not only a pipeline's first ("fused-gather")."""
+
     def __init__(self, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self._caches = caches
         self._chunk = max(1, min(staging_bytes // caches.gpu_block_bytes, caches.num_blocks))
@@ -161,8 +179,9 @@ class StagedGather:
         word = word_dtype(caches)
         self._rows = [plane.rows.view(word) for plane in caches.planes]
         # Each plane's place in each slot, built once: per-chunk Python work is what bounds host submission.
-        self._views = {d: [[self._staged(p, slot.view(word)) for p in caches.planes] for slot in slots]
-                       for d, slots in self._staging.items()}
+        self._words = {d: [slot.view(word) for slot in slots] for d, slots in self._staging.items()}
+        self._views = {d: [[self._staged(p, slot) for p in caches.planes] for slot in slots]
+                       for d, slots in self._words.items()}
         # A segment's chunk: as many blocks of one plane as a slot holds.
         self._segment_chunk = [max(1, min(size // p.block_bytes, caches.num_blocks)) for p in caches.planes]
         self._segment_views = {
@@ -170,6 +189,22 @@ class StagedGather:
                 for slot in slots]
             for d, slots in self._staging.items()}
         self._lanes: dict[Direction, Lanes] = {d: lanes_for(caches.device) for d in ("store", "load")}
+        self._one_launch = self._piece_gather(caches, word)
+
+    def _piece_gather(self, caches: KVCaches, word: torch.dtype) -> gather.PieceGather | None:
+        """A chunk's gather as one launch for every plane (`kvfsm.executor.gather`), where it runs: compiled here,
+        by gathering block 0, so an engine's first step does not pay the compilation; None (one launch per plane)
+        without Triton, off a GPU, or when it fails to build."""
+        if not self.gathers_by_kernel or not gather.available(caches.device):
+            return None
+        try:
+            one_launch = gather.PieceGather(caches.planes, self._rows, caches.gpu_block_bytes, word)
+            one_launch(torch.zeros(1, dtype=torch.int64, device=caches.device), self._staging["store"][0].view(word))
+        except Exception as err:  # noqa: BLE001 (no compiler, an old driver: the per-plane launches still work)
+            log.warning("one-launch gathers unavailable, gathering one plane at a time: %s: %s",
+                        type(err).__name__, err)
+            return None
+        return one_launch
 
     def _staged(self, plane: Plane, slot: torch.Tensor, segment_chunk: int | None = None) -> torch.Tensor:
         """Where `plane`'s pieces of a chunk sit in a staging slot (in words), shaped like its rows[:, :chunk]:
@@ -184,11 +219,18 @@ class StagedGather:
     def _dma(self, direction: Direction, slot: torch.Tensor, offsets: Sequence[int], host: torch.Tensor) -> None:
         block_bytes, rows = self._caches.gpu_block_bytes, RowCopies(self._caches.device)
         for first, _, host_start, n in runs(range(len(offsets)), offsets, block_bytes):
-            _move(rows, direction, slot[first * block_bytes:(first + n) * block_bytes],
-                  host[host_start:host_start + n * block_bytes])
+            _move(rows, direction, slot, first * block_bytes, host, host_start, n * block_bytes)
 
-    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
-        """Blocks `blocks` (on the device: `index`) of every plane into staging slot `slot` of the stores."""
+    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int, leading: bool = False) -> None:
+        """Blocks `blocks` (on the device: `index`) of every plane into staging slot `slot` of the stores; by one
+        launch where it runs and this is a pipeline's `leading` chunk (or every chunk is fused), else a launch per
+        plane. One launch puts the first DMA ~0.4 ms sooner (32 launches fewer ahead of it on a Llama-3-8B cache),
+        but it gathers at the full memory bandwidth, which took ~1.5% more of a concurrent matmul's time than
+        per-plane launches over a whole transfer (H200, `python -m kvfsm.bench transfer`): later chunks, whose
+        gathers overlap the DMA before them anyway, keep per-plane launches unless fused-gather was asked for."""
+        if self._one_launch is not None and (leading or self.fuse_every_chunk):
+            self._one_launch(index, self._words["store"][slot])
+            return
         for rows, view in zip(self._rows, self._views["store"][slot]):
             torch.index_select(rows, 1, index, out=view[:, :len(index)])
 
@@ -207,10 +249,10 @@ class StagedGather:
         self._rows[segment].index_copy_(1, index, view[:, :len(index)])
 
     def _step(self, direction: Direction, blocks: Sequence[int], index: torch.Tensor, offsets: Sequence[int],
-              host: torch.Tensor) -> Step:
+              host: torch.Tensor, leading: bool) -> Step:
         slots = self._staging[direction]
         if direction == "store":
-            return (lambda s: self._gather(blocks, index, s),
+            return (lambda s: self._gather(blocks, index, s, leading),
                     lambda s: self._dma("store", slots[s], offsets, host))
         return (lambda s: self._dma("load", slots[s], offsets, host),
                 lambda s: self._scatter(blocks, index, s))
@@ -248,16 +290,25 @@ class StagedGather:
         c = self._chunk
         steps = [
             self._step(direction, placement.gpu_blocks[i:i + c], index[i:i + c], placement.host_offsets[i:i + c],
-                       host)
+                       host, join and i == 0)
             for i in range(0, len(placement.gpu_blocks), c)
         ]
         self._lanes[direction].run(steps, join)
+
+
+class FusedGather(StagedGather):
+    """staged-gather with every chunk gathered by one launch for all planes (where Triton runs on the caches' GPU;
+    elsewhere it is staged-gather)."""
+
+    fuse_every_chunk = True
 
 
 class StagedCopy(StagedGather):
     """staged-gather with the gathering done by the copy engines instead of kernels: one device-to-device 2-D copy
     per plane per run of consecutive GPU blocks. Only where each block is one piece per tensor (cross-layer
     caches), where those copies are large; it leaves the SMs to compute while keeping one big DMA per host run."""
+
+    gathers_by_kernel = False
 
     def __init__(self, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         if not caches.block_contiguous:
@@ -278,7 +329,7 @@ class StagedCopy(StagedGather):
                 else:
                     rows.copy(cached, start * width, width, slot, first * pitch + offset, pitch, width, n)
 
-    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int, leading: bool = False) -> None:
         self._copy(True, self._staging["store"][slot], self._caches.planes, blocks, packed=False)
 
     def _scatter(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
@@ -316,6 +367,8 @@ def build(name: str, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTE
     """The mechanism `name` (already resolved) for `caches`."""
     if name == "staged-gather":
         return StagedGather(caches, staging_bytes)
+    if name == "fused-gather":
+        return FusedGather(caches, staging_bytes)
     if name == "staged-copy":
         return StagedCopy(caches, staging_bytes)
     return DirectCopy(caches, require_block_contiguous=(name == "cross-layer"))

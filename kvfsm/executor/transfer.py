@@ -9,6 +9,7 @@ is built from. A CPU slot holds `block_size_factor` consecutive GPU blocks, bloc
 from __future__ import annotations
 
 import operator
+from itertools import chain
 from typing import Sequence
 
 import torch
@@ -34,10 +35,9 @@ class UnknownLayer(KeyError):
 
 
 def _ids(values: Sequence[int], limit: int, what: str) -> tuple[int, ...]:
-    ids = tuple(operator.index(v) for v in values)
-    bad = [v for v in ids if not 0 <= v < limit]
-    if bad:
-        raise IdOutOfRange(f"{what} {bad} out of range [0, {limit})")
+    ids = tuple(map(operator.index, values))  # in C: a job's ids are checked on the step's critical path
+    if ids and (min(ids) < 0 or max(ids) >= limit):
+        raise IdOutOfRange(f"{what} {[v for v in ids if not 0 <= v < limit]} out of range [0, {limit})")
     return ids
 
 
@@ -94,6 +94,8 @@ class Transfers:
         if len(blocks) != k * len(slots):
             raise TransferError(f"a store of {len(slots)} CPU slots needs {k * len(slots)} GPU blocks, got {len(blocks)}")
         _distinct(slots, "CPU slots")
+        if k == 1:
+            return Placement(blocks, tuple(map(self._pool.slot_bytes.__mul__, slots)))
         return Placement(blocks, tuple(self._host_offset(slots[i // k], i % k) for i in range(len(blocks))))
 
     def _load_placement(self, cpu_slots: Sequence[int], gpu_blocks: Sequence[int], gpu_offset: int) -> Placement:
@@ -109,6 +111,8 @@ class Transfers:
                 f"a load of {len(slots)} CPU slots from sub-block {gpu_offset} fills {fewest} to {most} GPU blocks, "
                 f"got {len(blocks)}")
         _distinct(blocks, "GPU blocks")
+        if k == 1:
+            return Placement(blocks, tuple(map(self._pool.slot_bytes.__mul__, slots)))
         return Placement(
             blocks, tuple(self._host_offset(slots[(i + gpu_offset) // k], (i + gpu_offset) % k) for i in range(len(blocks))))
 
@@ -141,10 +145,10 @@ class Transfers:
         waiting for the next job's first gather. Their CPU slots must be distinct (no slot written twice)."""
         if len(parts) == 1:
             return parts[0]
-        offsets = tuple(offset for part in parts for offset in part._placement.host_offsets)
+        offsets = tuple(chain.from_iterable(part._placement.host_offsets for part in parts))
         _distinct(offsets, "CPU blocks of the merged stores")
-        blocks = tuple(block for part in parts for block in part._placement.gpu_blocks)
-        return Chunks(self, Placement(blocks, offsets), tuple(size for part in parts for size in part._sizes))
+        blocks = tuple(chain.from_iterable(part._placement.gpu_blocks for part in parts))
+        return Chunks(self, Placement(blocks, offsets), tuple(chain.from_iterable(part._sizes for part in parts)))
 
     def load_segments(self, cpu_slots: Sequence[int], gpu_blocks: Sequence[int], gpu_offset: int = 0) -> Segments:
         """A load checked now, whose layer segments are enqueued one at a time (`Segments.enqueue`)."""
@@ -158,9 +162,9 @@ class Transfers:
         directions = {part._direction for part in parts}
         if len(directions) != 1:
             raise TransferError(f"cannot merge jobs of directions {sorted(directions)}")
-        blocks = tuple(block for part in parts for block in part._placement.gpu_blocks)
+        blocks = tuple(chain.from_iterable(part._placement.gpu_blocks for part in parts))
         _distinct(blocks, "GPU blocks of the merged jobs")
-        offsets = tuple(offset for part in parts for offset in part._placement.host_offsets)
+        offsets = tuple(chain.from_iterable(part._placement.host_offsets for part in parts))
         slots = tuple(dict.fromkeys(slot for part in parts for slot in part._cpu_slots))
         return Segments(self, directions.pop(), Placement(blocks, offsets), slots)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from itertools import filterfalse
+from operator import attrgetter
 from typing import Any, Sequence
 
 from kvfsm.bindings import default_spec
@@ -29,6 +30,7 @@ WRITING_BACK, FETCHING = CpuBlockState.WRITING_BACK, CpuBlockState.FETCHING
 READABLE = frozenset({READY, LOADING, WRITING_BACK})  # catalogued and holding their bytes: counted by the policy
 BUSY = frozenset({CpuBlockState.PENDING_STORE, CpuBlockState.SUBMITTED, LOADING, WRITING_BACK, FETCHING})
 """A lookup that meets one of these defers."""
+_STATE, _HASH = attrgetter("state"), attrgetter("block_hash")
 
 
 _COUPLED: dict[str, tuple[str, tuple[bool, ...]]] = {
@@ -249,9 +251,13 @@ class OffloadingManager:
 
     def _complete_write(self, slots: Sequence[int], trigger: str) -> None:
         picked = self._picked(slots, trigger)
-        hashes = [b.block_hash for b in picked]  # read before a failure forgets them
+        hashes = list(map(_HASH, picked))  # read before a failure forgets them
         self._machine.fire_many(picked, trigger)
-        stored = [(b.slot, h) for b, h in zip(picked, hashes) if b.state == READY]
+        states = list(map(_STATE, picked))
+        if states.count(READY) == len(states):  # the common end: every block stored
+            stored = list(zip(slots, hashes))
+        else:
+            stored = [(b.slot, h) for b, h in zip(picked, hashes) if b.state == READY]
         if len(stored) < len(picked):  # some failed, or were orphaned: free
             for block, block_hash in zip(picked, hashes):
                 if block.state == FREE:
@@ -294,10 +300,10 @@ class OffloadingManager:
             raise BadSlots(f"{trigger}: a slot is named twice in {list(slots)}")
         if slots and (min(slots) < 0 or max(slots) >= len(blocks)):
             raise BadSlots(f"{trigger}: a slot of {list(slots)} is outside the pool of {len(blocks)}")
-        picked = [blocks[s] for s in slots]
+        picked = list(map(blocks.__getitem__, slots))
         legal = self._sources[trigger]
-        refused = [(b.slot, b.state) for b in picked if b.state not in legal]
-        if refused:
+        if not legal.issuperset(map(_STATE, picked)):
+            refused = [(b.slot, b.state) for b in picked if b.state not in legal]
             raise BadSlots(f"{trigger} is illegal for (slot, state) {refused}")
         return picked
 

@@ -167,7 +167,7 @@ def _store_event_before_write(engine: Engine, connector: Connector) -> None:
 def _partial_load_report(engine: Engine, connector: Connector) -> None:
     worker = connector.worker
 
-    def land_segments(job: TransferJob) -> None:
+    def land_segments(job: TransferJob, _landed: set[int]) -> None:
         events = worker._segment_events[job.job_id]
         if job.landed_segments < job.segments and worker.device.query(events[job.landed_segments]):
             while job.landed_segments < job.segments:  # the first landed segment taken for all of them
