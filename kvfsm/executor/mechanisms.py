@@ -348,13 +348,15 @@ COPY_ENGINE_MIN_PIECE = 1 << 20
 
 def resolve(name: str, caches: KVCaches) -> str:
     """The mechanism `name` stands for with these caches. "auto" weighs bandwidth against what the copies take
-    from compute (kvfsm.bench.transfer and the connector rounds, H100). Where every block is a few contiguous
-    pieces of at least `COPY_ENGINE_MIN_PIECE` (a cross-layer cache) it is "cross-layer": one DMA per run of
-    blocks straight between the cache and the pool, nothing on the SMs. Gathering first through staging cost a
-    concurrent matmul 1.2-3.4% (staged-copy: its device-to-device copies) or ~5% (staged-gather's kernels)
-    against ~1% for DMA alone, over the 2% budget, for at most a few hundredths of the ceiling each way.
-    Elsewhere (per-layer tensors: 64 KiB pieces for a Llama-3-8B 16-token block) it is "staged-gather": a copy
-    per piece runs at a few percent of the ceiling, and its gathers cost a matmul 1.4-1.9%."""
+    from compute (`python -m kvfsm.bench connector`: the mechanisms called directly, the connector rounds and a
+    concurrent matmul; H100 and H200). Where every block is a few contiguous pieces of at least
+    `COPY_ENGINE_MIN_PIECE` (a cross-layer cache) it is "cross-layer": one DMA per run of blocks straight between
+    the cache and the pool, sent to the driver in batches, nothing on the SMs: 0.98-0.995 of the ceiling each way
+    at a 1.2-1.8% matmul slowdown (H200), where gathering through staging first cost 2.0-4.1% for at most as much
+    bandwidth. Elsewhere (per-layer tensors: 64 KiB pieces for a Llama-3-8B 16-token block, which copied one by
+    one run at a quarter of the ceiling) it is "staged-gather": 0.96-0.98 each way at 1.7-2.8%, the gather's
+    kernels being the SM time a kv-first cache costs; "fused-gather" moves more both ways at once (0.90-0.97
+    against 0.83-0.85 called directly) but took 3.3-3.7% of the matmul, over the 2% budget."""
     if name == "auto":
         large = caches.block_contiguous and min(p.block_bytes for p in caches.planes) >= COPY_ENGINE_MIN_PIECE
         return "cross-layer" if large else "staged-gather"
