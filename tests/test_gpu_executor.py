@@ -151,9 +151,9 @@ def test_poisoning_cpu_slots_takes_its_turn_on_the_stream_without_holding_up_the
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_launch_gathers_the_bytes_a_launch_per_plane_gathers(layout: str) -> None:
-    """The one-launch gather (Triton, every plane at once; a pipeline's leading chunk) fills a staging slot with
-    exactly the blocks asked for, as the per-plane index_select of later chunks does."""
-    device, caches, pool, transfers = rig(layout, 1, "staged-gather")
+    """fused-gather's one launch (Triton, every plane at once) fills a staging slot with exactly the blocks asked
+    for, as staged-gather's index_select per plane does."""
+    device, caches, pool, transfers = rig(layout, 1, "fused-gather")
     mechanism = transfers._mechanism
     assert mechanism._one_launch is not None, "Triton is on the device image: the one-launch path must be in use"
     blocks = torch.randperm(64)[:5].tolist()
@@ -161,8 +161,10 @@ def test_one_launch_gathers_the_bytes_a_launch_per_plane_gathers(layout: str) ->
     n = len(blocks) * caches.gpu_block_bytes
     for slot in mechanism._staging["store"]:
         slot.fill_(POISON_BYTE)
-    mechanism._gather(blocks, index, 0, leading=True)
+    mechanism._gather(blocks, index, 0)
+    one_launch, mechanism._one_launch = mechanism._one_launch, None
     mechanism._gather(blocks, index, 1)
+    mechanism._one_launch = one_launch
     torch.cuda.synchronize()
     staged, per_plane = (slot[:n] for slot in mechanism._staging["store"])
     assert torch.equal(staged, per_plane)

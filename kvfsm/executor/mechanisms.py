@@ -8,11 +8,10 @@ moves exactly those bytes; they differ only in how many copies they issue and wh
 - "cross-layer": the same plan, refused unless every tensor holds each block contiguously, where it issues one
   copy per run of blocks (per tensor).
 - "staged-gather": gather a chunk of scattered blocks on the device into a staging slot (one kernel pair per
-  tensor), then one DMA per contiguous host run; two slots pipelined so gathering overlaps the DMA. The first
-  chunk of a pipeline, whose gather stands between the step's start and its first DMA, is gathered by one launch
-  for every tensor (`kvfsm.executor.gather`) where that runs.
-- "fused-gather": staged-gather with every chunk gathered by one launch: the least host time and the most
-  bandwidth, for a larger share of a concurrent kernel's time (see `resolve`).
+  tensor), then one DMA per contiguous host run; two slots pipelined so gathering overlaps the DMA.
+- "fused-gather": staged-gather with each chunk gathered by one launch for every tensor (`kvfsm.executor.gather`,
+  where Triton runs): the least host time and the most bandwidth both ways, for a larger share of a concurrent
+  kernel's time (see `resolve`).
 
 Every mechanism also moves one layer segment (one registered tensor) of a job on its own (`run_segment`), which is
 what per-layer loads and stores issue. A segment's bytes in a run of consecutive CPU blocks are rows a GPU block
@@ -162,10 +161,8 @@ def word_dtype(caches: KVCaches) -> torch.dtype:
 class StagedGather:
     """Gather/scatter chunks of blocks through two device staging slots; one DMA per contiguous host run."""
 
-    gathers_by_kernel = True
-    """A chunk's gather is a kernel (one launch for every plane where `kvfsm.executor.gather` runs)."""
-    fuse_every_chunk = False
-    """Gather every chunk by one launch, not only a pipeline's first ("fused-gather")."""
+    one_launch_gathers = False
+    """Gather a chunk by one launch for every plane where `kvfsm.executor.gather` runs ("fused-gather")."""
 
     def __init__(self, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self._caches = caches
@@ -192,10 +189,10 @@ class StagedGather:
         self._one_launch = self._piece_gather(caches, word)
 
     def _piece_gather(self, caches: KVCaches, word: torch.dtype) -> gather.PieceGather | None:
-        """A chunk's gather as one launch for every plane (`kvfsm.executor.gather`), where it runs: compiled here,
-        by gathering block 0, so an engine's first step does not pay the compilation; None (one launch per plane)
-        without Triton, off a GPU, or when it fails to build."""
-        if not self.gathers_by_kernel or not gather.available(caches.device):
+        """A chunk's gather as one launch for every plane (`kvfsm.executor.gather`), where asked for and where it
+        runs: compiled here, by gathering block 0, so an engine's first step does not pay the compilation; None
+        (one launch per plane) otherwise, without Triton, off a GPU, or when it fails to build."""
+        if not self.one_launch_gathers or not gather.available(caches.device):
             return None
         try:
             one_launch = gather.PieceGather(caches.planes, self._rows, caches.gpu_block_bytes, word)
@@ -221,14 +218,9 @@ class StagedGather:
         for first, _, host_start, n in runs(range(len(offsets)), offsets, block_bytes):
             _move(rows, direction, slot, first * block_bytes, host, host_start, n * block_bytes)
 
-    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int, leading: bool = False) -> None:
-        """Blocks `blocks` (on the device: `index`) of every plane into staging slot `slot` of the stores; by one
-        launch where it runs and this is a pipeline's `leading` chunk (or every chunk is fused), else a launch per
-        plane. One launch puts the first DMA ~0.4 ms sooner (32 launches fewer ahead of it on a Llama-3-8B cache),
-        but it gathers at the full memory bandwidth, which took ~1.5% more of a concurrent matmul's time than
-        per-plane launches over a whole transfer (H200, `python -m kvfsm.bench transfer`): later chunks, whose
-        gathers overlap the DMA before them anyway, keep per-plane launches unless fused-gather was asked for."""
-        if self._one_launch is not None and (leading or self.fuse_every_chunk):
+    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+        """Blocks `blocks` (on the device: `index`) of every plane into staging slot `slot` of the stores."""
+        if self._one_launch is not None:
             self._one_launch(index, self._words["store"][slot])
             return
         for rows, view in zip(self._rows, self._views["store"][slot]):
@@ -249,10 +241,10 @@ class StagedGather:
         self._rows[segment].index_copy_(1, index, view[:, :len(index)])
 
     def _step(self, direction: Direction, blocks: Sequence[int], index: torch.Tensor, offsets: Sequence[int],
-              host: torch.Tensor, leading: bool) -> Step:
+              host: torch.Tensor) -> Step:
         slots = self._staging[direction]
         if direction == "store":
-            return (lambda s: self._gather(blocks, index, s, leading),
+            return (lambda s: self._gather(blocks, index, s),
                     lambda s: self._dma("store", slots[s], offsets, host))
         return (lambda s: self._dma("load", slots[s], offsets, host),
                 lambda s: self._scatter(blocks, index, s))
@@ -290,25 +282,25 @@ class StagedGather:
         c = self._chunk
         steps = [
             self._step(direction, placement.gpu_blocks[i:i + c], index[i:i + c], placement.host_offsets[i:i + c],
-                       host, join and i == 0)
+                       host)
             for i in range(0, len(placement.gpu_blocks), c)
         ]
         self._lanes[direction].run(steps, join)
 
 
 class FusedGather(StagedGather):
-    """staged-gather with every chunk gathered by one launch for all planes (where Triton runs on the caches' GPU;
-    elsewhere it is staged-gather)."""
+    """staged-gather with each chunk gathered by one launch for all planes (where Triton runs on the caches' GPU;
+    elsewhere it is staged-gather). One launch gathers at the full memory bandwidth: on a Llama-3-8B kv-first
+    cache it took 3.3–4.9% of a concurrent matmul against 1.6–2.5% for a launch per plane (H100, H200), for
+    0.90–0.98 of the ceiling both ways at once against 0.79–0.85, and 31 launches fewer of host time per chunk."""
 
-    fuse_every_chunk = True
+    one_launch_gathers = True
 
 
 class StagedCopy(StagedGather):
     """staged-gather with the gathering done by the copy engines instead of kernels: one device-to-device 2-D copy
     per plane per run of consecutive GPU blocks. Only where each block is one piece per tensor (cross-layer
     caches), where those copies are large; it leaves the SMs to compute while keeping one big DMA per host run."""
-
-    gathers_by_kernel = False
 
     def __init__(self, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         if not caches.block_contiguous:
@@ -329,7 +321,7 @@ class StagedCopy(StagedGather):
                 else:
                     rows.copy(cached, start * width, width, slot, first * pitch + offset, pitch, width, n)
 
-    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int, leading: bool = False) -> None:
+    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
         self._copy(True, self._staging["store"][slot], self._caches.planes, blocks, packed=False)
 
     def _scatter(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
@@ -351,12 +343,13 @@ def resolve(name: str, caches: KVCaches) -> str:
     from compute (`python -m kvfsm.bench connector`: the mechanisms called directly, the connector rounds and a
     concurrent matmul; H100 and H200). Where every block is a few contiguous pieces of at least
     `COPY_ENGINE_MIN_PIECE` (a cross-layer cache) it is "cross-layer": one DMA per run of blocks straight between
-    the cache and the pool, sent to the driver in batches, nothing on the SMs: 0.98-0.995 of the ceiling each way
-    at a 1.2-1.8% matmul slowdown (H200), where gathering through staging first cost 2.0-4.1% for at most as much
-    bandwidth. Elsewhere (per-layer tensors: 64 KiB pieces for a Llama-3-8B 16-token block, which copied one by
-    one run at a quarter of the ceiling) it is "staged-gather": 0.96-0.98 each way at 1.7-2.8%, the gather's
-    kernels being the SM time a kv-first cache costs; "fused-gather" moves more both ways at once (0.90-0.97
-    against 0.83-0.85 called directly) but took 3.3-3.7% of the matmul, over the 2% budget."""
+    the cache and the pool, sent to the driver in batches, nothing on the SMs: 0.98-1.0 of the ceiling each way at
+    a 1.1-1.8% matmul slowdown, where gathering through staging first cost 2.0-5.4% for a few hundredths more of
+    the ceiling both ways at once and less one way.
+    Elsewhere (per-layer tensors: 64 KiB pieces for a Llama-3-8B 16-token block, which copied one by one run at a
+    quarter of the ceiling) it is "staged-gather": 0.95-0.97 each way at 1.6-2.5%, its gather kernels being the SM
+    time a kv-first cache costs. "fused-gather" moves more both ways at once (0.90-0.98 against 0.79-0.85) but
+    took 3.3-4.9%, over the 2% budget."""
     if name == "auto":
         large = caches.block_contiguous and min(p.block_bytes for p in caches.planes) >= COPY_ENGINE_MIN_PIECE
         return "cross-layer" if large else "staged-gather"
