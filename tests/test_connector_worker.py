@@ -269,6 +269,23 @@ def test_a_steps_loads_go_out_together_one_segment_per_layer_and_land_exactly() 
         assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
 
 
+def test_a_report_asks_each_segment_event_of_a_steps_loads_once_not_once_per_job(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's loads land one event per layer segment for all of them: a report asks the device once per
+    event (a query costs host time on the step's edge), and still reports every job."""
+    worker, device, _ = make_worker()
+    stored_slots(worker, device, (0, 1, 2))
+    worker.bind_connector_metadata(ConnectorMetadata(step=3, loads=tuple(
+        LoadOrder(job_id=j, req_id=f"r{j}", gpu_blocks=(5 + j,), cpu_slots=(j,)) for j in range(3))))
+    worker.start_load_kv()
+    device.run_until_idle()
+    asked: list[object] = []
+    query = device.query
+    monkeypatch.setattr(device, "query", lambda event: asked.append(event) or query(event))
+    assert worker.get_finished().done == (0, 1, 2)
+    assert len(asked) == len(set(map(id, asked))) == 2, "one query per layer segment"
+
+
 def test_loads_into_the_same_gpu_block_go_out_one_job_at_a_time() -> None:
     worker, device, _ = make_worker()
     stored_slots(worker, device, (0, 1))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfsm.executor import HostPool, KVCaches, SimDevice, Transfers, register_kv_caches
-from kvfsm.executor import mechanisms, transfer
+from kvfsm.executor import gather, mechanisms, transfer
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.mechanisms import device_index, resolve, runs
 from kvfsm.executor.rows import RowCopies
@@ -63,13 +63,42 @@ def test_auto_moves_blocks_by_dma_alone_from_exactly_the_minimum_piece_size() ->
 
 
 @pytest.mark.parametrize("staging_blocks", [1, 4])
-@pytest.mark.parametrize("mechanism", ["staged-gather", "staged-copy"])
+@pytest.mark.parametrize("mechanism", ["staged-gather", "fused-gather", "staged-copy"])
 def test_a_staged_store_pipeline_chunk_is_as_many_blocks_as_a_staging_slot_holds(mechanism: str,
                                                                                staging_blocks: int) -> None:
     _, caches, _, transfers = make("blocks-first", 1, mechanism, staging_blocks=staging_blocks)
     chunks = transfers.store_chunks(range(6), range(6))
     assert chunks.count == -(-6 // staging_blocks)
     assert chunks.nbytes(0) == staging_blocks * caches.gpu_block_bytes
+
+
+def test_fused_gather_that_cannot_build_its_kernel_gathers_a_plane_at_a_time_and_says_why(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU without a compiler for Triton (or an old driver) still moves blocks: by a launch per plane, with a
+    warning that names what failed, and every byte lands."""
+    def unbuildable(*_: object) -> None:
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(gather, "available", lambda device: True)
+    monkeypatch.setattr(gather, "PieceGather", unbuildable)
+    device, caches, pool, transfers = make("kv-first", 1, "fused-gather", staging_blocks=3)
+    assert transfers._mechanism._one_launch is None
+    assert [record.getMessage() for record in caplog.records] == [
+        "one-launch gathers unavailable, gathering one plane at a time: RuntimeError: no C compiler"]
+    expected = [block(caches, b).clone() for b in (7, 2, 9, 0)]
+    transfers.store([7, 2, 9, 0], range(4))
+    device.run_until_idle()
+    assert all(torch.equal(pool.slot(i), want) for i, want in enumerate(expected))
+
+
+def test_staged_gather_keeps_a_launch_per_plane_where_one_launch_could_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One launch per chunk is fused-gather's choice: it took more of a concurrent kernel's time, so staged-gather
+    (what `auto` picks for per-layer caches) never builds it."""
+    built: list[object] = []
+    monkeypatch.setattr(gather, "available", lambda device: True)
+    monkeypatch.setattr(gather, "PieceGather", lambda *args: built.append(args))
+    _, _, _, transfers = make("kv-first", 1, "staged-gather")
+    assert transfers._mechanism._one_launch is None and built == []
 
 
 def test_a_direct_copy_store_pipeline_uploads_no_gpu_block_index(monkeypatch: pytest.MonkeyPatch) -> None:

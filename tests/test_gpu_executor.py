@@ -22,6 +22,7 @@ def rig(layout: str, k: int, mechanism: str) -> tuple[CudaDevice, KVCaches, Host
     tensors, groups = allocate_kv_caches(layout, 4, 64, 16, 2, 64, torch.bfloat16, "cuda", 2)
     for t in tensors.values():
         t.view(torch.uint8).view(-1).random_(0, 256)
+    torch.cuda.synchronize()  # filled on the compute stream, which the tests' direct transfers do not wait for
     caches = register_kv_caches(tensors, layout, groups)
     pool = HostPool(device, 32, k * caches.gpu_block_bytes)
     return device, caches, pool, Transfers(device, caches, pool, k, mechanism,
@@ -48,6 +49,7 @@ def test_cuda_round_trip_is_byte_exact(layout: str, mechanism: str, k: int) -> N
     sources = torch.randperm(64)[:12 if k == 1 else 16].tolist()
     slots = torch.randperm(32)[:len(sources) // k].tolist()
     expected = [block(caches, b).clone() for b in sources]
+    torch.cuda.synchronize()  # the copies are made on the compute stream: taken before the poison lands
     transfers.store(sources, slots)
     settle(device, "store")
     targets = torch.randperm(64)[:len(sources) - shift].tolist()
@@ -189,6 +191,7 @@ def test_held_row_copies_go_out_in_order_one_direction_per_driver_batch(monkeypa
     host = device.pin_host(1 << 16)
     host[:4096] = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
     gpu = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()  # zeroed on the compute stream, which the store stream does not wait for
     with torch.cuda.stream(device.streams["store"]), RowCopies(gpu.device, batched=True) as rows:
         for i in range(3):  # host -> device, a KiB each
             rows.copy(gpu, i * 1024, 1024, host, i * 1024, 1024, 1024, 1)
@@ -206,3 +209,42 @@ def test_held_row_copies_go_out_in_order_one_direction_per_driver_batch(monkeypa
     torch.cuda.synchronize()
     assert len(batches) == 3 and torch.equal(gpu[40960:41984].cpu(), host[:1024])
     device.unpin_host(host)
+
+
+def test_a_block_index_goes_up_as_int64_without_the_host_waiting_for_its_stream() -> None:
+    """Made in pinned memory and copied without blocking: a pageable or blocking copy would hold the host until
+    everything already on the stream ran (a step's earlier copies), which is the step's submission time."""
+    stream = CudaDevice().streams["store"]
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the stream is busy for ~10 ms
+        busy = torch.cuda.Event()
+        busy.record(stream)
+        index, empty = device_index([3, 1, 2], torch.device("cuda")), device_index([], torch.device("cuda"))
+        assert not busy.query(), "the host waited for the stream"
+    torch.cuda.synchronize()
+    assert index.is_cuda and index.dtype == torch.int64 and index.tolist() == [3, 1, 2]
+    assert empty.is_cuda and empty.dtype == torch.int64
+
+
+def test_a_dma_only_jobs_copies_go_to_the_driver_in_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cross-layer store of scattered blocks is a copy per block: sent as a few driver batches, not a call
+    each (the host's submission otherwise outlasts the copies when both directions move)."""
+    batches: list[int] = []
+    issue = RawRows.copy_many
+
+    def logged(self: RawRows, dsts: list[int], srcs: list[int], sizes: list[int], to_device: bool,
+               device: int) -> None:
+        batches.append(len(sizes))
+        issue(self, dsts, srcs, sizes, to_device, device)
+
+    monkeypatch.setattr(RawRows, "copy_many", logged)
+    monkeypatch.setattr(RawRows, "copy", lambda *_: pytest.fail("a DMA-only job issued a copy on its own"))
+    device, caches, pool, transfers = rig("cross-layer", 1, "cross-layer")
+    sources = [9, 3, 40, 17, 5, 28, 60, 1, 33, 12]
+    expected = [block(caches, b).clone() for b in sources]
+    torch.cuda.synchronize()
+    transfers.store(sources, range(10))
+    settle(device, "store")
+    assert sum(batches) == 10 * len(caches.planes) and len(batches) < 10  # a copy per block and tensor
+    assert all(torch.equal(pool.slot(i).cuda(), want) for i, want in enumerate(expected))
+    pool.close()
