@@ -71,8 +71,14 @@ class Transfers:
         self._mechanism = build(self.mechanism, caches, staging_bytes or DEFAULT_STAGING_BYTES)
         self._segments = {plane.name: i for i, plane in enumerate(caches.planes)}
 
-    def _host_offset(self, slot: int, sub_block: int) -> int:
-        return slot * self._pool.slot_bytes + sub_block * self._caches.gpu_block_bytes
+    def _host_offsets(self, slots: tuple[int, ...], first: int, count: int) -> tuple[int, ...]:
+        """Where `count` consecutive GPU blocks sit in the host pool, from sub-block `first` of `slots[0]` on (a slot
+        holds `block_size_factor` GPU blocks, block-major)."""
+        k, slot_bytes = self.block_size_factor, self._pool.slot_bytes
+        if k == 1:  # a GPU block per slot (the placements checked first == 0, count == len(slots)): in C
+            return tuple(map(slot_bytes.__mul__, slots))
+        block_bytes = self._caches.gpu_block_bytes
+        return tuple(slots[(i + first) // k] * slot_bytes + (i + first) % k * block_bytes for i in range(count))
 
     @property
     def num_segments(self) -> int:
@@ -94,9 +100,7 @@ class Transfers:
         if len(blocks) != k * len(slots):
             raise TransferError(f"a store of {len(slots)} CPU slots needs {k * len(slots)} GPU blocks, got {len(blocks)}")
         _distinct(slots, "CPU slots")
-        if k == 1:
-            return Placement(blocks, tuple(map(self._pool.slot_bytes.__mul__, slots)))
-        return Placement(blocks, tuple(self._host_offset(slots[i // k], i % k) for i in range(len(blocks))))
+        return Placement(blocks, self._host_offsets(slots, 0, len(blocks)))
 
     def _load_placement(self, cpu_slots: Sequence[int], gpu_blocks: Sequence[int], gpu_offset: int) -> Placement:
         k = self.block_size_factor
@@ -111,10 +115,7 @@ class Transfers:
                 f"a load of {len(slots)} CPU slots from sub-block {gpu_offset} fills {fewest} to {most} GPU blocks, "
                 f"got {len(blocks)}")
         _distinct(blocks, "GPU blocks")
-        if k == 1:
-            return Placement(blocks, tuple(map(self._pool.slot_bytes.__mul__, slots)))
-        return Placement(
-            blocks, tuple(self._host_offset(slots[(i + gpu_offset) // k], (i + gpu_offset) % k) for i in range(len(blocks))))
+        return Placement(blocks, self._host_offsets(slots, gpu_offset, len(blocks)))
 
     def store(self, gpu_blocks: Sequence[int], cpu_slots: Sequence[int], label: str = "store") -> None:
         """Copy k consecutive GPU blocks into each CPU slot, filling every slot."""

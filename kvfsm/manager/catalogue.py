@@ -253,11 +253,7 @@ class OffloadingManager:
         picked = self._picked(slots, trigger)
         hashes = list(map(_HASH, picked))  # read before a failure forgets them
         self._machine.fire_many(picked, trigger)
-        states = list(map(_STATE, picked))
-        if states.count(READY) == len(states):  # the common end: every block stored
-            stored = list(zip(slots, hashes))
-        else:
-            stored = [(b.slot, h) for b, h in zip(picked, hashes) if b.state == READY]
+        stored = [(b.slot, h) for b, h in zip(picked, hashes) if b.state == READY]
         if len(stored) < len(picked):  # some failed, or were orphaned: free
             for block, block_hash in zip(picked, hashes):
                 if block.state == FREE:
