@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kvfsm.executor import HostPool, KVCaches, SimDevice, Transfers, register_kv_caches
-from kvfsm.executor import gather, mechanisms, transfer
+from kvfsm.executor import gather, graphs, mechanisms, transfer
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.mechanisms import device_index, resolve, runs
 from kvfsm.executor.rows import RowCopies
-from test_executor_pipelines import JoinLog
+from test_executor_pipelines import JoinLog, uploads  # noqa: F401 (a fixture)
 from test_executor_transfer import CASES, NUM_BLOCKS, block, make
 
 
@@ -101,18 +101,62 @@ def test_staged_gather_keeps_a_launch_per_plane_where_one_launch_could_run(monke
     assert transfers._mechanism._one_launch is None and built == []
 
 
-def test_a_direct_copy_store_pipeline_uploads_no_gpu_block_index(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_staged_gather_that_cannot_capture_its_launches_makes_each_from_the_host_and_says_why(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A driver that refuses graph capture still moves blocks: by a launch per plane from the host, with a warning
+    that names what failed, and every byte lands."""
+    def uncapturable(*_: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "available", lambda device: True)
+    monkeypatch.setattr(graphs, "SlotGraphs", uncapturable)
+    device, caches, pool, transfers = make("kv-first", 1, "staged-gather", staging_blocks=3)
+    assert transfers._mechanism._graphs is None
+    assert [record.getMessage() for record in caplog.records] == [
+        "graph launches unavailable, launching each plane's gather and scatter from the host: "
+        "RuntimeError: operation not permitted when stream is capturing"]
+    expected = [block(caches, b).clone() for b in (7, 2, 9, 0)]
+    transfers.store([7, 2, 9, 0], range(4))
+    transfers.load(range(4), [1, 3, 5, 8])
+    device.run_until_idle()
+    assert all(torch.equal(block(caches, b), want) for b, want in zip([1, 3, 5, 8], expected))
+
+
+@pytest.mark.parametrize(("layout", "mechanism", "captured"), [
+    ("kv-first", "staged-gather", True), ("kv-first", "fused-gather", False), ("cross-layer", "staged-copy", False)])
+def test_only_gathers_and_scatters_launched_a_plane_at_a_time_are_captured_as_graphs(
+        monkeypatch: pytest.MonkeyPatch, layout: str, mechanism: str, captured: bool) -> None:
+    """fused-gather's one launch needs no graph, and staged-copy gathers by copies, not kernels."""
+    built: list[int] = []
+    monkeypatch.setattr(graphs, "available", lambda device: True)
+    monkeypatch.setattr(gather, "available", lambda device: True)
+    monkeypatch.setattr(gather, "PieceGather", lambda *args: lambda index, slot: None)
+    monkeypatch.setattr(graphs, "SlotGraphs", lambda launches, slots, chunk, device: built.append(chunk))
+    make(layout, 1, mechanism, staging_blocks=3)
+    assert built == ([3, 3] if captured else [])
+
+
+def test_staged_gather_off_a_gpu_captures_nothing() -> None:
+    assert make("kv-first", 1, "staged-gather")[3]._mechanism._graphs is None
+
+
+def test_a_direct_copy_store_pipeline_uploads_no_gpu_block_index(uploads: list[tuple[int, ...]]) -> None:
     """Only the gathering mechanisms index blocks on the device; for a direct copy the upload would be wasted."""
-    uploads: list[tuple[int, ...]] = []
-
-    def counted(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-        uploads.append(tuple(ids))
-        return device_index(ids, device)
-
-    monkeypatch.setattr(transfer, "device_index", counted)
     device, _, _, transfers = make("blocks-first", 1, "copy-per-block")
     chunks = transfers.store_chunks([0, 1, 2], [0, 1, 2])
     chunks.enqueue(0, "chunk 0")
+    device.run_until_idle()
+    assert uploads == []
+
+
+@pytest.mark.parametrize(("layout", "mechanism"), [("kv-first", "copy-per-block"), ("cross-layer", "cross-layer")])
+def test_a_direct_copy_load_uploads_no_gpu_block_index(layout: str, mechanism: str,
+                                                       uploads: list[tuple[int, ...]]) -> None:
+    """A load's layer segments copy from byte offsets too: an upload would only delay its first copy."""
+    device, _, _, transfers = make(layout, 1, mechanism)
+    segments = transfers.load_segments([3, 4], [1, 2])
+    for segment in range(transfers.num_segments):
+        segments.enqueue(segment, f"layer {segment}")
     device.run_until_idle()
     assert uploads == []
 

@@ -52,17 +52,24 @@ def test_each_chunk_of_a_store_pipeline_logs_only_its_own_blocks_and_slots_under
         for mode, space, ids in (("read", "gpu", blocks), ("write", "cpu", slots)) for b in ids}
 
 
-@pytest.mark.parametrize(("k", "staging_blocks", "slots_per_job"), [(2, 3, (2, 1, 1)), (1, 1, (1, 2, 1))])
-def test_merged_stores_end_each_job_at_the_chunk_that_stores_its_last_block(
-        k: int, staging_blocks: int, slots_per_job: tuple[int, ...]) -> None:
-    """The connector reports a merged store's job done after chunk `ends[j]`: that chunk must be the one that
-    copies the job's last block, and every job's blocks must land in its own slots."""
-    device, caches, pool, transfers = make("kv-first", k, staging_blocks=staging_blocks)
+def _jobs(k: int, slots_per_job: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Stores of `slots_per_job` CPU slots each, on scattered GPU blocks and slots no two of them share."""
     free_blocks, free_slots = iter([10, 3, 7, 0, 5, 8, 2, 11]), iter([6, 1, 4, 2])
     jobs = []
     for n in slots_per_job:
         slots = [next(free_slots) for _ in range(n)]
         jobs.append(([next(free_blocks) for _ in range(k * n)], slots))
+    return jobs
+
+
+@pytest.mark.parametrize(("mechanism", "k", "staging_blocks", "slots_per_job"), [
+    ("staged-gather", 2, 3, (2, 1, 1)), ("staged-gather", 1, 1, (1, 2, 1)), ("copy-per-block", 2, 3, (2, 1, 1))])
+def test_merged_stores_end_each_job_at_the_chunk_that_stores_its_last_block(
+        mechanism: str, k: int, staging_blocks: int, slots_per_job: tuple[int, ...]) -> None:
+    """The connector reports a merged store's job done after chunk `ends[j]`: that chunk must be the one that
+    copies the job's last block, and every job's blocks must land in its own slots."""
+    device, caches, pool, transfers = make("kv-first", k, mechanism, staging_blocks=staging_blocks)
+    jobs = _jobs(k, slots_per_job)
     expected = {b: block(caches, b).clone() for blocks, _ in jobs for b in blocks}
     chunks = transfers.merge_chunks([transfers.store_chunks(blocks, slots) for blocks, slots in jobs])
     for chunk in range(chunks.count):
@@ -72,6 +79,16 @@ def test_merged_stores_end_each_job_at_the_chunk_that_stores_its_last_block(
     assert [reader[blocks[-1]] for blocks, _ in jobs] == [f"chunk {end}" for end in chunks.ends]
     assert all(torch.equal(stored(caches, pool, slots[i // k], i % k), expected[b])
                for blocks, slots in jobs for i, b in enumerate(blocks))
+
+
+def test_merged_direct_copy_stores_are_a_chunk_per_job_so_each_job_ends_behind_its_own_copies() -> None:
+    """Without staging, a chunk of the whole step would end every job only after the step's last copy: the
+    engine would hear of (and unfence) the first job's blocks a whole step of copies late."""
+    _, caches, _, transfers = make("kv-first", 2, "copy-per-block")
+    jobs = _jobs(2, (2, 1, 1))
+    chunks = transfers.merge_chunks([transfers.store_chunks(blocks, slots) for blocks, slots in jobs])
+    assert (chunks.count, chunks.ends) == (3, (0, 1, 2))
+    assert [chunks.nbytes(chunk) for chunk in range(3)] == [n * caches.gpu_block_bytes for n in (4, 2, 2)]
 
 
 def test_a_layer_segment_counts_the_bytes_of_its_layer_in_every_block() -> None:
@@ -134,21 +151,26 @@ def test_only_the_first_layer_segment_of_a_load_waits_for_the_load_stream(joins:
     assert joins == [True] + [False] * (layers - 1)
 
 
-def test_a_store_pipeline_uploads_its_gpu_block_index_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA each index upload is a pinned copy issued from the host; a pipeline's chunks share one."""
-    uploads: list[tuple[int, ...]] = []
+@pytest.fixture
+def uploads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Every GPU block index uploaded: on CUDA each is a pinned copy issued from the host."""
+    uploaded: list[tuple[int, ...]] = []
     upload = mechanisms.device_index
 
     def counted(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-        uploads.append(tuple(ids))
+        uploaded.append(tuple(ids))
         return upload(ids, device)
 
     monkeypatch.setattr(transfer, "device_index", counted)
     monkeypatch.setattr(mechanisms, "device_index", counted)
+    return uploaded
+
+
+def test_a_store_pipeline_uploads_its_gpu_block_index_once(uploads: list[tuple[int, ...]]) -> None:
+    """A pipeline's chunks share one index upload."""
     device, _, _, transfers = make("kv-first", 2, staging_blocks=3)
     chunks = transfers.store_chunks([0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3])
     for chunk in range(chunks.count):
         chunks.enqueue(chunk, f"chunk {chunk}")
     device.run_until_idle()
     assert uploads == [(0, 1, 2, 3, 4, 5, 6, 7)]
-

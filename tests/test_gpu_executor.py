@@ -152,6 +152,51 @@ def test_poisoning_cpu_slots_takes_its_turn_on_the_stream_without_holding_up_the
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_replayed_graph_gathers_each_full_chunk_s_own_blocks_as_a_launch_per_plane_does(layout: str) -> None:
+    """staged-gather replays a full chunk's captured gathers: the slot must hold that chunk's blocks, the same
+    bytes the launches from the host put there, even right after another chunk went through the same slot."""
+    device, caches, pool, transfers = rig(layout, 1, "staged-gather")
+    mechanism = transfers._mechanism
+    assert mechanism._graphs is not None, "on a GPU, staged-gather's full chunks must replay captured launches"
+    chunk = mechanism.chunk_blocks
+    earlier, blocks = torch.randperm(64)[:2 * chunk].view(2, chunk).tolist()
+    n = chunk * caches.gpu_block_bytes
+    for slot in mechanism._staging["store"]:
+        slot.fill_(POISON_BYTE)
+    mechanism._gather(earlier, device_index(earlier, caches.device), 0)
+    mechanism._gather(blocks, device_index(blocks, caches.device), 0)
+    replayed, mechanism._graphs = mechanism._graphs, None
+    mechanism._gather(blocks, device_index(blocks, caches.device), 1)
+    mechanism._graphs = replayed
+    torch.cuda.synchronize()
+    graph, per_plane = (slot[:n] for slot in mechanism._staging["store"])
+    assert torch.equal(graph, per_plane)
+    assert torch.equal(graph, torch.cat([block(caches, b) for b in blocks]))
+    pool.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_replayed_graph_scatters_a_full_chunk_into_its_own_blocks_only(layout: str) -> None:
+    """staged-gather replays a full chunk's captured scatters: each block of the chunk gets its row of the slot,
+    right after another chunk went through the same slot, and no other block is written."""
+    device, caches, pool, transfers = rig(layout, 1, "staged-gather")
+    mechanism = transfers._mechanism
+    assert mechanism._graphs is not None, "on a GPU, staged-gather's full chunks must replay captured launches"
+    chunk = mechanism.chunk_blocks
+    earlier, blocks = torch.randperm(64)[:2 * chunk].view(2, chunk).tolist()
+    sources = [b for b in range(64) if b not in earlier + blocks][:chunk]
+    rows = torch.cat([block(caches, b) for b in sources])
+    untouched = {b: block(caches, b).clone() for b in range(64) if b not in earlier + blocks}
+    mechanism._staging["load"][0][:rows.numel()].copy_(rows)
+    mechanism._scatter(earlier, device_index(earlier, caches.device), 0)
+    mechanism._scatter(blocks, device_index(blocks, caches.device), 0)
+    torch.cuda.synchronize()
+    assert all(torch.equal(block(caches, b), block(caches, s)) for b, s in zip(blocks, sources))
+    assert all(torch.equal(block(caches, b), want) for b, want in untouched.items())
+    pool.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_launch_gathers_the_bytes_a_launch_per_plane_gathers(layout: str) -> None:
     """fused-gather's one launch (Triton, every plane at once) fills a staging slot with exactly the blocks asked
     for, as staged-gather's index_select per plane does."""
@@ -248,3 +293,38 @@ def test_a_dma_only_jobs_copies_go_to_the_driver_in_batches(monkeypatch: pytest.
     assert sum(batches) == 10 * len(caches.planes) and len(batches) < 10  # a copy per block and tensor
     assert all(torch.equal(pool.slot(i).cuda(), want) for i, want in enumerate(expected))
     pool.close()
+
+
+@pytest.mark.parametrize("layer_segments", [False, True])
+def test_a_staged_job_s_copies_to_scattered_slots_go_to_the_driver_in_batches(
+        monkeypatch: pytest.MonkeyPatch, layer_segments: bool) -> None:
+    """Blocks of a chunk (or of a layer segment) whose host slots are scattered are a one-row copy each: sent as
+    driver batches (one call each ran a 2 MiB copy at 0.88 of the ceiling, batches at 0.98)."""
+    batches: list[int] = []
+    issue = RawRows.copy_many
+
+    def logged(self: RawRows, dsts: list[int], srcs: list[int], sizes: list[int], to_device: bool,
+               device: int) -> None:
+        batches.append(len(sizes))
+        issue(self, dsts, srcs, sizes, to_device, device)
+
+    monkeypatch.setattr(RawRows, "copy_many", logged)
+    monkeypatch.setattr(RawRows, "copy", lambda *_: pytest.fail("a lone block's copy went out on its own"))
+    device, caches, pool, transfers = rig("kv-first", 1, "staged-gather")
+    sources, slots, targets = [9, 3, 40, 17, 5, 28], [30, 2, 17, 8, 25, 11], [50, 7, 21, 44, 2, 36]
+    expected = [block(caches, b).clone() for b in sources]
+    torch.cuda.synchronize()
+    transfers.store(sources, slots)
+    settle(device, "store")
+    if layer_segments:
+        segments = transfers.load_segments(slots, targets)
+        for segment in range(transfers.num_segments):
+            segments.enqueue(segment, f"layer {segment}")
+    else:
+        transfers.load(slots, targets)
+    settle(device, "load")
+    copies = len(sources) * (1 + (transfers.num_segments if layer_segments else 1))
+    assert sum(batches) == copies and len(batches) < copies
+    assert all(torch.equal(block(caches, b), want) for b, want in zip(targets, expected))
+    pool.close()
+

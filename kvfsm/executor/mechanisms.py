@@ -28,7 +28,7 @@ from typing import Iterator, Literal, Protocol, Sequence
 
 import torch
 
-from kvfsm.executor import gather
+from kvfsm.executor import gather, graphs
 from kvfsm.executor.lanes import SLOTS, Lanes, Step, lanes_for
 from kvfsm.executor.layouts import KVCaches, Plane
 from kvfsm.executor.rows import RowCopies
@@ -105,9 +105,10 @@ class Mechanism(Protocol):
         the next chunk of blocks whose first chunk already waited."""
 
     def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
-                    index: torch.Tensor, join: bool) -> None:
+                    index: torch.Tensor | None, join: bool) -> None:
         """Issue the copies of plane `segment` of one job on the current stream; `index` is the job's GPU blocks
-        on the device; `join=False` continues the job's previous segment on the same stream (see `Lanes`)."""
+        on the device (None for a DMA-only mechanism, which never reads it); `join=False` continues the job's
+        previous segment on the same stream (see `Lanes`)."""
 
 
 class DirectCopy:
@@ -138,7 +139,7 @@ class DirectCopy:
         self._copy(direction, placement, host, self._caches.planes)
 
     def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
-                    index: torch.Tensor, join: bool) -> None:
+                    index: torch.Tensor | None, join: bool) -> None:
         self._copy(direction, placement, host, self._caches.planes[segment:segment + 1])
 
     def _copy(self, direction: Direction, placement: Placement, host: torch.Tensor, planes: Sequence[Plane]) -> None:
@@ -163,6 +164,8 @@ class StagedGather:
 
     one_launch_gathers = False
     """Gather a chunk by one launch for every plane where `kvfsm.executor.gather` runs ("fused-gather")."""
+    graph_launches = True
+    """Replay a full chunk's per-plane gathers and scatters as CUDA graphs (`kvfsm.executor.graphs`) on a GPU."""
 
     def __init__(self, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self._caches = caches
@@ -187,6 +190,7 @@ class StagedGather:
             for d, slots in self._staging.items()}
         self._lanes: dict[Direction, Lanes] = {d: lanes_for(caches.device) for d in ("store", "load")}
         self._one_launch = self._piece_gather(caches, word)
+        self._graphs = self._slot_graphs(caches)
 
     def _piece_gather(self, caches: KVCaches, word: torch.dtype) -> gather.PieceGather | None:
         """A chunk's gather as one launch for every plane (`kvfsm.executor.gather`), where asked for and where it
@@ -203,6 +207,24 @@ class StagedGather:
             return None
         return one_launch
 
+    def _slot_graphs(self, caches: KVCaches) -> dict[Direction, graphs.SlotGraphs] | None:
+        """Full chunks' per-plane gathers and scatters captured as CUDA graphs, on a GPU where no one-launch
+        gather serves; None (a launch per plane from the host) elsewhere, or when capture fails. Capturing runs
+        each once: the scatters write block 0 with its own bytes, gathered into the load slots first."""
+        if not self.graph_launches or self._one_launch is not None or not graphs.available(caches.device):
+            return None
+        first = torch.zeros(self._chunk, dtype=torch.int64, device=caches.device)
+        try:
+            for slot in range(SLOTS):
+                for rows, view in zip(self._rows, self._views["load"][slot]):
+                    torch.index_select(rows, 1, first, out=view)
+            return {"store": graphs.SlotGraphs(self._launch_gathers, SLOTS, self._chunk, caches.device),
+                    "load": graphs.SlotGraphs(self._launch_scatters, SLOTS, self._chunk, caches.device)}
+        except Exception as err:  # noqa: BLE001 (an old driver, a capture refused: the launches still work)
+            log.warning("graph launches unavailable, launching each plane's gather and scatter from the host: "
+                        "%s: %s", type(err).__name__, err)
+            return None
+
     def _staged(self, plane: Plane, slot: torch.Tensor, segment_chunk: int | None = None) -> torch.Tensor:
         """Where `plane`'s pieces of a chunk sit in a staging slot (in words), shaped like its rows[:, :chunk]:
         inside each whole block of a job's chunk, or packed block after block for a segment's chunk."""
@@ -214,20 +236,34 @@ class StagedGather:
         return rows.view(self._chunk, plane.pieces, plane.piece_bytes // size).transpose(0, 1)
 
     def _dma(self, direction: Direction, slot: torch.Tensor, offsets: Sequence[int], host: torch.Tensor) -> None:
-        block_bytes, rows = self._caches.gpu_block_bytes, RowCopies(self._caches.device)
-        for first, _, host_start, n in runs(range(len(offsets)), offsets, block_bytes):
-            _move(rows, direction, slot, first * block_bytes, host, host_start, n * block_bytes)
+        """One copy per run of consecutive host blocks; scattered slots make a copy per block, sent in batches."""
+        block_bytes = self._caches.gpu_block_bytes
+        with RowCopies(self._caches.device, batched=True) as rows:
+            for first, _, host_start, n in runs(range(len(offsets)), offsets, block_bytes):
+                _move(rows, direction, slot, first * block_bytes, host, host_start, n * block_bytes)
 
     def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
         """Blocks `blocks` (on the device: `index`) of every plane into staging slot `slot` of the stores."""
         if self._one_launch is not None:
             self._one_launch(index, self._words["store"][slot])
             return
+        if self._graphs is not None and len(index) == self._chunk:
+            self._graphs["store"](index, slot)
+        else:
+            self._launch_gathers(index, slot)
+
+    def _launch_gathers(self, index: torch.Tensor, slot: int) -> None:
         for rows, view in zip(self._rows, self._views["store"][slot]):
             torch.index_select(rows, 1, index, out=view[:, :len(index)])
 
     def _scatter(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
         """Staging slot `slot` of the loads into blocks `blocks` of every plane."""
+        if self._graphs is not None and len(index) == self._chunk:
+            self._graphs["load"](index, slot)
+        else:
+            self._launch_scatters(index, slot)
+
+    def _launch_scatters(self, index: torch.Tensor, slot: int) -> None:
         for rows, view in zip(self._rows, self._views["load"][slot]):
             rows.index_copy_(1, index, view[:, :len(index)])
 
@@ -253,12 +289,12 @@ class StagedGather:
                      host_runs: tuple[tuple[int, int, int, int], ...], host: torch.Tensor) -> None:
         """One 2-D DMA per run of consecutive host blocks: row i is block i's share of `plane`."""
         width, pitch = plane.block_bytes, self._caches.gpu_block_bytes
-        rows = RowCopies(self._caches.device)
-        for first, _, host_start, n in host_runs:
-            if direction == "store":
-                rows.copy(host, host_start + plane.offset, pitch, slot, first * width, width, width, n)
-            else:
-                rows.copy(slot, first * width, width, host, host_start + plane.offset, pitch, width, n)
+        with RowCopies(self._caches.device, batched=True) as rows:  # a lone host block is a one-row copy: batched
+            for first, _, host_start, n in host_runs:
+                if direction == "store":
+                    rows.copy(host, host_start + plane.offset, pitch, slot, first * width, width, width, n)
+                else:
+                    rows.copy(slot, first * width, width, host, host_start + plane.offset, pitch, width, n)
 
     def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
                     index: torch.Tensor, join: bool) -> None:
@@ -301,6 +337,8 @@ class StagedCopy(StagedGather):
     """staged-gather with the gathering done by the copy engines instead of kernels: one device-to-device 2-D copy
     per plane per run of consecutive GPU blocks. Only where each block is one piece per tensor (cross-layer
     caches), where those copies are large; it leaves the SMs to compute while keeping one big DMA per host run."""
+
+    graph_launches = False
 
     def __init__(self, caches: KVCaches, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         if not caches.block_contiguous:

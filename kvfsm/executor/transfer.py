@@ -9,7 +9,8 @@ is built from. A CPU slot holds `block_size_factor` consecutive GPU blocks, bloc
 from __future__ import annotations
 
 import operator
-from itertools import chain
+from bisect import bisect_right
+from itertools import accumulate, chain
 from typing import Sequence
 
 import torch
@@ -220,7 +221,7 @@ class Segments:
         self._joined = True
 
         def run() -> None:
-            if self._index is None:
+            if self._index is None and t._mechanism.chunk_blocks is not None:  # DMA-only mechanisms never read it
                 self._index = device_index(placement.gpu_blocks, t._caches.device)
             t._mechanism.run_segment(direction, placement, t._pool.buffer, segment, self._index, join)
 
@@ -235,39 +236,42 @@ class Chunks:
     the pipeline without waiting again, so the gather of the next job's first chunk overlaps the DMA of the last
     one's (waiting per job left the copy engine idle for a gather at every job boundary). A chunk is one device
     operation touching only its own blocks and slots, so chunks of stores and layer segments of loads can be
-    sent in turns, both copy engines starting early. `ends[j]` is the chunk with the last block of part j."""
+    sent in turns, both copy engines starting early. `ends[j]` is the chunk with the last block of part j.
+
+    A gathering mechanism's chunk is a staging slot's worth of blocks; a DMA-only mechanism's is one part (job),
+    so each job's event follows its own copies and an engine hears of it while the step's later jobs still copy
+    (one chunk of the whole step held every job's report, and its GPU blocks' fences, until the last byte)."""
 
     def __init__(self, transfers: Transfers, placement: Placement, sizes: tuple[int, ...]) -> None:
         self._transfers = transfers
         self._placement = placement
         self._sizes = sizes
         n = len(placement.gpu_blocks)
-        self._chunk = transfers._mechanism.chunk_blocks or max(1, n)
-        self.count = max(1, -(-n // self._chunk))
-        ends, total = [], 0
-        for size in sizes:
-            total += size
-            ends.append(max(0, total - 1) // self._chunk)
-        self.ends = tuple(ends)
+        chunk = transfers._mechanism.chunk_blocks
+        starts = range(0, n, chunk) if chunk is not None else dict.fromkeys(
+            total for total in accumulate(sizes, initial=0) if total < n)
+        self._bounds = (*(starts or (0,)), n)
+        """Chunk i is blocks `_bounds[i]` to `_bounds[i + 1]` of the placement."""
+        self.count = len(self._bounds) - 1
+        self.ends = tuple(bisect_right(self._bounds, max(0, total - 1), hi=self.count) - 1
+                          for total in accumulate(sizes))
         self._index: torch.Tensor | None = None
 
     def nbytes(self, chunk: int) -> int:
         """Bytes chunk `chunk` moves."""
-        return len(self._placement.gpu_blocks[chunk * self._chunk:(chunk + 1) * self._chunk]) * \
-            self._transfers._caches.gpu_block_bytes
+        return (self._bounds[chunk + 1] - self._bounds[chunk]) * self._transfers._caches.gpu_block_bytes
 
     def enqueue(self, chunk: int, label: str) -> None:
         """Enqueue chunk `chunk` on the store stream (chunks go out in order, the first behind the stream)."""
-        t, c = self._transfers, self._chunk
-        part = Placement(self._placement.gpu_blocks[chunk * c:(chunk + 1) * c],
-                         self._placement.host_offsets[chunk * c:(chunk + 1) * c])
+        t, start, stop = self._transfers, self._bounds[chunk], self._bounds[chunk + 1]
+        part = Placement(self._placement.gpu_blocks[start:stop], self._placement.host_offsets[start:stop])
 
         def run() -> None:
             index = None
             if t._mechanism.chunk_blocks is not None:  # the gathering mechanisms: one index upload per pipeline
                 if self._index is None:
                     self._index = device_index(self._placement.gpu_blocks, t._caches.device)
-                index = self._index[chunk * c:(chunk + 1) * c]
+                index = self._index[start:stop]
             t._mechanism.run("store", part, t._pool.buffer, index, chunk == 0)
 
         slots = tuple(dict.fromkeys(offset // t._pool.slot_bytes for offset in part.host_offsets))
