@@ -72,23 +72,29 @@ def test_a_staged_store_pipeline_chunk_is_as_many_blocks_as_a_staging_slot_holds
     assert chunks.nbytes(0) == staging_blocks * caches.gpu_block_bytes
 
 
-def test_fused_gather_that_cannot_build_its_kernel_gathers_a_plane_at_a_time_and_says_why(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A GPU without a compiler for Triton (or an old driver) still moves blocks: by a launch per plane, with a
-    warning that names what failed, and every byte lands."""
-    def unbuildable(*_: object) -> None:
-        raise RuntimeError("no C compiler")
+@pytest.mark.parametrize(("module", "builder", "mechanism", "built", "warning"), [
+    (gather, "PieceGather", "fused-gather", "_one_launch",
+     "one-launch gathers unavailable, gathering one plane at a time: RuntimeError: refused"),
+    (graphs, "SlotGraphs", "staged-gather", "_graphs",
+     "graph launches unavailable, launching each plane's gather and scatter from the host: RuntimeError: refused")])
+def test_a_chunk_launch_that_cannot_be_built_falls_back_to_a_launch_per_plane_and_says_why(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, module: object, builder: str,
+        mechanism: str, built: str, warning: str) -> None:
+    """A GPU without a compiler for Triton, or a driver that refuses graph capture, still moves blocks: by a launch
+    per plane from the host, with a warning that names what failed, and every byte lands both ways."""
+    def refused(*_: object) -> None:
+        raise RuntimeError("refused")
 
-    monkeypatch.setattr(gather, "available", lambda device: True)
-    monkeypatch.setattr(gather, "PieceGather", unbuildable)
-    device, caches, pool, transfers = make("kv-first", 1, "fused-gather", staging_blocks=3)
-    assert transfers._mechanism._one_launch is None
-    assert [record.getMessage() for record in caplog.records] == [
-        "one-launch gathers unavailable, gathering one plane at a time: RuntimeError: no C compiler"]
+    monkeypatch.setattr(module, "available", lambda device: True)
+    monkeypatch.setattr(module, builder, refused)
+    device, caches, _, transfers = make("kv-first", 1, mechanism, staging_blocks=3)
+    assert getattr(transfers._mechanism, built) is None
+    assert [record.getMessage() for record in caplog.records] == [warning]
     expected = [block(caches, b).clone() for b in (7, 2, 9, 0)]
     transfers.store([7, 2, 9, 0], range(4))
+    transfers.load(range(4), [1, 3, 5, 8])
     device.run_until_idle()
-    assert all(torch.equal(pool.slot(i), want) for i, want in enumerate(expected))
+    assert all(torch.equal(block(caches, b), want) for b, want in zip([1, 3, 5, 8], expected))
 
 
 def test_staged_gather_keeps_a_launch_per_plane_where_one_launch_could_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,27 +105,6 @@ def test_staged_gather_keeps_a_launch_per_plane_where_one_launch_could_run(monke
     monkeypatch.setattr(gather, "PieceGather", lambda *args: built.append(args))
     _, _, _, transfers = make("kv-first", 1, "staged-gather")
     assert transfers._mechanism._one_launch is None and built == []
-
-
-def test_staged_gather_that_cannot_capture_its_launches_makes_each_from_the_host_and_says_why(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A driver that refuses graph capture still moves blocks: by a launch per plane from the host, with a warning
-    that names what failed, and every byte lands."""
-    def uncapturable(*_: object) -> None:
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    monkeypatch.setattr(graphs, "available", lambda device: True)
-    monkeypatch.setattr(graphs, "SlotGraphs", uncapturable)
-    device, caches, pool, transfers = make("kv-first", 1, "staged-gather", staging_blocks=3)
-    assert transfers._mechanism._graphs is None
-    assert [record.getMessage() for record in caplog.records] == [
-        "graph launches unavailable, launching each plane's gather and scatter from the host: "
-        "RuntimeError: operation not permitted when stream is capturing"]
-    expected = [block(caches, b).clone() for b in (7, 2, 9, 0)]
-    transfers.store([7, 2, 9, 0], range(4))
-    transfers.load(range(4), [1, 3, 5, 8])
-    device.run_until_idle()
-    assert all(torch.equal(block(caches, b), want) for b, want in zip([1, 3, 5, 8], expected))
 
 
 @pytest.mark.parametrize(("layout", "mechanism", "captured"), [

@@ -151,25 +151,34 @@ def test_poisoning_cpu_slots_takes_its_turn_on_the_stream_without_holding_up_the
         assert (poisoned_at_once, bool((pool.slot(1) == POISON_BYTE).all())) == (False, True)
 
 
+def gathered_fast_and_per_plane(caches: KVCaches, transfers: Transfers, fast: str, blocks: list[int],
+                                earlier: tuple[list[int], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """`blocks` gathered into staging slot 0 by the mechanism's faster path `fast` (after `earlier` went through
+    the same slot), and into slot 1 by a launch per plane from the host: the two slots' filled bytes."""
+    mechanism = transfers._mechanism
+    assert getattr(mechanism, fast) is not None, f"on this GPU the {fast} path must be in use"
+    for slot in mechanism._staging["store"]:
+        slot.fill_(POISON_BYTE)
+    for ids in (*earlier, blocks):
+        mechanism._gather(ids, device_index(ids, caches.device), 0)
+    faster = getattr(mechanism, fast)
+    setattr(mechanism, fast, None)
+    mechanism._gather(blocks, device_index(blocks, caches.device), 1)
+    setattr(mechanism, fast, faster)
+    torch.cuda.synchronize()
+    n = len(blocks) * caches.gpu_block_bytes
+    first, second = (slot[:n] for slot in mechanism._staging["store"])
+    return first, second
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_replayed_graph_gathers_each_full_chunk_s_own_blocks_as_a_launch_per_plane_does(layout: str) -> None:
     """staged-gather replays a full chunk's captured gathers: the slot must hold that chunk's blocks, the same
     bytes the launches from the host put there, even right after another chunk went through the same slot."""
-    device, caches, pool, transfers = rig(layout, 1, "staged-gather")
-    mechanism = transfers._mechanism
-    assert mechanism._graphs is not None, "on a GPU, staged-gather's full chunks must replay captured launches"
-    chunk = mechanism.chunk_blocks
+    _, caches, pool, transfers = rig(layout, 1, "staged-gather")
+    chunk = transfers._mechanism.chunk_blocks
     earlier, blocks = torch.randperm(64)[:2 * chunk].view(2, chunk).tolist()
-    n = chunk * caches.gpu_block_bytes
-    for slot in mechanism._staging["store"]:
-        slot.fill_(POISON_BYTE)
-    mechanism._gather(earlier, device_index(earlier, caches.device), 0)
-    mechanism._gather(blocks, device_index(blocks, caches.device), 0)
-    replayed, mechanism._graphs = mechanism._graphs, None
-    mechanism._gather(blocks, device_index(blocks, caches.device), 1)
-    mechanism._graphs = replayed
-    torch.cuda.synchronize()
-    graph, per_plane = (slot[:n] for slot in mechanism._staging["store"])
+    graph, per_plane = gathered_fast_and_per_plane(caches, transfers, "_graphs", blocks, (earlier,))
     assert torch.equal(graph, per_plane)
     assert torch.equal(graph, torch.cat([block(caches, b) for b in blocks]))
     pool.close()
@@ -200,20 +209,9 @@ def test_a_replayed_graph_scatters_a_full_chunk_into_its_own_blocks_only(layout:
 def test_one_launch_gathers_the_bytes_a_launch_per_plane_gathers(layout: str) -> None:
     """fused-gather's one launch (Triton, every plane at once) fills a staging slot with exactly the blocks asked
     for, as staged-gather's index_select per plane does."""
-    device, caches, pool, transfers = rig(layout, 1, "fused-gather")
-    mechanism = transfers._mechanism
-    assert mechanism._one_launch is not None, "Triton is on the device image: the one-launch path must be in use"
+    _, caches, pool, transfers = rig(layout, 1, "fused-gather")
     blocks = torch.randperm(64)[:5].tolist()
-    index = device_index(blocks, caches.device)
-    n = len(blocks) * caches.gpu_block_bytes
-    for slot in mechanism._staging["store"]:
-        slot.fill_(POISON_BYTE)
-    mechanism._gather(blocks, index, 0)
-    one_launch, mechanism._one_launch = mechanism._one_launch, None
-    mechanism._gather(blocks, index, 1)
-    mechanism._one_launch = one_launch
-    torch.cuda.synchronize()
-    staged, per_plane = (slot[:n] for slot in mechanism._staging["store"])
+    staged, per_plane = gathered_fast_and_per_plane(caches, transfers, "_one_launch", blocks)
     assert torch.equal(staged, per_plane)
     assert torch.equal(staged, torch.cat([block(caches, b) for b in blocks]))
     pool.close()
@@ -271,9 +269,9 @@ def test_a_block_index_goes_up_as_int64_without_the_host_waiting_for_its_stream(
     assert empty.is_cuda and empty.dtype == torch.int64
 
 
-def test_a_dma_only_jobs_copies_go_to_the_driver_in_batches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cross-layer store of scattered blocks is a copy per block: sent as a few driver batches, not a call
-    each (the host's submission otherwise outlasts the copies when both directions move)."""
+@pytest.fixture
+def driver_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of each batch of copies sent to the driver; a copy sent on its own fails the test."""
     batches: list[int] = []
     issue = RawRows.copy_many
 
@@ -283,33 +281,29 @@ def test_a_dma_only_jobs_copies_go_to_the_driver_in_batches(monkeypatch: pytest.
         issue(self, dsts, srcs, sizes, to_device, device)
 
     monkeypatch.setattr(RawRows, "copy_many", logged)
-    monkeypatch.setattr(RawRows, "copy", lambda *_: pytest.fail("a DMA-only job issued a copy on its own"))
+    monkeypatch.setattr(RawRows, "copy", lambda *_: pytest.fail("a copy went to the driver on its own"))
+    return batches
+
+
+def test_a_dma_only_jobs_copies_go_to_the_driver_in_batches(driver_batches: list[int]) -> None:
+    """A cross-layer store of scattered blocks is a copy per block: sent as a few driver batches, not a call
+    each (the host's submission otherwise outlasts the copies when both directions move)."""
     device, caches, pool, transfers = rig("cross-layer", 1, "cross-layer")
     sources = [9, 3, 40, 17, 5, 28, 60, 1, 33, 12]
     expected = [block(caches, b).clone() for b in sources]
     torch.cuda.synchronize()
     transfers.store(sources, range(10))
     settle(device, "store")
-    assert sum(batches) == 10 * len(caches.planes) and len(batches) < 10  # a copy per block and tensor
+    assert sum(driver_batches) == 10 * len(caches.planes) and len(driver_batches) < 10  # a copy per block, tensor
     assert all(torch.equal(pool.slot(i).cuda(), want) for i, want in enumerate(expected))
     pool.close()
 
 
 @pytest.mark.parametrize("layer_segments", [False, True])
 def test_a_staged_job_s_copies_to_scattered_slots_go_to_the_driver_in_batches(
-        monkeypatch: pytest.MonkeyPatch, layer_segments: bool) -> None:
+        driver_batches: list[int], layer_segments: bool) -> None:
     """Blocks of a chunk (or of a layer segment) whose host slots are scattered are a one-row copy each: sent as
     driver batches (one call each ran a 2 MiB copy at 0.88 of the ceiling, batches at 0.98)."""
-    batches: list[int] = []
-    issue = RawRows.copy_many
-
-    def logged(self: RawRows, dsts: list[int], srcs: list[int], sizes: list[int], to_device: bool,
-               device: int) -> None:
-        batches.append(len(sizes))
-        issue(self, dsts, srcs, sizes, to_device, device)
-
-    monkeypatch.setattr(RawRows, "copy_many", logged)
-    monkeypatch.setattr(RawRows, "copy", lambda *_: pytest.fail("a lone block's copy went out on its own"))
     device, caches, pool, transfers = rig("kv-first", 1, "staged-gather")
     sources, slots, targets = [9, 3, 40, 17, 5, 28], [30, 2, 17, 8, 25, 11], [50, 7, 21, 44, 2, 36]
     expected = [block(caches, b).clone() for b in sources]
@@ -324,7 +318,7 @@ def test_a_staged_job_s_copies_to_scattered_slots_go_to_the_driver_in_batches(
         transfers.load(slots, targets)
     settle(device, "load")
     copies = len(sources) * (1 + (transfers.num_segments if layer_segments else 1))
-    assert sum(batches) == copies and len(batches) < copies
+    assert sum(driver_batches) == copies and len(driver_batches) < copies
     assert all(torch.equal(block(caches, b), want) for b, want in zip(targets, expected))
     pool.close()
 
