@@ -56,10 +56,9 @@ class PieceGather:
     """The piece table of some planes (each piece: base address, block stride, length, place in a staged block),
     built once, and the launch that gathers a chunk of blocks by it."""
 
-    def __init__(self, planes: Sequence[Plane], words: Sequence[torch.Tensor], block_bytes: int,
-                 word: torch.dtype) -> None:
-        """`words[i]`: plane i's rows viewed as `word`s; `block_bytes`: one staged block's size."""
-        size = torch.tensor([], dtype=word).element_size()
+    def __init__(self, planes: Sequence[Plane], words: Sequence[torch.Tensor], block_bytes: int) -> None:
+        """`words[i]`: plane i's rows viewed as words (one dtype for all); `block_bytes`: one staged block's size."""
+        size = words[0].element_size()
         table = [(rows[p].data_ptr(), rows.stride(1), plane.piece_bytes // size,
                   (plane.offset + p * plane.piece_bytes) // size)
                  for plane, rows in zip(planes, words) for p in range(plane.pieces)]

@@ -185,22 +185,21 @@ class StagedGather:
         # A segment's chunk: as many blocks of one plane as a slot holds.
         self._segment_chunk = [max(1, min(size // p.block_bytes, caches.num_blocks)) for p in caches.planes]
         self._segment_views = {
-            d: [[self._staged(p, slot.view(word), c) for p, c in zip(caches.planes, self._segment_chunk)]
-                for slot in slots]
-            for d, slots in self._staging.items()}
+            d: [[self._staged(p, slot, c) for p, c in zip(caches.planes, self._segment_chunk)] for slot in slots]
+            for d, slots in self._words.items()}
         self._lanes: dict[Direction, Lanes] = {d: lanes_for(caches.device) for d in ("store", "load")}
-        self._one_launch = self._piece_gather(caches, word)
+        self._one_launch = self._piece_gather(caches)
         self._graphs = self._slot_graphs(caches)
 
-    def _piece_gather(self, caches: KVCaches, word: torch.dtype) -> gather.PieceGather | None:
+    def _piece_gather(self, caches: KVCaches) -> gather.PieceGather | None:
         """A chunk's gather as one launch for every plane (`kvfsm.executor.gather`), where asked for and where it
         runs: compiled here, by gathering block 0, so an engine's first step does not pay the compilation; None
         (one launch per plane) otherwise, without Triton, off a GPU, or when it fails to build."""
         if not self.one_launch_gathers or not gather.available(caches.device):
             return None
         try:
-            one_launch = gather.PieceGather(caches.planes, self._rows, caches.gpu_block_bytes, word)
-            one_launch(torch.zeros(1, dtype=torch.int64, device=caches.device), self._staging["store"][0].view(word))
+            one_launch = gather.PieceGather(caches.planes, self._rows, caches.gpu_block_bytes)
+            one_launch(torch.zeros(1, dtype=torch.int64, device=caches.device), self._words["store"][0])
         except Exception as err:  # noqa: BLE001 (no compiler, an old driver: the per-plane launches still work)
             log.warning("one-launch gathers unavailable, gathering one plane at a time: %s: %s",
                         type(err).__name__, err)

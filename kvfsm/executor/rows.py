@@ -139,9 +139,11 @@ class RowCopies:
     """
 
     def __init__(self, device: torch.device, batched: bool = False) -> None:
-        self._raw = RawRows(torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else None
-        self._device = device.index if device.index is not None else torch.cuda.current_device() \
-            if self._raw is not None else 0
+        self._raw: RawRows | None = None
+        self._device = 0
+        if device.type == "cuda":
+            self._raw = RawRows(torch.cuda.current_stream(device).cuda_stream)
+            self._device = torch.cuda.current_device() if device.index is None else device.index
         self._held: tuple[list[int], list[int], list[int]] | None = \
             ([], [], []) if batched and self._raw is not None and self._raw.batches else None
         self._to_device = False
