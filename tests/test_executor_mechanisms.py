@@ -125,6 +125,55 @@ def test_staged_gather_off_a_gpu_captures_nothing() -> None:
     assert make("kv-first", 1, "staged-gather")[3]._mechanism._graphs is None
 
 
+class Replayed:
+    """`graphs.SlotGraphs` as the CPU can run it: the launches run once per slot when made, as capture's first
+    run does, and again on each replay, which is logged as (direction, blocks)."""
+
+    def __init__(self, log: list[tuple[str, int]], direction: str, launches: graphs.Launches, slots: int,
+                 chunk: int, device: torch.device) -> None:
+        for slot in range(slots):
+            launches(torch.zeros(chunk, dtype=torch.int64, device=device), slot)
+        self._log, self._direction, self._launches = log, direction, launches
+
+    def __call__(self, index: torch.Tensor, slot: int) -> None:
+        self._log.append((self._direction, len(index)))
+        self._launches(index, slot)
+
+
+@pytest.fixture
+def replays(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Each replay of a captured chunk, with graph capture stood in for on the CPU."""
+    log: list[tuple[str, int]] = []
+    made = iter(("store", "load"))
+    monkeypatch.setattr(graphs, "available", lambda device: True)
+    monkeypatch.setattr(graphs, "SlotGraphs", lambda *args: Replayed(log, next(made), *args))
+    return log
+
+
+def test_capturing_staged_gather_s_launches_leaves_every_cached_block_as_it_was(
+        replays: list[tuple[str, int]]) -> None:
+    """Capture runs each launch once: the scatters then write block 0, which must get its own bytes back."""
+    tensors, groups = allocate_kv_caches("kv-first", 4, NUM_BLOCKS, 2, 2, 4, torch.bfloat16, "cpu")
+    for tensor in tensors.values():
+        tensor.view(torch.uint8).copy_(torch.randint(0, 256, tensor.view(torch.uint8).shape, dtype=torch.uint8))
+    before = {name: tensor.view(torch.uint8).clone() for name, tensor in tensors.items()}
+    caches = register_kv_caches(tensors, "kv-first", groups)
+    Transfers(SimDevice(), caches, HostPool(SimDevice(), 8, caches.gpu_block_bytes), 1, "staged-gather",
+              staging_bytes=3 * caches.gpu_block_bytes)
+    assert all(torch.equal(tensors[name].view(torch.uint8), bytes_) for name, bytes_ in before.items())
+
+
+def test_full_chunks_replay_their_captured_launches_and_a_shorter_one_launches_from_the_host(
+        replays: list[tuple[str, int]]) -> None:
+    device, caches, _, transfers = make("kv-first", 1, "staged-gather", staging_blocks=4)
+    expected = [block(caches, b).clone() for b in (7, 2, 9, 0, 4)]
+    transfers.store([7, 2, 9, 0, 4], range(5))
+    transfers.load(range(5), [1, 3, 6, 8, 10])
+    device.run_until_idle()
+    assert replays == [("store", 4), ("load", 4)]
+    assert all(torch.equal(block(caches, b), want) for b, want in zip([1, 3, 6, 8, 10], expected))
+
+
 def test_a_direct_copy_store_pipeline_uploads_no_gpu_block_index(uploads: list[tuple[int, ...]]) -> None:
     """Only the gathering mechanisms index blocks on the device; for a direct copy the upload would be wasted."""
     device, _, _, transfers = make("blocks-first", 1, "copy-per-block")
