@@ -27,6 +27,15 @@ def test_a_direct_copy_store_pipeline_is_one_chunk_holding_the_whole_job() -> No
     assert all(torch.equal(stored(caches, pool, slots[i // 2], i % 2), expected[i]) for i in range(4))
 
 
+@pytest.mark.parametrize("mechanism", ["staged-gather", "copy-per-block"])
+def test_an_empty_store_is_one_chunk_of_nothing_that_ends_its_job(mechanism: str) -> None:
+    """A job ends after the chunk `ends` names: for a store of no blocks that must be the one chunk there is,
+    or the job's event would never be recorded and it would never finish."""
+    _, _, _, transfers = make("kv-first", 1, mechanism)
+    chunks = transfers.store_chunks([], [])
+    assert (chunks.count, chunks.ends, chunks.nbytes(0)) == (1, (0,), 0)
+
+
 def test_a_staged_store_pipeline_is_cut_into_chunks_of_a_staging_slot_each_counting_its_bytes() -> None:
     _, caches, _, transfers = make("kv-first", 2, staging_blocks=3)
     chunks = transfers.store_chunks([0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3])
