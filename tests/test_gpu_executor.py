@@ -9,6 +9,7 @@ import torch
 from kvfsm.executor import LAYOUTS, MECHANISMS, POISON_BYTE, CudaDevice, HostPool, KVCaches, Transfers
 from kvfsm.executor import register_kv_caches
 from kvfsm.executor.layouts import allocate_kv_caches
+from kvfsm.executor.gather import SlotOverflow
 from kvfsm.executor.mechanisms import BLOCK_CONTIGUOUS_ONLY, device_index
 from kvfsm.executor.rows import RawRows, RowCopies
 
@@ -17,7 +18,8 @@ TRIALS = 50
 SLEEP_CYCLES = 20_000_000  # ~10 ms at H100 clocks: far longer than the copies it races
 
 
-def rig(layout: str, k: int, mechanism: str) -> tuple[CudaDevice, KVCaches, HostPool, Transfers]:
+def rig(layout: str, k: int, mechanism: str,
+        staging_blocks: int = 5) -> tuple[CudaDevice, KVCaches, HostPool, Transfers]:
     device = CudaDevice()
     tensors, groups = allocate_kv_caches(layout, 4, 64, 16, 2, 64, torch.bfloat16, "cuda", 2)
     for t in tensors.values():
@@ -26,7 +28,7 @@ def rig(layout: str, k: int, mechanism: str) -> tuple[CudaDevice, KVCaches, Host
     caches = register_kv_caches(tensors, layout, groups)
     pool = HostPool(device, 32, k * caches.gpu_block_bytes)
     return device, caches, pool, Transfers(device, caches, pool, k, mechanism,
-                                           staging_bytes=5 * caches.gpu_block_bytes)
+                                           staging_bytes=staging_blocks * caches.gpu_block_bytes)
 
 
 def block(caches: KVCaches, b: int) -> torch.Tensor:
@@ -214,6 +216,21 @@ def test_one_launch_gathers_the_bytes_a_launch_per_plane_gathers(layout: str) ->
     staged, per_plane = gathered_fast_and_per_plane(caches, transfers, "_one_launch", blocks)
     assert torch.equal(staged, per_plane)
     assert torch.equal(staged, torch.cat([block(caches, b) for b in blocks]))
+    pool.close()
+
+
+def test_one_launch_gathers_refuse_more_blocks_than_a_staging_slot_holds() -> None:
+    """A kernel writing past its slot would corrupt whatever lies beyond it, silently: refused before launch. A
+    one-block slot still builds the kernel (its warm-up gathers one block) and gathers into it."""
+    _, caches, pool, transfers = rig("kv-first", 1, "fused-gather", staging_blocks=1)
+    one_launch = transfers._mechanism._one_launch
+    assert one_launch is not None, "a one-block staging slot must still build the one-launch gather"
+    slot = transfers._mechanism._words["store"][0]
+    with pytest.raises(SlotOverflow, match="2 blocks do not fit a staging slot of 1"):
+        one_launch(device_index([3, 4], caches.device), slot)
+    one_launch(device_index([3], caches.device), slot)
+    torch.cuda.synchronize()
+    assert torch.equal(transfers._mechanism._staging["store"][0], block(caches, 3))
     pool.close()
 
 

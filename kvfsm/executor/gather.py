@@ -52,6 +52,10 @@ def _kernel() -> Any:
     return gather_pieces
 
 
+class SlotOverflow(ValueError):
+    """More blocks than the staging slot holds: the kernel would write past the slot, silently."""
+
+
 class PieceGather:
     """The piece table of some planes (each piece: base address, block stride, length, place in a staged block),
     built once, and the launch that gathers a chunk of blocks by it."""
@@ -73,6 +77,8 @@ class PieceGather:
 
     def __call__(self, index: torch.Tensor, slot: torch.Tensor) -> None:
         """Blocks `index` (on the device) of every piece into the first `len(index)` blocks of `slot` (in words)."""
+        if len(index) * self._block_words > slot.numel():
+            raise SlotOverflow(f"{len(index)} blocks do not fit a staging slot of {slot.numel() // self._block_words}")
         if len(index):
             self._kernel[(self._pieces, len(index))](self._bases, self._strides, self._lengths, self._offsets,
                                                      index, slot, self._block_words, WORDS=WORDS_PER_STEP)
