@@ -126,32 +126,34 @@ def test_staged_gather_off_a_gpu_captures_nothing() -> None:
 
 
 class Replayed:
-    """`graphs.SlotGraphs` as the CPU can run it: the launches run once per slot when made, as capture's first
-    run does, and again on each replay, which is logged as (direction, blocks)."""
+    """`graphs.SlotGraphs` as the CPU can run it: the launches run once per slot and pacing when made, as capture's
+    first runs do, and again on each replay, which is logged as (direction, blocks, paced)."""
 
-    def __init__(self, log: list[tuple[str, int]], direction: str, launches: graphs.Launches, slots: int,
+    def __init__(self, log: list[tuple[str, int, bool]], direction: str, launches: graphs.Launches, slots: int,
                  chunk: int, device: torch.device) -> None:
         for slot in range(slots):
-            launches(torch.zeros(chunk, dtype=torch.int64, device=device), slot)
+            for cycles in (0, graphs.PACE_CYCLES):
+                launches(torch.zeros(chunk, dtype=torch.int64, device=device), slot, cycles)
         self._log, self._direction, self._launches = log, direction, launches
 
-    def __call__(self, index: torch.Tensor, slot: int) -> None:
-        self._log.append((self._direction, len(index)))
-        self._launches(index, slot)
+    def __call__(self, index: torch.Tensor, slot: int, paced: bool) -> None:
+        self._log.append((self._direction, len(index), paced))
+        self._launches(index, slot, 0)
 
 
 @pytest.fixture
-def replays(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """Each replay of a captured chunk, with graph capture stood in for on the CPU."""
-    log: list[tuple[str, int]] = []
+def replays(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, bool]]:
+    """Each replay of a captured chunk, with graph capture (and its pauses) stood in for on the CPU."""
+    log: list[tuple[str, int, bool]] = []
     made = iter(("store", "load"))
     monkeypatch.setattr(graphs, "available", lambda device: True)
     monkeypatch.setattr(graphs, "SlotGraphs", lambda *args: Replayed(log, next(made), *args))
+    monkeypatch.setattr(graphs, "pause", lambda cycles: None)
     return log
 
 
 def test_capturing_staged_gather_s_launches_leaves_every_cached_block_as_it_was(
-        replays: list[tuple[str, int]]) -> None:
+        replays: list[tuple[str, int, bool]]) -> None:
     """Capture runs each launch once: the scatters then write block 0, which must get its own bytes back."""
     tensors, groups = allocate_kv_caches("kv-first", 4, NUM_BLOCKS, 2, 2, 4, torch.bfloat16, "cpu")
     for tensor in tensors.values():
@@ -164,14 +166,26 @@ def test_capturing_staged_gather_s_launches_leaves_every_cached_block_as_it_was(
 
 
 def test_full_chunks_replay_their_captured_launches_and_a_shorter_one_launches_from_the_host(
-        replays: list[tuple[str, int]]) -> None:
-    device, caches, _, transfers = make("kv-first", 1, "staged-gather", staging_blocks=4)
-    expected = [block(caches, b).clone() for b in (7, 2, 9, 0, 4)]
+        replays: list[tuple[str, int, bool]]) -> None:
+    """Replays are paced except where the copy engine waits on them: a job's first gather, its last scatter."""
+    device, caches, _, transfers = make("kv-first", 1, "staged-gather", staging_blocks=2)
+    expected = [block(caches, b).clone() for b in (7, 2, 9, 0)]
     transfers.store([7, 2, 9, 0, 4], range(5))
-    transfers.load(range(5), [1, 3, 6, 8, 10])
+    transfers.load(range(4), [1, 3, 6, 8])
     device.run_until_idle()
-    assert replays == [("store", 4), ("load", 4)]
-    assert all(torch.equal(block(caches, b), want) for b, want in zip([1, 3, 6, 8, 10], expected))
+    assert replays == [("store", 2, False), ("store", 2, True), ("load", 2, True), ("load", 2, False)]
+    assert all(torch.equal(block(caches, b), want) for b, want in zip([1, 3, 6, 8], expected))
+
+
+def test_only_a_store_pipeline_s_first_chunk_replays_its_gathers_back_to_back(
+        replays: list[tuple[str, int, bool]]) -> None:
+    """Later chunks of a pipeline are gathered while the copy engine moves the ones before: paced."""
+    device, _, _, transfers = make("kv-first", 1, "staged-gather", staging_blocks=2)
+    chunks = transfers.store_chunks([7, 2, 9, 0, 4, 11], range(6))
+    for chunk in range(chunks.count):
+        chunks.enqueue(chunk, f"chunk {chunk}")
+    device.run_until_idle()
+    assert replays == [("store", 2, False), ("store", 2, True), ("store", 2, True)]
 
 
 def test_a_direct_copy_store_pipeline_uploads_no_gpu_block_index(uploads: list[tuple[int, ...]]) -> None:

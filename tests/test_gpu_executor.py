@@ -154,15 +154,17 @@ def test_poisoning_cpu_slots_takes_its_turn_on_the_stream_without_holding_up_the
 
 
 def gathered_fast_and_per_plane(caches: KVCaches, transfers: Transfers, fast: str, blocks: list[int],
-                                earlier: tuple[list[int], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                                earlier: tuple[list[int], ...] = (),
+                                paced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`blocks` gathered into staging slot 0 by the mechanism's faster path `fast` (after `earlier` went through
-    the same slot), and into slot 1 by a launch per plane from the host: the two slots' filled bytes."""
+    the same slot; `paced` for a graph replay), and into slot 1 by a launch per plane from the host: the two slots'
+    filled bytes."""
     mechanism = transfers._mechanism
     assert getattr(mechanism, fast) is not None, f"on this GPU the {fast} path must be in use"
     for slot in mechanism._staging["store"]:
         slot.fill_(POISON_BYTE)
     for ids in (*earlier, blocks):
-        mechanism._gather(ids, device_index(ids, caches.device), 0)
+        mechanism._gather(ids, device_index(ids, caches.device), 0, paced)
     faster = getattr(mechanism, fast)
     setattr(mechanism, fast, None)
     mechanism._gather(blocks, device_index(blocks, caches.device), 1)
@@ -173,23 +175,27 @@ def gathered_fast_and_per_plane(caches: KVCaches, transfers: Transfers, fast: st
     return first, second
 
 
+@pytest.mark.parametrize("paced", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_replayed_graph_gathers_each_full_chunk_s_own_blocks_as_a_launch_per_plane_does(layout: str) -> None:
-    """staged-gather replays a full chunk's captured gathers: the slot must hold that chunk's blocks, the same
-    bytes the launches from the host put there, even right after another chunk went through the same slot."""
+def test_a_replayed_graph_gathers_each_full_chunk_s_own_blocks_as_a_launch_per_plane_does(layout: str,
+                                                                                           paced: bool) -> None:
+    """staged-gather replays a full chunk's captured gathers, back to back or paced: the slot must hold that
+    chunk's blocks, the same bytes the launches from the host put there, even right after another chunk went
+    through the same slot."""
     _, caches, pool, transfers = rig(layout, 1, "staged-gather")
     chunk = transfers._mechanism.chunk_blocks
     earlier, blocks = torch.randperm(64)[:2 * chunk].view(2, chunk).tolist()
-    graph, per_plane = gathered_fast_and_per_plane(caches, transfers, "_graphs", blocks, (earlier,))
+    graph, per_plane = gathered_fast_and_per_plane(caches, transfers, "_graphs", blocks, (earlier,), paced)
     assert torch.equal(graph, per_plane)
     assert torch.equal(graph, torch.cat([block(caches, b) for b in blocks]))
     pool.close()
 
 
+@pytest.mark.parametrize("paced", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_replayed_graph_scatters_a_full_chunk_into_its_own_blocks_only(layout: str) -> None:
-    """staged-gather replays a full chunk's captured scatters: each block of the chunk gets its row of the slot,
-    right after another chunk went through the same slot, and no other block is written."""
+def test_a_replayed_graph_scatters_a_full_chunk_into_its_own_blocks_only(layout: str, paced: bool) -> None:
+    """staged-gather replays a full chunk's captured scatters, back to back or paced: each block of the chunk gets
+    its row of the slot, right after another chunk went through the same slot, and no other block is written."""
     device, caches, pool, transfers = rig(layout, 1, "staged-gather")
     mechanism = transfers._mechanism
     assert mechanism._graphs is not None, "on a GPU, staged-gather's full chunks must replay captured launches"
@@ -199,8 +205,8 @@ def test_a_replayed_graph_scatters_a_full_chunk_into_its_own_blocks_only(layout:
     rows = torch.cat([block(caches, b) for b in sources])
     untouched = {b: block(caches, b).clone() for b in range(64) if b not in earlier + blocks}
     mechanism._staging["load"][0][:rows.numel()].copy_(rows)
-    mechanism._scatter(earlier, device_index(earlier, caches.device), 0)
-    mechanism._scatter(blocks, device_index(blocks, caches.device), 0)
+    mechanism._scatter(earlier, device_index(earlier, caches.device), 0, paced)
+    mechanism._scatter(blocks, device_index(blocks, caches.device), 0, paced)
     torch.cuda.synchronize()
     assert all(torch.equal(block(caches, b), block(caches, s)) for b, s in zip(blocks, sources))
     assert all(torch.equal(block(caches, b), want) for b, want in untouched.items())

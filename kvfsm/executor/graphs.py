@@ -17,8 +17,19 @@ from typing import Callable
 
 import torch
 
-Launches = Callable[[torch.Tensor, int], None]
-"""A chunk's per-plane launches: block ids `index` (on the device), staging slot `slot`."""
+Launches = Callable[[torch.Tensor, int, int], None]
+"""A chunk's per-plane launches: block ids `index` (on the device), staging slot `slot`, GPU clock cycles to pause
+between two planes' launches."""
+
+PACE_CYCLES = 15_000
+"""Cycles a paced replay pauses between two planes' launches: ~8 µs on an H100, about what a host took between
+launching them. Back to back, the launches took more of a concurrent matmul: H100, three rounds each, median
+slowdown 1.027 back to back, 1.025 with 5,000 cycles, 1.020 with 15,000, 1.020 launched from the host."""
+
+
+def pause(cycles: int) -> None:
+    """Hold the current stream for `cycles` GPU clock cycles: one tiny kernel, so a graph can hold the pause."""
+    torch.cuda._sleep(cycles)
 
 
 def available(device: torch.device) -> bool:
@@ -27,29 +38,32 @@ def available(device: torch.device) -> bool:
 
 
 class SlotGraphs:
-    """For each staging slot, the captured launches of a full chunk through it, and the index they read."""
+    """For each staging slot, the captured launches of a full chunk through it, back to back and paced, and the
+    index they read."""
 
     def __init__(self, launches: Launches, slots: int, chunk: int, device: torch.device) -> None:
         self.chunk = chunk
         self._index = [torch.zeros(chunk, dtype=torch.int64, device=device) for _ in range(slots)]
         with torch.cuda.device(device):
-            self._graphs = [self._capture(launches, index, slot) for slot, index in enumerate(self._index)]
+            self._graphs = [{paced: self._capture(launches, index, slot, PACE_CYCLES if paced else 0)
+                             for paced in (False, True)} for slot, index in enumerate(self._index)]
 
     @staticmethod
-    def _capture(launches: Launches, index: torch.Tensor, slot: int) -> torch.cuda.CUDAGraph:
+    def _capture(launches: Launches, index: torch.Tensor, slot: int, cycles: int) -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            launches(index, slot)  # once outside the capture, as torch asks: a first call may set up lazy state
+            launches(index, slot, cycles)  # once outside the capture, as torch asks: a first call may set up state
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: an engine's other threads may use CUDA while the caches are being registered
         with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-            launches(index, slot)
+            launches(index, slot, cycles)
         return graph
 
-    def __call__(self, index: torch.Tensor, slot: int) -> None:
+    def __call__(self, index: torch.Tensor, slot: int, paced: bool) -> None:
         """The launches for blocks `index` (a full chunk's, on the device) through staging slot `slot`, on the
-        current stream."""
+        current stream: `paced` where copies of other chunks run meanwhile, back to back where the copy engine
+        waits for them."""
         self._index[slot].copy_(index)
-        self._graphs[slot].replay()
+        self._graphs[slot][paced].replay()

@@ -241,29 +241,34 @@ class StagedGather:
             for first, _, host_start, n in runs(range(len(offsets)), offsets, block_bytes):
                 _move(rows, direction, slot, first * block_bytes, host, host_start, n * block_bytes)
 
-    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
-        """Blocks `blocks` (on the device: `index`) of every plane into staging slot `slot` of the stores."""
+    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int, paced: bool = False) -> None:
+        """Blocks `blocks` (on the device: `index`) of every plane into staging slot `slot` of the stores; `paced`
+        where the copy engine has other chunks to move meanwhile (`graphs.PACE_CYCLES`)."""
         if self._one_launch is not None:
             self._one_launch(index, self._words["store"][slot])
             return
         if self._graphs is not None and len(index) == self._chunk:
-            self._graphs["store"](index, slot)
+            self._graphs["store"](index, slot, paced)
         else:
             self._launch_gathers(index, slot)
 
-    def _launch_gathers(self, index: torch.Tensor, slot: int) -> None:
-        for rows, view in zip(self._rows, self._views["store"][slot]):
+    def _launch_gathers(self, index: torch.Tensor, slot: int, cycles: int = 0) -> None:
+        for plane, (rows, view) in enumerate(zip(self._rows, self._views["store"][slot])):
+            if plane and cycles:
+                graphs.pause(cycles)
             torch.index_select(rows, 1, index, out=view[:, :len(index)])
 
-    def _scatter(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
-        """Staging slot `slot` of the loads into blocks `blocks` of every plane."""
+    def _scatter(self, blocks: Sequence[int], index: torch.Tensor, slot: int, paced: bool = False) -> None:
+        """Staging slot `slot` of the loads into blocks `blocks` of every plane; `paced` as for `_gather`."""
         if self._graphs is not None and len(index) == self._chunk:
-            self._graphs["load"](index, slot)
+            self._graphs["load"](index, slot, paced)
         else:
             self._launch_scatters(index, slot)
 
-    def _launch_scatters(self, index: torch.Tensor, slot: int) -> None:
-        for rows, view in zip(self._rows, self._views["load"][slot]):
+    def _launch_scatters(self, index: torch.Tensor, slot: int, cycles: int = 0) -> None:
+        for plane, (rows, view) in enumerate(zip(self._rows, self._views["load"][slot])):
+            if plane and cycles:
+                graphs.pause(cycles)
             rows.index_copy_(1, index, view[:, :len(index)])
 
     def _segment_gather(self, segment: int, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
@@ -276,13 +281,13 @@ class StagedGather:
         self._rows[segment].index_copy_(1, index, view[:, :len(index)])
 
     def _step(self, direction: Direction, blocks: Sequence[int], index: torch.Tensor, offsets: Sequence[int],
-              host: torch.Tensor) -> Step:
+              host: torch.Tensor, paced: bool) -> Step:
         slots = self._staging[direction]
         if direction == "store":
-            return (lambda s: self._gather(blocks, index, s),
+            return (lambda s: self._gather(blocks, index, s, paced),
                     lambda s: self._dma("store", slots[s], offsets, host))
         return (lambda s: self._dma("load", slots[s], offsets, host),
-                lambda s: self._scatter(blocks, index, s))
+                lambda s: self._scatter(blocks, index, s, paced))
 
     def _segment_dma(self, direction: Direction, slot: torch.Tensor, plane: Plane,
                      host_runs: tuple[tuple[int, int, int, int], ...], host: torch.Tensor) -> None:
@@ -314,11 +319,14 @@ class StagedGather:
             index: torch.Tensor | None = None, join: bool = True) -> None:
         if index is None:  # one index for the whole job, on the enqueuing stream, which every lane starts behind
             index = device_index(placement.gpu_blocks, self._caches.device)
-        c = self._chunk
+        c, n = self._chunk, len(placement.gpu_blocks)
+        # Paced unless the copy engine waits on it: a pipeline's first gather (before any DMA), a job's last
+        # scatter (after every DMA); the others overlap DMAs of other chunks.
+        critical = (0 if join else -1) if direction == "store" else (n - 1) // c
         steps = [
             self._step(direction, placement.gpu_blocks[i:i + c], index[i:i + c], placement.host_offsets[i:i + c],
-                       host)
-            for i in range(0, len(placement.gpu_blocks), c)
+                       host, i // c != critical)
+            for i in range(0, n, c)
         ]
         self._lanes[direction].run(steps, join)
 
@@ -358,10 +366,10 @@ class StagedCopy(StagedGather):
                 else:
                     rows.copy(cached, start * width, width, slot, first * pitch + offset, pitch, width, n)
 
-    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+    def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int, paced: bool = False) -> None:
         self._copy(True, self._staging["store"][slot], self._caches.planes, blocks, packed=False)
 
-    def _scatter(self, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
+    def _scatter(self, blocks: Sequence[int], index: torch.Tensor, slot: int, paced: bool = False) -> None:
         self._copy(False, self._staging["load"][slot], self._caches.planes, blocks, packed=False)
 
     def _segment_gather(self, segment: int, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
