@@ -6,7 +6,11 @@ host work stood between a step's start and its first DMA, and paced every later 
 launches costs ~3 µs of host time and runs the same kernels in the same order; `fused-gather`'s one kernel a chunk
 instead took more of a concurrent matmul.
 
-A graph reads fixed addresses, so each slot's graph reads the block ids in a device index of its own. A chunk
+Back to back, though, the launches took more of a concurrent kernel's time than launches paced by a host (and
+moved stores faster under it): each slot has a second graph with a short pause between planes (`PACE_CYCLES`),
+replayed wherever the copy engine has other chunks to move meanwhile, so compute keeps the precedence it had.
+
+A graph reads fixed addresses, so each slot's graphs read the block ids in a device index of their own. A chunk
 copies its ids there first, on the stream the replay then runs on, which is the stream every chunk through that
 slot runs on: a later chunk cannot overwrite the ids before the earlier replay has read them.
 """
