@@ -169,12 +169,14 @@ def test_full_chunks_replay_their_captured_launches_and_a_shorter_one_launches_f
         replays: list[tuple[str, int, bool]]) -> None:
     """Replays are paced except where the copy engine waits on them: a job's first gather, its last scatter."""
     device, caches, _, transfers = make("kv-first", 1, "staged-gather", staging_blocks=2)
-    expected = [block(caches, b).clone() for b in (7, 2, 9, 0)]
+    expected = [block(caches, b).clone() for b in (7, 2, 9, 0, 4)]
     transfers.store([7, 2, 9, 0, 4], range(5))
     transfers.load(range(4), [1, 3, 6, 8])
+    transfers.load(range(5), [1, 3, 6, 8, 10])  # its last chunk is short: it launches, the full ones stay paced
     device.run_until_idle()
-    assert replays == [("store", 2, False), ("store", 2, True), ("load", 2, True), ("load", 2, False)]
-    assert all(torch.equal(block(caches, b), want) for b, want in zip([1, 3, 6, 8], expected))
+    assert replays == [("store", 2, False), ("store", 2, True), ("load", 2, True), ("load", 2, False),
+                       ("load", 2, True), ("load", 2, True)]
+    assert all(torch.equal(block(caches, b), want) for b, want in zip([1, 3, 6, 8, 10], expected))
 
 
 def test_only_a_store_pipeline_s_first_chunk_replays_its_gathers_back_to_back(

@@ -334,8 +334,8 @@ class StagedGather:
 class FusedGather(StagedGather):
     """staged-gather with each chunk gathered by one launch for all planes (where Triton runs on the caches' GPU;
     elsewhere it is staged-gather). One launch gathers at the full memory bandwidth: on a Llama-3-8B kv-first
-    cache it took 4.3–5.1% of a concurrent matmul against 2.6–3.3% for staged-gather's launch per plane replayed
-    as a graph (H100), for 0.94 of the ceiling both ways at once against 0.95."""
+    cache it took 4.3–5.5% of a concurrent matmul against 2.0–2.3% for staged-gather's paced graphs of a launch
+    per plane (H100), for about the same share of the ceiling both ways at once (0.84–1.0 against 0.74–0.99)."""
 
     one_launch_gathers = True
 
@@ -392,10 +392,11 @@ def resolve(name: str, caches: KVCaches) -> str:
     a 1.1-1.8% matmul slowdown, where gathering through staging first cost 2.0-5.4% for a few hundredths more of
     the ceiling both ways at once and less one way.
     Elsewhere (per-layer tensors: 64 KiB pieces for a Llama-3-8B 16-token block, which copied one by one run at a
-    quarter of the ceiling) it is "staged-gather", its full chunks' launches replayed as CUDA graphs: 0.97 of the
-    ceiling each way and 0.95 both ways at 2.6-3.3%, where launching each from the host (as before 2026-11-26)
-    moved 0.93-0.97 and 0.78-0.87 at 2.0-2.4% for 3-6 ms more host time per GiB stored; its gather kernels are the
-    SM time a kv-first cache costs. "fused-gather" (one Triton kernel a chunk) took 4.3-5.1% for no more."""
+    quarter of the ceiling) it is "staged-gather", its full chunks' launches replayed as paced CUDA graphs: 0.95-0.98
+    of the ceiling each way and 0.74-0.99 both ways at 2.0-2.3%, as launching each from the host (before
+    2026-11-26: 0.93-0.97, 0.78-0.93, 2.0-2.7%) but for ~1 ms of host time per GiB stored instead of 4-7; its
+    gather kernels are the SM time a kv-first cache costs. Replayed back to back they took 2.4-3.3% (and moved
+    stores 1.2-1.4x faster under a saturating matmul); "fused-gather" (one Triton kernel a chunk) took 4.3-5.5%."""
     if name == "auto":
         large = caches.block_contiguous and min(p.block_bytes for p in caches.planes) >= COPY_ENGINE_MIN_PIECE
         return "cross-layer" if large else "staged-gather"
