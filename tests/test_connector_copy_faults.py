@@ -61,12 +61,15 @@ def failed_load(h: Harness, stage: Stage, after: int) -> list[str]:
 
 
 def failed_store(h: Harness, stage: Stage, after: int, max_new: int = 3) -> list[str]:
-    """A request's store fails at `stage` as the step after its prefill submits it; another request arrives and
-    may reuse GPU blocks; the store stream lags."""
+    """A request's store fails at `stage`: checked as its prefill's forward ends, merged and sent as the step after
+    submits it; another request arrives and may reuse GPU blocks; the store stream lags."""
     h.device.scheduler = lagging("store")
     h.add_request(PREFIX, max_new)
+    if stage == "check":
+        h.faults.arm("store", stage, after)
     h.engine.step()
-    h.faults.arm("store", stage, after)
+    if stage != "check":
+        h.faults.arm("store", stage, after)
     h.add_request(OTHER, 2)
     return run(h)
 

@@ -340,8 +340,8 @@ def test_an_engine_that_trusts_a_failed_load_is_caught() -> None:
 def test_a_failed_store_publishes_nothing_and_the_prefix_is_recomputed() -> None:
     h = harness()
     h.add_request(PREFIX, 1, "a")
+    h.faults.arm("store")  # the store ordered in step 1 is checked as its forward ends, submitted in step 2
     step_lagging(h)
-    h.faults.arm("store")  # the store ordered in step 1 is submitted in step 2
     assert finish(h) == []
     scheduler = h.connector.scheduler
     assert scheduler.stats.stores_failed == 1 and scheduler.manager.usage()["free"] == 16

@@ -103,6 +103,23 @@ def test_a_store_is_submitted_the_step_after_it_was_ordered_and_reported_once() 
     assert worker.jobs == {}
 
 
+def test_a_store_is_checked_and_placed_as_its_forward_ends_so_the_next_step_only_sends_it() -> None:
+    worker, device, _ = make_worker()
+    planned: list[tuple[int, ...]] = []
+    store_chunks = worker.transfers.store_chunks
+    worker.transfers.store_chunks = lambda gpu, cpu: planned.append(tuple(gpu)) or store_chunks(gpu, cpu)
+    worker.bind_connector_metadata(ConnectorMetadata(step=1, stores=(store(0, (1, 2), (0, 1)),)))
+    worker.handle_preemptions()
+    worker.start_load_kv()
+    assert planned == []
+    worker.wait_for_save()
+    assert planned == [(1, 2)], "the store was not planned as the forward that writes it ended"
+    step(worker, ConnectorMetadata(step=2))
+    assert planned == [(1, 2)], "the step that sends the store checked it again"
+    device.run_until_idle()
+    assert worker.get_finished().done == (0,)
+
+
 def test_wait_drives_the_device_until_the_jobs_are_done() -> None:
     worker, device, _ = make_worker()
     step(worker, ConnectorMetadata(step=1, stores=(store(0, (1, 2), (0, 1)),)))

@@ -3,7 +3,8 @@
 Each order becomes a transfer job that moves through the spec's job lifecycle on this worker too. The ordering
 rules live here and nowhere else:
 - a store waits on the compute event recorded after the forward pass that wrote its blocks, and is submitted at
-  the start of the next step (`start_load_kv`), after that step's sampled tokens were copied out;
+  the start of the next step (`start_load_kv`), after that step's sampled tokens were copied out; it is checked
+  and placed as that forward ends (`wait_for_save`), so the step that sends it only sends it;
 - a load waits for everything already enqueued on the compute stream and for every store still reading its
   destination blocks (write-after-read);
 - `handle_preemptions` submits and waits for every flushed store before the engine reuses its GPU blocks;
@@ -90,6 +91,8 @@ class WorkerConnector:
         self._meta = ConnectorMetadata(step=0)
         self._events: dict[int, Event] = {}
         self._compute_done: dict[int, Event] = {}
+        self._plans: dict[int, Chunks | Exception] = {}
+        """Per pending store, its chunks (or why it cannot be sent), planned in `wait_for_save`."""
         self._segment_events: dict[int, list[Event]] = {}
         """Per segmented job, its segments' events in the order they were enqueued on the job's stream."""
         self._step_loads: list[int] = []
@@ -273,7 +276,16 @@ class WorkerConnector:
             job = self._new_job(order, "store")
             self._job.fire(job, "prepare")
             self._compute_done[job.job_id] = compute_done
+            self._plans[job.job_id] = self._plan_store(job)
             self._pending.append(job)
+
+    def _plan_store(self, job: TransferJob) -> Chunks | Exception:
+        """Check a store and place its blocks while the forward that writes them still runs, so the step that
+        sends it starts copying sooner; what makes it unsendable is kept, to fail it once it is submitted."""
+        try:
+            return self.transfers.store_chunks(job.gpu_blocks, job.cpu_slots)
+        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+            return err
 
     def get_finished(self) -> WorkerOutput:
         """Jobs whose copies completed (or failed) since the last call, each reported once."""
@@ -328,16 +340,17 @@ class WorkerConnector:
     # --- ordering rules ------------------------------------------------------------------------------------
 
     def _store_pieces(self, jobs: Sequence[TransferJob]) -> list[Piece]:
-        """Check submitted stores and plan them as one pipeline of chunks (`Chunks`), each job's event recorded
-        after its last chunk; a store that cannot be checked fails alone, and stores sharing a CPU slot (never
-        ordered by the scheduler) get a pipeline each."""
+        """Submitted stores, planned in `wait_for_save`, as one pipeline of chunks (`Chunks`), each job's event
+        recorded after its last chunk; a store that could not be planned fails alone, and stores sharing a CPU slot
+        (never ordered by the scheduler) get a pipeline each."""
         checked: list[tuple[TransferJob, Chunks]] = []
         for job in jobs:
             self._wait_for_compute(job)
-            try:
-                checked.append((job, self.transfers.store_chunks(job.gpu_blocks, job.cpu_slots)))
-            except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-                self._fail(job, "store", err)
+            plan = self._plans.pop(job.job_id)
+            if isinstance(plan, Exception):
+                self._fail(job, "store", plan)
+            else:
+                checked.append((job, plan))
         slots = [slot for job, _ in checked for slot in job.cpu_slots]
         groups = [checked] if len(set(slots)) == len(slots) else [[item] for item in checked]
         return [piece for group in groups if group for piece in self._chunk_pieces(group)]
@@ -482,4 +495,5 @@ class WorkerConnector:
         del self.jobs[job_id]
         self._events.pop(job_id, None)
         self._compute_done.pop(job_id, None)
+        self._plans.pop(job_id, None)
         self._segment_events.pop(job_id, None)
