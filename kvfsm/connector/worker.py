@@ -494,6 +494,4 @@ class WorkerConnector:
     def _drop(self, job_id: int) -> None:
         del self.jobs[job_id]
         self._events.pop(job_id, None)
-        self._compute_done.pop(job_id, None)
-        self._plans.pop(job_id, None)
         self._segment_events.pop(job_id, None)
