@@ -30,7 +30,7 @@ PACE_CYCLES = 15_000
 launching them. Back to back, the launches took more of a concurrent matmul: H100, three rounds each, median
 slowdown 1.027 back to back, 1.025 with 5,000 cycles, 1.020 with 15,000, 1.020 launched from the host. Longer
 pauses take a little less (30,000: 1.013 against 1.018 on another H100) but bring a chunk's paced gathers near the
-length of its DMA, where the pipeline stalls (60,000: a quarter of the bandwidth lost every time, 40,000: in some
+length of its DMA, where the pipeline stalls (60,000: ~30% of the bandwidth lost every time, 40,000: in some
 rounds). Counted in GPU cycles, a pause lasts longer on a GPU at lower clocks, so the shorter one keeps a margin."""
 
 
