@@ -13,7 +13,7 @@ from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
 from kvfsm.connector.validation import NotRegistered
 from kvfsm.connector.worker import WorkerConnector, send_in_turns
-from kvfsm.executor.layouts import LayoutError
+from kvfsm.executor.layouts import LayoutError, allocate_kv_caches
 from kvfsm.executor.sim import SimDevice
 from kvfsm.executor.transfer import UnknownLayer
 from kvfsm.testing.copy_faults import FaultInjector
@@ -301,6 +301,25 @@ def test_a_report_asks_each_segment_event_of_a_steps_loads_once_not_once_per_job
     monkeypatch.setattr(device, "query", lambda event: asked.append(event) or query(event))
     assert worker.get_finished().done == (0, 1, 2)
     assert len(asked) == len(set(map(id, asked))) == 2, "one query per layer segment"
+
+
+def test_on_a_one_segment_cache_each_load_ends_on_its_own_event_so_the_first_is_reported_while_the_next_copies(
+        ) -> None:
+    """A cross-layer cache is one segment per job: sent together, a step's loads would share one event, and the
+    first request would hear of its load only once the last one landed."""
+    device = SimDevice()
+    worker = WorkerConnector(OffloadConfig(cpu_blocks=4, gpu_block_size=4), device)
+    tensors, groups = allocate_kv_caches("cross-layer", 2, NUM_BLOCKS, 4, 1, 8, torch.float16, "cpu")
+    worker.register_kv_caches(tensors, "cross-layer", groups)
+    assert worker.transfers.num_segments == 1
+    loads = tuple(LoadOrder(job_id=j, req_id=f"r{j}", gpu_blocks=(j + 1,), cpu_slots=(j,)) for j in range(2))
+    worker.bind_connector_metadata(ConnectorMetadata(step=1, loads=loads))
+    worker.handle_preemptions()
+    worker.start_load_kv()
+    worker.wait([0])
+    assert worker.get_finished().done == (0,), "the first load was held until the step's last one landed"
+    device.run_until_idle()
+    assert worker.get_finished().done == (1,)
 
 
 def test_loads_into_the_same_gpu_block_go_out_one_job_at_a_time() -> None:

@@ -12,7 +12,7 @@ rules live here and nowhere else:
 
 Per-layer path (optional: an engine that never calls these hooks gets the behaviour above). A step's loads go out
 together as one segment per layer, in layer order, each followed by its own event, and land segment by segment; a
-load completes once every segment landed. `wait_for_layer_load(layer)` makes the compute stream wait on that
+load completes once every segment landed (on a one-segment cache each load goes out alone, behind its own event). `wait_for_layer_load(layer)` makes the compute stream wait on that
 layer's segment of this step's loads, so an engine that computes in the step that loads overlaps its forward with the load.
 `save_kv_layer(layer)` (with `OffloadConfig.layer_stores`) starts that layer's share of this step's stores behind
 an event recorded right after the layer's write, instead of after the whole forward; `wait_for_save` sends the
@@ -410,10 +410,13 @@ class WorkerConnector:
         """This step's loads go out together: one segment per layer, in layer order, each followed by one event
         that every job of the batch lands that segment on. Sending each job's layers separately cost a
         submission per job and layer (on the H100, host submission of 4 jobs x 32 layers took longer than their
-        copies); loads whose GPU blocks overlap (never ordered by the scheduler) go out one job at a time."""
+        copies). Where a job is one segment (a cross-layer cache) there is nothing to share, so each job goes out
+        alone, behind its own event: an engine hears of the first load while the step's later loads still copy.
+        Loads whose GPU blocks overlap (never ordered by the scheduler) also go out one job at a time."""
         batch, self._load_batch = self._load_batch, []
         blocks = [block for job, _ in batch for block in job.gpu_blocks]
-        groups = [batch] if len(set(blocks)) == len(blocks) else [[item] for item in batch]
+        together = self.transfers.num_segments > 1 and len(set(blocks)) == len(blocks)
+        groups = [batch] if together else [[item] for item in batch]
         return [piece for group in groups if group
                 for piece in self._segment_pieces([job for job, _ in group], [segments for _, segments in group])]
 
