@@ -86,6 +86,12 @@ def test_orders_before_registration_raise_not_registered() -> None:
         _ = worker.pool
 
 
+def test_a_step_with_no_orders_needs_no_registration() -> None:
+    """An engine may step before its caches are registered (or with a connector that has nothing to move)."""
+    worker = WorkerConnector(OffloadConfig(cpu_blocks=2, gpu_block_size=4), SimDevice())
+    assert step(worker, ConnectorMetadata(step=1)) == WorkerOutput()
+
+
 # transfers -------------------------------------------------------------------------------------------------
 
 

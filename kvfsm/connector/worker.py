@@ -415,7 +415,7 @@ class WorkerConnector:
         Loads whose GPU blocks overlap (never ordered by the scheduler) also go out one job at a time."""
         batch, self._load_batch = self._load_batch, []
         blocks = [block for job, _ in batch for block in job.gpu_blocks]
-        together = self.transfers.num_segments > 1 and len(set(blocks)) == len(blocks)
+        together = len(batch) > 1 and self.transfers.num_segments > 1 and len(set(blocks)) == len(blocks)
         groups = [batch] if together else [[item] for item in batch]
         return [piece for group in groups if group
                 for piece in self._segment_pieces([job for job, _ in group], [segments for _, segments in group])]
