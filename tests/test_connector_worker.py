@@ -309,8 +309,7 @@ def test_a_report_asks_each_segment_event_of_a_steps_loads_once_not_once_per_job
     assert len(asked) == len(set(map(id, asked))) == 2, "one query per layer segment"
 
 
-def test_on_a_one_segment_cache_each_load_ends_on_its_own_event_so_the_first_is_reported_while_the_next_copies(
-        ) -> None:
+def test_on_a_one_segment_cache_the_first_load_is_reported_while_the_next_still_copies() -> None:
     """A cross-layer cache is one segment per job: sent together, a step's loads would share one event, and the
     first request would hear of its load only once the last one landed."""
     device = SimDevice()

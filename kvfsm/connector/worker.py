@@ -12,8 +12,9 @@ rules live here and nowhere else:
 
 Per-layer path (optional: an engine that never calls these hooks gets the behaviour above). A step's loads go out
 together as one segment per layer, in layer order, each followed by its own event, and land segment by segment; a
-load completes once every segment landed (on a one-segment cache each load goes out alone, behind its own event). `wait_for_layer_load(layer)` makes the compute stream wait on that
-layer's segment of this step's loads, so an engine that computes in the step that loads overlaps its forward with the load.
+load completes once every segment landed (on a one-segment cache each load goes out alone, behind its own event).
+`wait_for_layer_load(layer)` makes the compute stream wait on that layer's segment of this step's loads, so an
+engine that computes in the step that loads overlaps its forward with the load.
 `save_kv_layer(layer)` (with `OffloadConfig.layer_stores`) starts that layer's share of this step's stores behind
 an event recorded right after the layer's write, instead of after the whole forward; `wait_for_save` sends the
 layers the engine did not save. Such a store is reported from the next step on, once the scheduler has moved it
