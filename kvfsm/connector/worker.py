@@ -322,14 +322,24 @@ class WorkerConnector:
 
     def _land_segments(self, job: TransferJob, landed: set[int]) -> None:
         """Segments land in the order they were enqueued on one stream: fire `land-segment` for each done one.
-        `landed`: ids of the events this report already saw done (a step's loads share one event per segment, so
-        each is asked once, not once per job)."""
-        for event in self._segment_events[job.job_id][job.landed_segments:]:
-            if id(event) not in landed:
-                if not self.device.query(event):
-                    return
-                landed.add(id(event))
-            self._job.fire(job, "land-segment")
+        The newest is asked first: once it is done so is every earlier one, so a job whose copies all ended costs
+        one query, not one per layer (32 a job, each a driver call, on a Llama-3-8B kv-first cache). `landed`:
+        ids of the events this report already saw done (a step's loads share one event per segment, so each is
+        asked once, not once per job)."""
+        events = self._segment_events[job.job_id][job.landed_segments:]
+        count = len(events)
+        if events and not self._landed(events[-1], landed):
+            count = next(i for i, event in enumerate(events) if not self._landed(event, landed))
+        self._job.fire_many([job] * count, "land-segment")
+
+    def _landed(self, event: Event, landed: set[int]) -> bool:
+        """Whether `event` is done, asking the device only about an event this report has not seen done."""
+        if id(event) in landed:
+            return True
+        if not self.device.query(event):
+            return False
+        landed.add(id(event))
+        return True
 
     def wait(self, job_ids: Sequence[int]) -> None:
         """Block until these jobs' copies are done (they are still reported by `get_finished`)."""
