@@ -12,7 +12,8 @@ import torch
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
 from kvfsm.connector.validation import NotRegistered
-from kvfsm.connector.worker import WorkerConnector, send_in_turns
+from kvfsm.connector.turns import send_in_turns
+from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.layouts import LayoutError, allocate_kv_caches
 from kvfsm.executor.sim import SimDevice
 from kvfsm.executor.transfer import UnknownLayer

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.checksums import SlotChecksums
+from kvfsm.connector.job_events import JobEvents
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
 from kvfsm.connector.tier_runner import TierRunner
+from kvfsm.connector.turns import Piece, send_in_turns
 from kvfsm.connector.validation import (
     NotRegistered,
     check_halves,
@@ -56,28 +58,6 @@ _RUNNING = frozenset({TransferJobState.SUBMITTED, TransferJobState.FLUSHED_ON_PR
 
 log = logging.getLogger(__name__)
 
-Piece = tuple[int, Callable[[], None]]
-"""One device operation of a step's copies, ready to send: the bytes it moves, and what sends it."""
-
-
-def send_in_turns(*directions: Sequence[Piece]) -> None:
-    """Send each direction's pieces in order, taking turns so that every direction has sent about the same share
-    of its bytes at any moment (the smaller piece first on a tie). Sending one direction whole before the other
-    left the second copy engine idle for the first's host submission: on the H100, 8 ms of a both-ways step."""
-    totals = [sum(n for n, _ in pieces) or 1 for pieces in directions]
-    sent = [0] * len(directions)
-    taken = [0] * len(directions)
-    while True:
-        live = [d for d, pieces in enumerate(directions) if taken[d] < len(pieces)]
-        if not live:
-            return
-        d = min(live, key=lambda d: (sent[d] / totals[d], directions[d][taken[d]][0]))
-        nbytes, send = directions[d][taken[d]]
-        taken[d] += 1
-        sent[d] += nbytes
-        send()
-
-
 class WorkerConnector:
     def __init__(self, config: OffloadConfig, device: Device, worker: int = 0,
                  machines: MachineSet | None = None, tier_io: IoFactory | None = None,
@@ -90,12 +70,10 @@ class WorkerConnector:
         self._machines = machines or MachineSet(default_spec())
         self._job = self._machines["transfer-job"]
         self._meta = ConnectorMetadata(step=0)
-        self._events: dict[int, Event] = {}
-        self._compute_done: dict[int, Event] = {}
-        self._plans: dict[int, Chunks | Exception] = {}
-        """Per pending store, its chunks (or why it cannot be sent), planned in `wait_for_save`."""
-        self._segment_events: dict[int, list[Event]] = {}
-        """Per segmented job, its segments' events in the order they were enqueued on the job's stream."""
+        self.events = JobEvents(device)
+        self._planned: dict[int, tuple[Event, Chunks | Exception]] = {}
+        """Per pending store, the event after the forward that writes it, and its chunks (or why it cannot be
+        sent), planned in `wait_for_save`."""
         self._step_loads: list[int] = []
         self._load_batch: list[tuple[TransferJob, Segments]] = []
         """This step's checked loads, sent together by `_load_pieces` once every order of the step was seen."""
@@ -150,7 +128,7 @@ class WorkerConnector:
 
     def shutdown(self) -> None:
         """Wait for every transfer in flight, close the lower tiers, then unpin and free the host pool."""
-        self.wait(list(self._events))
+        self.wait(self.events.jobs())
         if self._tiers is not None:
             self._tiers.close()
         if self._pool is not None:
@@ -203,15 +181,10 @@ class WorkerConnector:
             return
         waited: set[int] = set()
         for job_id in self._step_loads:
-            event = self._layer_event(job_id, segment)
+            event = self.events.layer(job_id, segment)
             if event is not None and id(event) not in waited:  # loads sent together share their segment events
                 waited.add(id(event))
                 self.device.wait("compute", event)
-
-    def _layer_event(self, job_id: int, segment: int) -> Event | None:
-        """The event after `segment` of a load; for a load that failed before sending it, the job's end event."""
-        events = self._segment_events[job_id]
-        return events[segment] if segment < len(events) else self._events.get(job_id)
 
     def save_kv_layer(self, layer: str) -> None:
         """Right after `layer` wrote this step's KV: with `layer_stores`, that layer's share of this step's stores
@@ -231,7 +204,7 @@ class WorkerConnector:
                     self._fail(job, "store", err)
                     continue
                 job.segments = self.transfers.num_segments
-                self._segment_events[job.job_id] = []
+                self.events.segmented(job.job_id)
                 self._layer_stores[job.job_id] = (segments, set())
         written = self._record_layer_written()
         for job_id, (segments, saved) in self._layer_stores.items():
@@ -254,10 +227,7 @@ class WorkerConnector:
         except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
             self._fail(job, "store", err)
             return
-        event = self.device.new_event()
-        self.device.record("store", event)
-        self._segment_events[job_id].append(event)
-        self._events[job_id] = event
+        self.events.record_segment("store", (job_id,), ends=True)
 
     def wait_for_save(self) -> None:
         """After the forward pass: mark where compute ends and queue this step's stores behind that mark (the
@@ -276,8 +246,7 @@ class WorkerConnector:
         for order in self._meta.stores:
             job = self._new_job(order, "store")
             self._job.fire(job, "prepare")
-            self._compute_done[job.job_id] = compute_done
-            self._plans[job.job_id] = self._plan_store(job)
+            self._planned[job.job_id] = (compute_done, self._plan_store(job))
             self._pending.append(job)
 
     def _plan_store(self, job: TransferJob) -> Chunks | Exception:
@@ -298,17 +267,18 @@ class WorkerConnector:
             if self._ordered_this_step(job):
                 continue
             if job.segments:
-                self._land_segments(job, landed)
+                self._job.fire_many([job] * self.events.landed(job.job_id, job.landed_segments, landed),
+                                    "land-segment")
                 finished = job.landed_segments == job.segments
             else:
-                finished = self.device.query(self._events[job.job_id])
+                finished = self.events.ended(job.job_id)
             if finished:
                 self._job.fire(job, "complete", step=self._meta.step)
                 done.append(job.job_id)
                 if self._checksums is not None and job.kind == "store":
                     self._checksums.record(job.cpu_slots)
         failed = [j for j in self._failed if not self._ordered_this_step(self.jobs[j])
-                  and (j not in self._events or self.device.query(self._events[j]))]
+                  and (self.events.end(j) is None or self.events.ended(j))]
         self._failed = [j for j in self._failed if j not in failed]
         for job_id in (*done, *failed):
             self._drop(job_id)
@@ -320,33 +290,9 @@ class WorkerConnector:
         so it is reported (done or failed) from then on."""
         return job.kind == "store" and job.ordered_step == self._meta.step
 
-    def _land_segments(self, job: TransferJob, landed: set[int]) -> None:
-        """Segments land in the order they were enqueued on one stream: fire `land-segment` for each done one.
-        The newest is asked first: once it is done so is every earlier one, so a job whose copies all ended costs
-        one query, not one per layer (32 a job, each a driver call, on a Llama-3-8B kv-first cache). `landed`:
-        ids of the events this report already saw done (a step's loads share one event per segment, so each is
-        asked once, not once per job)."""
-        events = self._segment_events[job.job_id][job.landed_segments:]
-        count = len(events)
-        if events and not self._landed(events[-1], landed):
-            count = next(i for i, event in enumerate(events) if not self._landed(event, landed))
-        self._job.fire_many([job] * count, "land-segment")
-
-    def _landed(self, event: Event, landed: set[int]) -> bool:
-        """Whether `event` is done, asking the device only about an event this report has not seen done."""
-        if id(event) in landed:
-            return True
-        if not self.device.query(event):
-            return False
-        landed.add(id(event))
-        return True
-
     def wait(self, job_ids: Sequence[int]) -> None:
         """Block until these jobs' copies are done (they are still reported by `get_finished`)."""
-        for job_id in job_ids:
-            event = self._events.get(job_id)
-            if event is not None:
-                self.device.synchronize(event)
+        self.events.wait(job_ids)
 
     # --- ordering rules ------------------------------------------------------------------------------------
 
@@ -356,8 +302,8 @@ class WorkerConnector:
         (never ordered by the scheduler) get a pipeline each."""
         checked: list[tuple[TransferJob, Chunks]] = []
         for job in jobs:
-            self._wait_for_compute(job)
-            plan = self._plans.pop(job.job_id)
+            compute_done, plan = self._planned.pop(job.job_id)
+            self._wait_for_compute(compute_done)
             if isinstance(plan, Exception):
                 self._fail(job, "store", plan)
             else:
@@ -388,7 +334,7 @@ class WorkerConnector:
             except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
                 broken.append(err)
                 for job in jobs:
-                    if job.job_id not in self._events:
+                    if self.events.end(job.job_id) is None:
                         self._fail(job, "store", err)
                 return
             if chunk in ending:
@@ -396,9 +342,9 @@ class WorkerConnector:
 
         return [(chunks.nbytes(chunk), partial(send, chunk)) for chunk in range(chunks.count)]
 
-    def _wait_for_compute(self, job: TransferJob) -> None:
+    def _wait_for_compute(self, compute_done: Event) -> None:
         """store-after-compute: the store stream waits on the event recorded after the forward that wrote it."""
-        self.device.wait("store", self._compute_done.pop(job.job_id))
+        self.device.wait("store", compute_done)
 
     def _submit_load(self, order: LoadOrder) -> None:
         """Check one load and queue it for this step's `_load_pieces`; a load that cannot be sent fails alone."""
@@ -406,7 +352,7 @@ class WorkerConnector:
         job = self._new_job(order, "load")
         self._job.fire(job, "submit", step=self._meta.step)
         self._wait_for_readers(job)
-        self._segment_events[job.job_id] = []
+        self.events.segmented(job.job_id)
         self._step_loads.append(job.job_id)
         try:
             if self._checksums is not None:
@@ -449,15 +395,12 @@ class WorkerConnector:
                 return
             try:
                 segments.enqueue(segment, f"{label} layer {segment}")
-                event = self.device.new_event()
-                self.device.record("load", event)
+                self.events.record_segment("load", [job.job_id for job in jobs])
             except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
                 broken.append(err)
                 for job in jobs:
                     self._fail(job, "load", err)
                 return
-            for job in jobs:
-                self._segment_events[job.job_id].append(event)
             if segment == last:
                 self._record_end(jobs, "load")
 
@@ -470,8 +413,9 @@ class WorkerConnector:
         self.device.wait("load", barrier)
         targets = set(job.gpu_blocks)
         for other in self.jobs.values():
-            if other.kind == "store" and other.job_id in self._events and targets.intersection(other.gpu_blocks):
-                self.device.wait("load", self._events[other.job_id])
+            end = self.events.end(other.job_id) if other.kind == "store" else None
+            if end is not None and targets.intersection(other.gpu_blocks):
+                self.device.wait("load", end)
 
     def _fail(self, job: TransferJob, stream: Any, err: Exception) -> None:
         """A failure at submission fails the job visibly, never wedged, and the engine recomputes: whatever raised
@@ -486,17 +430,13 @@ class WorkerConnector:
     def _record_end(self, jobs: Sequence[TransferJob], stream: Any) -> None:
         """One event after what these jobs enqueued so far, their end."""
         try:
-            event = self.device.new_event()
-            self.device.record(stream, event)
+            self.events.record_end(stream, [job.job_id for job in jobs])
         except Exception as err:  # noqa: BLE001 (a device that cannot record leaves nothing to wait for)
             for job in jobs:
                 log.warning("%s job %d: no end event could be recorded: %s", job.kind, job.job_id, err)
                 if job.job_id not in self._failed:
                     self._job.fire(job, "fail", step=self._meta.step)
                     self._failed.append(job.job_id)
-            return
-        for job in jobs:
-            self._events[job.job_id] = event
 
     def _new_job(self, order: StoreOrder | LoadOrder, kind: str) -> TransferJob:
         job = TransferJob(job_id=order.job_id, kind=kind, req_id=order.req_id,  # type: ignore[arg-type]
@@ -507,5 +447,4 @@ class WorkerConnector:
 
     def _drop(self, job_id: int) -> None:
         del self.jobs[job_id]
-        self._events.pop(job_id, None)
-        self._segment_events.pop(job_id, None)
+        self.events.drop(job_id)

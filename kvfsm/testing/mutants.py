@@ -42,7 +42,7 @@ class Mutant:
 
 def _no_compute_barrier(engine: Engine, connector: Connector) -> None:
     worker = connector.worker
-    worker._wait_for_compute = lambda job: worker._compute_done.pop(job.job_id)  # type: ignore[method-assign]
+    worker._wait_for_compute = lambda compute_done: None  # type: ignore[method-assign]
 
 
 def _no_preemption_flush(engine: Engine, connector: Connector) -> None:
@@ -91,7 +91,7 @@ def _fail_without_end_event(engine: Engine, connector: Connector) -> None:
 
     def fail_at_once(job: TransferJob, stream: StreamName, err: Exception) -> None:
         fail(job, stream, err)
-        worker._events.pop(job.job_id, None)
+        worker.events._ends.pop(job.job_id, None)
 
     worker._fail = fail_at_once  # type: ignore[method-assign]
 
@@ -148,7 +148,8 @@ def _unpinned_load(engine: Engine, connector: Connector) -> None:
 
 def _wait_on_wrong_layer(engine: Engine, connector: Connector) -> None:
     worker = connector.worker
-    worker._layer_event = lambda job_id, segment: worker._segment_events[job_id][0]  # type: ignore[method-assign]
+    events = worker.events
+    events.layer = lambda job_id, segment: events._segments[job_id][0]  # type: ignore[method-assign]
 
 
 def _store_event_before_write(engine: Engine, connector: Connector) -> None:
@@ -167,13 +168,14 @@ def _store_event_before_write(engine: Engine, connector: Connector) -> None:
 def _partial_load_report(engine: Engine, connector: Connector) -> None:
     worker = connector.worker
 
-    def land_segments(job: TransferJob, _landed: set[int]) -> None:
-        events = worker._segment_events[job.job_id]
-        if job.landed_segments < job.segments and worker.device.query(events[job.landed_segments]):
-            while job.landed_segments < job.segments:  # the first landed segment taken for all of them
-                worker._job.fire(job, "land-segment")
+    events = worker.events
 
-    worker._land_segments = land_segments  # type: ignore[method-assign]
+    def landed(job_id: int, first: int, _seen: set[int]) -> int:
+        job, pending = worker.jobs[job_id], events._segments[job_id][first:]
+        # the first landed segment taken for all of them
+        return job.segments - first if pending and worker.device.query(pending[0]) else 0
+
+    events.landed = landed  # type: ignore[method-assign]
 
 
 def _flush_first_segment(engine: Engine, connector: Connector) -> None:
@@ -181,7 +183,7 @@ def _flush_first_segment(engine: Engine, connector: Connector) -> None:
 
     def wait(job_ids: Sequence[int]) -> None:
         for job_id in job_ids:
-            events = worker._segment_events.get(job_id) or [worker._events.get(job_id)]
+            events = worker.events._segments.get(job_id) or [worker.events.end(job_id)]
             if events[0] is not None:
                 worker.device.synchronize(events[0])
 
