@@ -269,6 +269,27 @@ def test_a_failed_load_whose_end_could_not_be_recorded_leaves_the_layer_hooks_no
     assert worker.get_finished() == WorkerOutput(failed=(0,))
 
 
+def test_a_failed_load_whose_end_could_not_be_recorded_is_reported_once_its_last_recorded_segment_ran(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device recorded layer 0's event, then could record nothing more: the load fails, and the failure may
+    reach the engine (which recomputes the blocks) only once what that event follows ran, not at once."""
+    worker, device, _ = make_worker()
+    record, recorded = device.record, []
+
+    def record_only_the_first_on_load(stream: str, event: object) -> None:
+        if stream == "load":
+            if recorded:
+                raise RuntimeError("the device cannot record")
+            recorded.append(event)
+        record(stream, event)
+
+    monkeypatch.setattr(device, "record", record_only_the_first_on_load)
+    start_one_load(worker)
+    assert worker.get_finished() == WorkerOutput()  # layer 0's copy may still write the request's blocks
+    device.run_until_idle()
+    assert worker.get_finished() == WorkerOutput(failed=(0,))
+
+
 def stored_slots(worker: WorkerConnector, device: SimDevice, sources: tuple[int, ...]) -> None:
     """Store GPU blocks `sources` into CPU slots 0.. and let the stores land."""
     step(worker, ConnectorMetadata(step=1, stores=(store(0, sources, tuple(range(len(sources)))),)))

@@ -32,14 +32,14 @@ class JobEvents:
         """The job goes out a segment at a time: its segment events are kept from now on."""
         self._segments[job_id] = []
 
-    def record_segment(self, stream: StreamName, job_ids: Sequence[int], ends: bool = False) -> None:
-        """One event after the segment just enqueued on `stream`, for each of these jobs (sent together); with
-        `ends`, also their end so far (a per-layer store, any of whose segments may turn out to be its last)."""
+    def record_segment(self, stream: StreamName, job_ids: Sequence[int]) -> None:
+        """One event after the segment just enqueued on `stream`, for each of these jobs (sent together), and
+        their end so far: should the job fail and its own end event then fail to record, what it sent is still
+        waited for."""
         event = self._record(stream)
         for job_id in job_ids:
             self._segments[job_id].append(event)
-            if ends:
-                self._ends[job_id] = event
+            self._ends[job_id] = event
 
     def _record(self, stream: StreamName) -> Event:
         event = self.device.new_event()

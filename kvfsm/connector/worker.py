@@ -227,7 +227,7 @@ class WorkerConnector:
         except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
             self._fail(job, "store", err)
             return
-        self.events.record_segment("store", (job_id,), ends=True)
+        self.events.record_segment("store", (job_id,))
 
     def wait_for_save(self) -> None:
         """After the forward pass: mark where compute ends and queue this step's stores behind that mark (the
@@ -385,9 +385,9 @@ class WorkerConnector:
             for job in jobs:
                 self._fail(job, "load", err)
             return []
-        last = self.transfers.num_segments - 1
+        count = self.transfers.num_segments
         for job in jobs:
-            job.segments = last + 1
+            job.segments = count
         broken: list[Exception] = []
 
         def send(segment: int) -> None:
@@ -400,11 +400,8 @@ class WorkerConnector:
                 broken.append(err)
                 for job in jobs:
                     self._fail(job, "load", err)
-                return
-            if segment == last:
-                self._record_end(jobs, "load")
 
-        return [(segments.nbytes(segment), partial(send, segment)) for segment in range(last + 1)]
+        return [(segments.nbytes(segment), partial(send, segment)) for segment in range(count)]
 
     def _wait_for_readers(self, job: TransferJob) -> None:
         """load-after-readers: wait for all compute enqueued so far and for stores still reading the blocks."""
@@ -428,10 +425,11 @@ class WorkerConnector:
         self._record_end([job], stream)
 
     def _record_end(self, jobs: Sequence[TransferJob], stream: Any) -> None:
-        """One event after what these jobs enqueued so far, their end."""
+        """One event after what these jobs enqueued so far, their end. Where the device cannot record it, the jobs
+        fail and keep the end they had: the event after the last segment they sent, or none if they sent none."""
         try:
             self.events.record_end(stream, [job.job_id for job in jobs])
-        except Exception as err:  # noqa: BLE001 (a device that cannot record leaves nothing to wait for)
+        except Exception as err:  # noqa: BLE001 (a device that cannot record leaves no newer event to wait for)
             for job in jobs:
                 log.warning("%s job %d: no end event could be recorded: %s", job.kind, job.job_id, err)
                 if job.job_id not in self._failed:
