@@ -40,6 +40,14 @@ NOT_GENERATED = {
         "needs an abort between the lookup and the allocation of a request with a job still in flight (a preempted "
         "request whose store is still copying, looked up again): the draws of recent commits made one; this one, "
         "reshuffled when the fault injector learned where a copy fails, does not",
+    ("request", "draining", "load-failed", "released"):
+        "an aborted request whose load then fails: the draws of recent commits made one; this one, reshuffled when a "
+        "load's separate end record went (session 11), does not; tests/test_tier_scenarios.py's abort before an "
+        "inline load is reported takes it",
+    ("request", "deferred", "abort", "draining"):
+        "an abort of a deferred request with a job still in flight (a preempted request whose store still copies, "
+        "looked up again and deferred): the draws of recent commits made one; this one, reshuffled when a load's "
+        "separate end record went (session 11), does not",
     ("cpu-block", "writing-back", "abandon-write-back", "orphaned"):
         "a stall while a write-back to disk is in flight: this draw makes one when the file runs alone but not in "
         "the whole suite's order (a Mooncake tier's replies arrive in real time, so the draws after one can differ); "
