@@ -47,7 +47,8 @@ NOT_GENERATED = {
     ("request", "deferred", "abort", "draining"):
         "an abort of a deferred request with a job still in flight (a preempted request whose store still copies, "
         "looked up again and deferred): the draws of recent commits made one; this one, reshuffled when a load's "
-        "separate end record went (session 11), does not",
+        "separate end record went (session 11), does not; tests/test_connector_scheduler.py's request aborted while "
+        "deferred behind its own store takes it",
     ("cpu-block", "writing-back", "abandon-write-back", "orphaned"):
         "a stall while a write-back to disk is in flight: this draw makes one when the file runs alone but not in "
         "the whole suite's order (a Mooncake tier's replies arrive in real time, so the draws after one can differ); "
