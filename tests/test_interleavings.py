@@ -31,6 +31,9 @@ def test_kvfsm_passes_generated_interleavings() -> None:
 COVERAGE_EXAMPLES = 600
 """Derandomized examples the coverage run takes, whatever the profile: the same examples every run."""
 
+SESSION_11_DRAW = (": the draws of recent commits made one; this one, reshuffled when a load's separate end record "
+                   "went (session 11), does not")
+
 NOT_GENERATED = {
     ("request", "loading", "job-done", "loading"): "needs a flushed store reported while its request loads",
     ("request", "draining", "job-done", "draining"):
@@ -41,14 +44,12 @@ NOT_GENERATED = {
         "request whose store is still copying, looked up again): the draws of recent commits made one; this one, "
         "reshuffled when the fault injector learned where a copy fails, does not",
     ("request", "draining", "load-failed", "released"):
-        "an aborted request whose load then fails: the draws of recent commits made one; this one, reshuffled when a "
-        "load's separate end record went (session 11), does not; tests/test_tier_scenarios.py's abort before an "
+        f"an aborted request whose load then fails{SESSION_11_DRAW}; tests/test_tier_scenarios.py's abort before an "
         "inline load is reported takes it",
     ("request", "deferred", "abort", "draining"):
         "an abort of a deferred request with a job still in flight (a preempted request whose store still copies, "
-        "looked up again and deferred): the draws of recent commits made one; this one, reshuffled when a load's "
-        "separate end record went (session 11), does not; tests/test_connector_scheduler.py's request aborted while "
-        "deferred behind its own store takes it",
+        f"looked up again){SESSION_11_DRAW}; tests/test_connector_scheduler.py's request aborted while deferred "
+        "behind its own store takes it",
     ("cpu-block", "writing-back", "abandon-write-back", "orphaned"):
         "a stall while a write-back to disk is in flight: this draw makes one when the file runs alone but not in "
         "the whole suite's order (a Mooncake tier's replies arrive in real time, so the draws after one can differ); "
