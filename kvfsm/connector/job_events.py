@@ -67,7 +67,7 @@ class JobEvents:
         events = self._segments[job_id][first:]
         if not events or self._done(events[-1], seen):
             return len(events)
-        return next((i for i, event in enumerate(events[:-1]) if not self._done(event, seen)), len(events) - 1)
+        return next(i for i, event in enumerate(events) if not self._done(event, seen))
 
     def _done(self, event: Event, seen: set[int]) -> bool:
         if id(event) in seen:
