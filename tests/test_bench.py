@@ -12,9 +12,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvfsm.bench import steps
-from kvfsm.bench.__main__ import GPU_PARTS, app, layers_that_fit, verdicts
+from kvfsm.bench import end_to_end, steps
+from kvfsm.bench.__main__ import GPU_PARTS, _print, app, layers_that_fit, verdicts
 from kvfsm.bench.connector import ConnectorRounds, RoundMismatch
+from kvfsm.bench.sustained import MIN_ROTATION, SustainedSteps
 from kvfsm.executor import SimDevice
 from kvfsm.mooncake import available as mooncake_available
 from kvfsm.executor.transfer import Segments
@@ -106,6 +107,68 @@ def test_control_a_round_whose_store_is_refused_is_caught(monkeypatch: pytest.Mo
     monkeypatch.setattr(rounds.connector.scheduler.manager, "prepare_store", lambda *_: None)
     with pytest.raises(RoundMismatch):
         rounds.store()
+
+
+def _sustained() -> SustainedSteps:
+    return SustainedSteps(ConnectorRounds(SimDevice(), "kv-first", 16, 24, 2, num_layers=2, num_heads=2, head_dim=8,
+                                          regions=2 * MIN_ROTATION))
+
+
+def test_sustained_steps_load_back_exactly_the_bytes_they_stored() -> None:
+    sustained = _sustained()
+    sustained.store(8)
+    sustained.load(8)
+    sustained.check_landed()
+    sustained.both(8)
+    sustained.check_landed()
+    assert not sustained.rounds.connector.worker.jobs and not any(sustained._holders)
+
+
+def test_control_a_sustained_load_that_differs_from_its_source_is_caught() -> None:
+    sustained = _sustained()
+    sustained.load(4)
+    sustained.rounds.caches.planes[0].rows[0, sustained.rounds.regions[MIN_ROTATION][0]] ^= 1
+    with pytest.raises(RoundMismatch):
+        sustained.check_landed()
+
+
+ONE_STEPS_JOBS = 3 * 2
+"""Jobs a both-ways step leaves in flight by itself: the stores it sent, its loads and the stores it ordered, one
+job per prompt (two prompts a region)."""
+
+
+def _most_jobs_in_flight(sustained: SustainedSteps, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The most jobs in flight after any step of a both-ways run."""
+    counts: list[int] = []
+    step = sustained._step
+
+    def counted(computed: list) -> None:
+        step(computed)
+        counts.append(len(sustained.rounds.connector.worker.jobs))
+
+    monkeypatch.setattr(sustained, "_step", counted)
+    sustained.both(8)
+    return max(counts)
+
+
+def test_sustained_steps_keep_several_steps_copies_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _most_jobs_in_flight(_sustained(), monkeypatch) > ONE_STEPS_JOBS
+
+
+def test_control_an_engine_that_waits_for_every_step_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    sustained = _sustained()
+    free = sustained._free
+    monkeypatch.setattr(sustained, "_free", lambda region: (free(region), sustained._drain()))
+    assert _most_jobs_in_flight(sustained, monkeypatch) <= ONE_STEPS_JOBS
+
+
+def test_a_connector_row_reports_each_way_at_the_steps_end_as_jobs_finish_and_sustained() -> None:
+    row = end_to_end.run(SimDevice(), "kv-first", 16, {"d2h": 1.0, "h2d": 1.0, "both": 2.0}, moved_bytes=8 << 10,
+                         prompt_tokens=32, reps=1, shape={"num_layers": 2, "num_heads": 2, "head_dim": 8})
+    shares = {f"{kind}_share{suffix}" for kind in ("store", "load", "both")
+              for suffix in ("", "_as_finished", "_sustained")}
+    assert shares <= row.keys() and all(row[key] > 0 for key in shares)
+    _print({"connector": [row], "verdicts": [], "skipped": [], "errors": {}})
 
 
 def _measured(share: float, slowdown: float, us: float) -> dict[str, object]:

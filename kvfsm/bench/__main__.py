@@ -74,7 +74,7 @@ def _transfer(result: dict[str, Any], quick: bool) -> None:
 
 
 def _connector(result: dict[str, Any], quick: bool) -> None:
-    from kvfsm.bench import connector
+    from kvfsm.bench import end_to_end
     from kvfsm.executor import CudaDevice
 
     if "ceilings" not in result:
@@ -83,7 +83,7 @@ def _connector(result: dict[str, Any], quick: bool) -> None:
     rows = []
     for layout in ("kv-first", "cross-layer"):
         for tokens in CONNECTOR_BLOCK_TOKENS:
-            rows.append(connector.run(device, layout, tokens, result["ceilings"],
+            rows.append(end_to_end.run(device, layout, tokens, result["ceilings"],
                                       moved_bytes=(1 << 28) if quick else (1 << 30), reps=2 if quick else 9))
             _free_gpu()
     result["connector"] = rows
@@ -185,16 +185,17 @@ def _print(result: dict[str, Any]) -> None:
 
         console.print(transfer.table(result["device"], result["ceilings"], result["mechanisms"]))
     if result.get("connector"):
-        table = Table(title="kvfsm.Connector end to end (scheduler orders, worker executes; one engine step timed; "
-                            "shares reported at the step's end / as jobs finish)")
+        table = Table(title="kvfsm.Connector end to end (scheduler orders, worker executes; GB/s of one engine step "
+                            "reported at its end; shares at the step's end / as jobs finish / sustained over "
+                            "steps back to back)")
         for column in ("layout", "block tokens", "mechanism", "store GB/s", "share", "load GB/s", "share",
                        "both GB/s", "share"):
             table.add_column(column, justify="right")
         for r in result["connector"]:
-            table.add_row(r["layout"], str(r["block_tokens"]), r["mechanism"], f"{r['store_gbps']:.1f}",
-                          f"{r['store_share']:.3f} / {r['store_share_as_finished']:.3f}", f"{r['load_gbps']:.1f}",
-                          f"{r['load_share']:.3f} / {r['load_share_as_finished']:.3f}", f"{r['both_gbps']:.1f}",
-                          f"{r['both_share']:.3f} / {r['both_share_as_finished']:.3f}")
+            table.add_row(r["layout"], str(r["block_tokens"]), r["mechanism"],
+                          *(cell for kind in ("store", "load", "both")
+                            for cell in (f"{r[f'{kind}_gbps']:.1f}", " / ".join(
+                                f"{r[f'{kind}_share{suffix}']:.3f}" for suffix in ("", "_as_finished", "_sustained")))))
         console.print(table)
     if "token_copy" in result:
         tc = result["token_copy"]

@@ -14,10 +14,9 @@ prompt. The cache is Llama-3-8B-shaped (32 layers, 8 KV heads, 128 dims, bf16).
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -26,9 +25,6 @@ from kvfsm.connector import Connector
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import allocate_kv_caches
-
-LLAMA_8B_KV = {"num_layers": 32, "num_heads": 8, "head_dim": 128}
-
 
 class RoundMismatch(RuntimeError):
     """A timed round did not move what it ordered: the figure would describe some other work."""
@@ -48,9 +44,11 @@ class ConnectorRounds:
 
     def __init__(self, device: Device, layout: str, block_tokens: int, num_blocks: int, prompt_blocks: int,
                  num_layers: int = 32, num_heads: int = 8, head_dim: int = 128,
-                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, as_finished: bool = False) -> None:
-        if num_blocks % (2 * prompt_blocks):
-            raise ValueError(f"{num_blocks} GPU blocks do not split into two halves of {prompt_blocks}-block prompts")
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, as_finished: bool = False,
+                 regions: int = 2) -> None:
+        if regions < 2 or num_blocks % (regions * prompt_blocks):
+            raise ValueError(f"{num_blocks} GPU blocks do not split into {regions} (at least 2) regions of "
+                             f"{prompt_blocks}-block prompts")
         self.device = device
         self.block_tokens = block_tokens
         self.prompt_blocks = prompt_blocks
@@ -59,20 +57,24 @@ class ConnectorRounds:
                                              dtype, device.tensor_device())
         for tensor in tensors.values():
             tensor.view(torch.uint8).view(-1).random_(0, 256)
-        # Three halves' worth of slots: a both-ways step stores one half while the previous half is loaded back.
+        # Half the cache's worth of slots more than the cache: a both-ways step stores one half while the previous
+        # half is loaded back, and sustained steps keep the prompts they load back beside the stores in flight.
         config = OffloadConfig(cpu_blocks=3 * num_blocks // 2, gpu_block_size=block_tokens)
         self.connector = Connector(config, device)
         self.caches = self.connector.register_kv_caches(tensors, layout, groups)
         self.tensors = tensors
         order = random.Random(seed).sample(range(num_blocks), num_blocks)
-        half = num_blocks // 2
-        self._halves = (order[:half], order[half:])
+        size = num_blocks // regions
+        self.regions = tuple(order[i * size:(i + 1) * size] for i in range(regions))
+        """Equal parts of a random permutation of the cache's blocks; the rounds store from the first and load
+        into the second (`kvfsm.bench.sustained` uses them all)."""
+        self._halves = self.regions[:2]
         self._round = 0
         self._stored: list[Prompt] = []
 
     @property
-    def bytes_per_half(self) -> int:
-        return len(self._halves[0]) * self.caches.gpu_block_bytes
+    def bytes_per_region(self) -> int:
+        return len(self.regions[0]) * self.caches.gpu_block_bytes
 
     def _prompts(self, tag: str, chains: Sequence[tuple[int, ...]]) -> list[Prompt]:
         self._round += 1
@@ -83,7 +85,7 @@ class ConnectorRounds:
         n = self.prompt_blocks
         return [tuple(blocks[i:i + n]) for i in range(0, len(blocks), n)]
 
-    def _admit_new(self, blocks: Sequence[int]) -> list[tuple[Prompt, tuple[int, ...]]]:
+    def admit_new(self, blocks: Sequence[int]) -> list[tuple[Prompt, tuple[int, ...]]]:
         """Fresh prompts (never seen by the pool) on `blocks`, computed this step: their stores are ordered."""
         per_prompt = self._split(blocks)
         chains = [tuple((self._round + 1) << 40 | i << 20 | j for j in range(len(b))) for i, b in enumerate(per_prompt)]
@@ -94,7 +96,7 @@ class ConnectorRounds:
             self.connector.update_state_after_alloc(prompt, ids, 0)
         return list(zip(prompts, per_prompt))
 
-    def _admit_returning(self, stored: list[Prompt], blocks: Sequence[int]) -> list[Prompt]:
+    def admit_returning(self, stored: list[Prompt], blocks: Sequence[int]) -> list[Prompt]:
         """New requests for prompts stored earlier, allocated on `blocks`: their loads go out with the next step."""
         prompts = self._prompts("load", [p.block_hashes for p in stored])
         for prompt, ids in zip(prompts, self._split(blocks)):
@@ -163,7 +165,7 @@ class ConnectorRounds:
 
     def store(self) -> float:
         """Seconds for one step that stores half the cache's blocks (ordered by the step before)."""
-        computed = self._admit_new(self._halves[0])
+        computed = self.admit_new(self._halves[0])
         self._compute_step(computed)
         return self._timed_step(len(computed), [])
 
@@ -172,7 +174,7 @@ class ConnectorRounds:
         if not self._stored:
             self.store()
         stored, self._stored = self._stored, []
-        return self._timed_step(0, self._admit_returning(stored, self._halves[1]))
+        return self._timed_step(0, self.admit_returning(stored, self._halves[1]))
 
     def check_landed(self) -> None:
         """After `load`: every loaded GPU block holds the bytes of the block its prompt was stored from."""
@@ -187,42 +189,9 @@ class ConnectorRounds:
         if not self._stored:
             self.store()
         stored = self._stored
-        computed = self._admit_new(self._halves[0])
+        computed = self.admit_new(self._halves[0])
         self._compute_step(computed)
-        return self._timed_step(len(computed), self._admit_returning(stored, self._halves[1]))
+        return self._timed_step(len(computed), self.admit_returning(stored, self._halves[1]))
 
     def close(self) -> None:
         self.connector.worker.shutdown()
-
-
-def _median(fn: Callable[[], float], reps: int) -> float:
-    fn()  # warm-up: staging slots, index buffers, first use of every machine path
-    return statistics.median(fn() for _ in range(reps))
-
-
-def run(device: Device, layout: str, block_tokens: int, peaks: dict[str, float], moved_bytes: int = 1 << 30,
-        prompt_tokens: int = 2048, reps: int = 5) -> dict[str, float | int | str]:
-    """Store, load and both-ways GB/s through the connector, each as a share of the ceiling of the same run:
-    reported at the end of the step, and (`*_as_finished`) by an engine stepping while the copies run."""
-    block_bytes = 2 * LLAMA_8B_KV["num_layers"] * block_tokens * LLAMA_8B_KV["num_heads"] * LLAMA_8B_KV["head_dim"] * 2
-    prompt_blocks = max(1, prompt_tokens // block_tokens)
-    half = max(prompt_blocks, moved_bytes // block_bytes // prompt_blocks * prompt_blocks)
-    rounds = ConnectorRounds(device, layout, block_tokens, 2 * half, prompt_blocks)
-    row: dict[str, float | int | str] = {"layout": layout, "block_tokens": block_tokens}
-    try:
-        moved = rounds.bytes_per_half
-        for suffix, as_finished in (("", False), ("_as_finished", True)):
-            rounds.as_finished = as_finished
-            store_s = _median(rounds.store, reps)
-            load_s = _median(rounds.load, reps)
-            rounds.check_landed()
-            both_s = _median(rounds.both, reps)
-            store, load, both = moved / store_s / 1e9, moved / load_s / 1e9, 2 * moved / both_s / 1e9
-            row.update({f"store_gbps{suffix}": store, f"load_gbps{suffix}": load, f"both_gbps{suffix}": both,
-                        f"store_share{suffix}": store / peaks["d2h"], f"load_share{suffix}": load / peaks["h2d"],
-                        f"both_share{suffix}": both / peaks["both"]})
-        row.update(mechanism=rounds.connector.worker.transfers.mechanism, bytes_each_way=moved)
-    finally:
-        rounds.close()
-        del rounds
-    return row

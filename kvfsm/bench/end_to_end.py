@@ -1,0 +1,69 @@
+"""The connector end to end, a row per layout and block size: the same moves timed three ways, as shares of the
+ceilings measured in the same run.
+
+- At the step's end (`connector.ConnectorRounds`): one engine step by itself, reported once every job ended: its
+  bookkeeping before the first copy and after the last lies on the copies' path, with nothing to overlap it.
+- As jobs finish (`_as_finished`): the same step, reported by an engine that steps while the copies run.
+- Sustained (`_sustained`, `sustained.SustainedSteps`): many steps back to back, each ordering a region's moves
+  while earlier steps' copies still run: whether the connector keeps the copy engines fed under load.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+from kvfsm.bench.connector import ConnectorRounds
+from kvfsm.bench.sustained import MIN_ROTATION, SustainedSteps
+from kvfsm.executor.device import Device
+
+LLAMA_8B_KV = {"num_layers": 32, "num_heads": 8, "head_dim": 128}
+SUSTAINED_STEPS = 8
+"""Steps of one sustained run: enough that its first step's head and its last step's tail are a small part of it."""
+
+
+def _median(fn: Callable[[], float], reps: int) -> float:
+    fn()  # warm-up: staging slots, index buffers, first use of every machine path
+    return statistics.median(fn() for _ in range(reps))
+
+
+def _shares(row: dict[str, float | int | str], suffix: str, moved: int, peaks: dict[str, float],
+            store_s: float, load_s: float, both_s: float) -> None:
+    store, load, both = moved / store_s / 1e9, moved / load_s / 1e9, 2 * moved / both_s / 1e9
+    row.update({f"store_gbps{suffix}": store, f"load_gbps{suffix}": load, f"both_gbps{suffix}": both,
+                f"store_share{suffix}": store / peaks["d2h"], f"load_share{suffix}": load / peaks["h2d"],
+                f"both_share{suffix}": both / peaks["both"]})
+
+
+def run(device: Device, layout: str, block_tokens: int, peaks: dict[str, float], moved_bytes: int = 1 << 30,
+        prompt_tokens: int = 2048, reps: int = 5, shape: dict[str, int] = LLAMA_8B_KV) -> dict[str, float | int | str]:
+    """Store, load and both-ways GB/s through the connector, `moved_bytes` each way a step, each as a share of
+    the ceiling of the same run: at the step's end, as jobs finish, and sustained over `SUSTAINED_STEPS` steps.
+    The cache is `shape` (layers, KV heads, head dim) in bf16."""
+    block_bytes = 2 * shape["num_layers"] * block_tokens * shape["num_heads"] * shape["head_dim"] * 2
+    prompt_blocks = max(1, prompt_tokens // block_tokens)
+    region = max(prompt_blocks, moved_bytes // block_bytes // prompt_blocks * prompt_blocks)
+    regions = 2 * MIN_ROTATION
+    rounds = ConnectorRounds(device, layout, block_tokens, regions * region, prompt_blocks, regions=regions, **shape)
+    row: dict[str, float | int | str] = {"layout": layout, "block_tokens": block_tokens}
+    try:
+        moved = rounds.bytes_per_region
+        for suffix, as_finished in (("", False), ("_as_finished", True)):
+            rounds.as_finished = as_finished
+            store_s = _median(rounds.store, reps)
+            load_s = _median(rounds.load, reps)
+            rounds.check_landed()
+            _shares(row, suffix, moved, peaks, store_s, load_s, _median(rounds.both, reps))
+        sustained = SustainedSteps(rounds)
+        runs = max(1, reps // 3)
+        store_s = _median(lambda: sustained.store(SUSTAINED_STEPS), runs)
+        load_s = _median(lambda: sustained.load(SUSTAINED_STEPS), runs)
+        sustained.check_landed()
+        both_s = _median(lambda: sustained.both(SUSTAINED_STEPS), runs)
+        sustained.check_landed()
+        _shares(row, "_sustained", SUSTAINED_STEPS * moved, peaks, store_s, load_s, both_s)
+        row.update(mechanism=rounds.connector.worker.transfers.mechanism, bytes_each_way=moved)
+    finally:
+        rounds.close()
+        del rounds
+    return row

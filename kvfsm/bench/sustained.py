@@ -1,0 +1,146 @@
+"""The connector under an engine that keeps stepping: GB/s of many steps' stores and loads, back to back.
+
+`kvfsm.bench.connector` times one engine step by itself: its bookkeeping before the first copy and after the last
+are in every figure, with nothing to overlap them. An engine that offloads under load keeps stepping instead: each
+step orders the stores of what it just computed and the loads of returning prompts, and its bookkeeping runs while
+the copies ordered by earlier steps are still moving. What limits it then is whether the connector keeps the copy
+engines fed, which is what this prices: `steps` steps, each moving one region of the cache per direction, timed
+from the first step's start until the last job is reported and its blocks are released.
+
+The engine here reuses a region's GPU blocks only once the connector released every request on them (a stored
+request is held until its store ended; a loaded one ends once it is reported loaded), blocking on the oldest job
+and stepping again until it did, as an engine whose allocator is out of free blocks does. Store and load regions
+each rotate through at least three, so a step's copies queue behind the previous step's instead of waiting for them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvfsm.bench.connector import ConnectorRounds, Prompt, RoundMismatch
+from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
+
+MIN_ROTATION = 3
+"""Regions each direction rotates through: with fewer, a step waits for the copies of the step just before it."""
+
+
+class SustainedSteps:
+    """Steps an engine through `rounds`' connector, storing fresh prompts and loading stored ones region by region."""
+
+    def __init__(self, rounds: ConnectorRounds) -> None:
+        if len(rounds.regions) < 2 * MIN_ROTATION:
+            raise ValueError(f"sustained steps need {2 * MIN_ROTATION} regions, the rounds have {len(rounds.regions)}")
+        self.rounds = rounds
+        self._holders: list[set[str]] = [set() for _ in rounds.regions]
+        """Per region, the requests on its GPU blocks that the connector has not released yet."""
+        self._region_of: dict[str, int] = {}
+        self._errors: dict[str, tuple[int, ...]] = {}
+        self._sources: list[list[Prompt]] = []
+        """Per source region j (the first `MIN_ROTATION`), its prompts as last stored: what loads bring back."""
+
+    def store(self, steps: int) -> float:
+        """Seconds for `steps` steps, each storing one region's fresh prompts (every region in turn)."""
+        return self._run(steps, stores=range(len(self.rounds.regions)), loads=())
+
+    def load(self, steps: int) -> float:
+        """Seconds for `steps` steps, each loading the prompts stored from source region j into region
+        `MIN_ROTATION + j`, j in turn (a prompt still loading is deferred, so no two steps load the same one)."""
+        return self._run(steps, stores=(), loads=self._destinations())
+
+    def both(self, steps: int) -> float:
+        """Seconds for `steps` steps, each storing the fresh prompts of one source region while loading another's
+        stored prompts as `load` does."""
+        return self._run(steps, stores=range(MIN_ROTATION), loads=self._destinations())
+
+    def check_landed(self) -> None:
+        """After `load` or `both`: every destination region holds, block for block, its source region's bytes."""
+        caches = self.rounds.caches
+        for source, destination in enumerate(range(MIN_ROTATION, 2 * MIN_ROTATION)):
+            src = torch.tensor(self.rounds.regions[source], device=caches.device)
+            dst = torch.tensor(self.rounds.regions[destination], device=caches.device)
+            for plane in caches.planes:
+                if not torch.equal(plane.rows.index_select(1, src), plane.rows.index_select(1, dst)):
+                    raise RoundMismatch(f"{plane.name}: region {destination} differs from region {source}, "
+                                        f"whose prompts it loaded")
+
+    def _destinations(self) -> range:
+        """The regions loads go into, one per source region, whose fresh prompts are stored first (untimed; the
+        stores of earlier calls may have evicted the last call's)."""
+        self._sources = []
+        for region in range(MIN_ROTATION):
+            computed = self.rounds.admit_new(self.rounds.regions[region])
+            self._step(computed)
+            self._finish_computed(computed, region)
+            self._sources.append([prompt for prompt, _ in computed])
+        self._drain()
+        return range(MIN_ROTATION, 2 * MIN_ROTATION)
+
+    def _run(self, steps: int, stores: Sequence[int], loads: Sequence[int]) -> float:
+        rounds = self.rounds
+        if rounds.device.kind == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for step in range(steps):
+            store_region = stores[step % len(stores)] if stores else None
+            load_region = loads[step % len(loads)] if loads else None
+            for region in (store_region, load_region):
+                if region is not None:
+                    self._free(region)
+            if load_region is not None:
+                source = self._sources[step % len(loads)]
+                for prompt in rounds.admit_returning(source, rounds.regions[load_region]):
+                    self._region_of[prompt.request_id] = load_region
+                    self._holders[load_region].add(prompt.request_id)
+            computed = rounds.admit_new(rounds.regions[store_region]) if store_region is not None else []
+            self._step(computed)
+            if store_region is not None:
+                self._finish_computed(computed, store_region)
+        self._drain()
+        elapsed = time.perf_counter() - start
+        if self._errors:
+            raise RoundMismatch(f"load errors {self._errors}")
+        return elapsed
+
+    def _finish_computed(self, computed: list[tuple[Prompt, tuple[int, ...]]], region: int) -> None:
+        """One-token requests end with the step that computed them; the connector holds them while they store."""
+        for prompt, _ in computed:
+            if not self.rounds.connector.request_finished(prompt.request_id):
+                raise RoundMismatch(f"{prompt.request_id}: a computed prompt was not held for its store")
+            self._region_of[prompt.request_id] = region
+            self._holders[region].add(prompt.request_id)
+
+    def _step(self, computed: list[tuple[Prompt, tuple[int, ...]]]) -> None:
+        """One engine step: send what the connector ordered, let this step's stores be planned, report."""
+        connector, worker = self.rounds.connector, self.rounds.connector.worker
+        tokens = self.rounds.block_tokens
+        scheduled = tuple(ScheduledRequest(req_id=p.request_id, block_ids=ids, num_computed_tokens=len(ids) * tokens)
+                          for p, ids in computed)
+        worker.bind_connector_metadata(connector.build_connector_meta(SchedulerOutput(scheduled=scheduled)))
+        worker.handle_preemptions()
+        worker.start_load_kv()
+        worker.wait_for_save()
+        result = connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),)))
+        self._errors.update(result.load_errors)
+        for request_id in result.loaded:  # the engine computes the last token; the request then ends
+            if connector.request_finished(request_id):
+                raise RoundMismatch(f"{request_id}: a loaded request was held when it ended")
+            self._holders[self._region_of.pop(request_id)].discard(request_id)
+        for request_id in result.released:
+            self._holders[self._region_of.pop(request_id)].discard(request_id)
+
+    def _free(self, region: int) -> None:
+        """Block until every request on `region` was released: wait for the oldest job, step, again."""
+        while self._holders[region]:
+            self._wait_oldest()
+
+    def _drain(self) -> None:
+        while any(self._holders):
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        worker = self.rounds.connector.worker
+        worker.wait(list(worker.jobs)[:1])  # none in flight: the next step sends what is still pending
+        self._step([])
