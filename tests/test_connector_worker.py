@@ -332,6 +332,32 @@ def test_a_report_of_a_steps_ended_loads_asks_only_their_shared_last_segment_eve
     assert len(asked) == 1, "one query, of the last layer's segment event"
 
 
+def test_a_segment_that_lands_while_a_report_walks_its_job_is_counted_by_the_next_report(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report asks a job's newest segment event first and, finding it not done, counts the landed ones from the
+    oldest. Should the newest land in between, the walk still ends at it: the segments before it are counted
+    now, the newest by the next report (asking it again there found it done, and the walk ran out)."""
+    worker, device, _ = make_worker()
+    stored_slots(worker, device, (0,))
+    worker.bind_connector_metadata(ConnectorMetadata(step=3, loads=(
+        LoadOrder(job_id=0, req_id="r0", gpu_blocks=(5,), cpu_slots=(0,)),)))
+    worker.start_load_kv()
+    device.run_until_idle()
+    query, first = device.query, [True]
+
+    def lands_after_the_first_ask(event: object) -> bool:
+        if first[0]:
+            first[0] = False
+            return False
+        return query(event)
+
+    monkeypatch.setattr(device, "query", lands_after_the_first_ask)
+    assert worker.get_finished().done == ()
+    job = worker.jobs[0]
+    assert job.landed_segments == job.segments - 1
+    assert worker.get_finished().done == (0,)
+
+
 def test_on_a_one_segment_cache_the_first_load_is_reported_while_the_next_still_copies() -> None:
     """A cross-layer cache is one segment per job: sent together, a step's loads would share one event, and the
     first request would hear of its load only once the last one landed."""

@@ -63,11 +63,15 @@ class JobEvents:
         """How many of the job's segments from `first` on have landed. The newest is asked first, so a job whose
         copies all ended costs one query, not one per layer (32 a job, each a driver call, on a Llama-3-8B
         kv-first cache). `seen`: ids of the events this report already found done (a step's loads share one event
-        per segment, so each is asked once, not once per job)."""
+        per segment, so each is asked once, not once per job).
+
+        Found not done, the newest is not asked again: the walk from the oldest stops before it. The copies keep
+        running meanwhile, so asked again it may have landed, after every earlier one, and a walk over all of them
+        would find none not done (it raised StopIteration out of `get_finished`); the next report counts it."""
         events = self._segments[job_id][first:]
         if not events or self._done(events[-1], seen):
             return len(events)
-        return next(i for i, event in enumerate(events) if not self._done(event, seen))
+        return next((i for i, event in enumerate(events[:-1]) if not self._done(event, seen)), len(events) - 1)
 
     def _done(self, event: Event, seen: set[int]) -> bool:
         if id(event) in seen:
