@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from kvfsm.bench import end_to_end, steps
 from kvfsm.bench.__main__ import GPU_PARTS, _print, app, layers_that_fit, verdicts
 from kvfsm.bench.connector import ConnectorRounds, RoundMismatch
-from kvfsm.bench.sustained import MIN_ROTATION, SustainedSteps
+from kvfsm.bench.sustained import ROTATION, SustainedSteps
 from kvfsm.executor import SimDevice
 from kvfsm.mooncake import available as mooncake_available
 from kvfsm.executor.transfer import Segments
@@ -110,8 +110,10 @@ def test_control_a_round_whose_store_is_refused_is_caught(monkeypatch: pytest.Mo
 
 
 def _sustained() -> SustainedSteps:
-    return SustainedSteps(ConnectorRounds(SimDevice(), "kv-first", 16, 24, 2, num_layers=2, num_heads=2, head_dim=8,
-                                          regions=2 * MIN_ROTATION))
+    """Regions of two 2-block prompts."""
+    rounds = ConnectorRounds(SimDevice(), "kv-first", 16, 2 * ROTATION * 4, 2, num_layers=2, num_heads=2, head_dim=8,
+                             regions=2 * ROTATION)
+    return SustainedSteps(rounds)
 
 
 def test_sustained_steps_load_back_exactly_the_bytes_they_stored() -> None:
@@ -127,7 +129,7 @@ def test_sustained_steps_load_back_exactly_the_bytes_they_stored() -> None:
 def test_control_a_sustained_load_that_differs_from_its_source_is_caught() -> None:
     sustained = _sustained()
     sustained.load(4)
-    sustained.rounds.caches.planes[0].rows[0, sustained.rounds.regions[MIN_ROTATION][0]] ^= 1
+    sustained.rounds.caches.planes[0].rows[0, sustained.rounds.regions[ROTATION][0]] ^= 1
     with pytest.raises(RoundMismatch):
         sustained.check_landed()
 
@@ -138,15 +140,23 @@ job per prompt (two prompts a region)."""
 
 
 def _most_jobs_in_flight(sustained: SustainedSteps, monkeypatch: pytest.MonkeyPatch) -> int:
-    """The most jobs in flight after any step of a both-ways run."""
+    """The most jobs in flight after any step of a both-ways run (its timed steps, not the storing of its sources)."""
     counts: list[int] = []
-    step = sustained._step
+    step, run = sustained._step, sustained._run
 
     def counted(computed: list) -> None:
         step(computed)
-        counts.append(len(sustained.rounds.connector.worker.jobs))
+        if counting:
+            counts.append(len(sustained.rounds.connector.worker.jobs))
 
+    def timed(*args: object, **kwargs: object) -> float:
+        nonlocal counting
+        counting = True
+        return run(*args, **kwargs)
+
+    counting = False
     monkeypatch.setattr(sustained, "_step", counted)
+    monkeypatch.setattr(sustained, "_run", timed)
     sustained.both(8)
     return max(counts)
 

@@ -57,9 +57,10 @@ class ConnectorRounds:
                                              dtype, device.tensor_device())
         for tensor in tensors.values():
             tensor.view(torch.uint8).view(-1).random_(0, 256)
-        # Half the cache's worth of slots more than the cache: a both-ways step stores one half while the previous
-        # half is loaded back, and sustained steps keep the prompts they load back beside the stores in flight.
-        config = OffloadConfig(cpu_blocks=3 * num_blocks // 2, gpu_block_size=block_tokens)
+        # One region's worth of slots more than the cache: a both-ways step stores one half while the previous
+        # half is loaded back (two regions: three halves); sustained steps keep the prompts they load back, one
+        # region per destination, beside as many regions of stores in flight.
+        config = OffloadConfig(cpu_blocks=(regions + 1) * num_blocks // regions, gpu_block_size=block_tokens)
         self.connector = Connector(config, device)
         self.caches = self.connector.register_kv_caches(tensors, layout, groups)
         self.tensors = tensors

@@ -14,7 +14,7 @@ import statistics
 from typing import Callable
 
 from kvfsm.bench.connector import ConnectorRounds
-from kvfsm.bench.sustained import MIN_ROTATION, SustainedSteps
+from kvfsm.bench.sustained import ROTATION, SustainedSteps
 from kvfsm.executor.device import Device
 
 LLAMA_8B_KV = {"num_layers": 32, "num_heads": 8, "head_dim": 128}
@@ -43,7 +43,7 @@ def run(device: Device, layout: str, block_tokens: int, peaks: dict[str, float],
     block_bytes = 2 * shape["num_layers"] * block_tokens * shape["num_heads"] * shape["head_dim"] * 2
     prompt_blocks = max(1, prompt_tokens // block_tokens)
     region = max(prompt_blocks, moved_bytes // block_bytes // prompt_blocks * prompt_blocks)
-    regions = 2 * MIN_ROTATION
+    regions = 2 * ROTATION
     rounds = ConnectorRounds(device, layout, block_tokens, regions * region, prompt_blocks, regions=regions, **shape)
     row: dict[str, float | int | str] = {"layout": layout, "block_tokens": block_tokens}
     try:

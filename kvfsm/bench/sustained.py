@@ -10,7 +10,7 @@ from the first step's start until the last job is reported and its blocks are re
 The engine here reuses a region's GPU blocks only once the connector released every request on them (a stored
 request is held until its store ended; a loaded one ends once it is reported loaded), blocking on the oldest job
 and stepping again until it did, as an engine whose allocator is out of free blocks does. Store and load regions
-each rotate through at least three, so a step's copies queue behind the previous step's instead of waiting for them.
+each rotate through `ROTATION`, so a step's copies queue behind earlier steps' instead of waiting for them.
 """
 
 from __future__ import annotations
@@ -23,23 +23,27 @@ import torch
 from kvfsm.bench.connector import ConnectorRounds, Prompt, RoundMismatch
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
 
-MIN_ROTATION = 3
-"""Regions each direction rotates through: with fewer, a step waits for the copies of the step just before it."""
+ROTATION = 5
+"""Regions each direction rotates through. The engine reuses a region once every request on it was released, so
+this is how many steps of copies it lets queue before it waits: a store is sent the step after its compute, so its
+direction has one step less. On kv-first caches both ways at once (H100, 2026-11-26), the three-region rotation
+moved 0.78-0.88 of the ceiling, four 0.85-0.96, five 0.87-0.93: with fewer the engine waited for the stores of
+the step before last while the store stream ran dry. One way and cross-layer moved the same at three as at five."""
 
 
 class SustainedSteps:
     """Steps an engine through `rounds`' connector, storing fresh prompts and loading stored ones region by region."""
 
     def __init__(self, rounds: ConnectorRounds) -> None:
-        if len(rounds.regions) < 2 * MIN_ROTATION:
-            raise ValueError(f"sustained steps need {2 * MIN_ROTATION} regions, the rounds have {len(rounds.regions)}")
+        if len(rounds.regions) < 2 * ROTATION:
+            raise ValueError(f"sustained steps need {2 * ROTATION} regions, the rounds have {len(rounds.regions)}")
         self.rounds = rounds
         self._holders: list[set[str]] = [set() for _ in rounds.regions]
         """Per region, the requests on its GPU blocks that the connector has not released yet."""
         self._region_of: dict[str, int] = {}
         self._errors: dict[str, tuple[int, ...]] = {}
         self._sources: list[list[Prompt]] = []
-        """Per source region j (the first `MIN_ROTATION`), its prompts as last stored: what loads bring back."""
+        """Per source region j (the first `ROTATION`), its prompts as last stored: what loads bring back."""
 
     def store(self, steps: int) -> float:
         """Seconds for `steps` steps, each storing one region's fresh prompts (every region in turn)."""
@@ -47,18 +51,18 @@ class SustainedSteps:
 
     def load(self, steps: int) -> float:
         """Seconds for `steps` steps, each loading the prompts stored from source region j into region
-        `MIN_ROTATION + j`, j in turn (a prompt still loading is deferred, so no two steps load the same one)."""
+        `ROTATION + j`, j in turn (a prompt still loading is deferred, so no two steps load the same one)."""
         return self._run(steps, stores=(), loads=self._destinations())
 
     def both(self, steps: int) -> float:
         """Seconds for `steps` steps, each storing the fresh prompts of one source region while loading another's
         stored prompts as `load` does."""
-        return self._run(steps, stores=range(MIN_ROTATION), loads=self._destinations())
+        return self._run(steps, stores=range(ROTATION), loads=self._destinations())
 
     def check_landed(self) -> None:
         """After `load` or `both`: every destination region holds, block for block, its source region's bytes."""
         caches = self.rounds.caches
-        for source, destination in enumerate(range(MIN_ROTATION, 2 * MIN_ROTATION)):
+        for source, destination in enumerate(range(ROTATION, 2 * ROTATION)):
             src = torch.tensor(self.rounds.regions[source], device=caches.device)
             dst = torch.tensor(self.rounds.regions[destination], device=caches.device)
             for plane in caches.planes:
@@ -70,13 +74,13 @@ class SustainedSteps:
         """The regions loads go into, one per source region, whose fresh prompts are stored first (untimed; the
         stores of earlier calls may have evicted the last call's)."""
         self._sources = []
-        for region in range(MIN_ROTATION):
+        for region in range(ROTATION):
             computed = self.rounds.admit_new(self.rounds.regions[region])
             self._step(computed)
             self._finish_computed(computed, region)
             self._sources.append([prompt for prompt, _ in computed])
         self._drain()
-        return range(MIN_ROTATION, 2 * MIN_ROTATION)
+        return range(ROTATION, 2 * ROTATION)
 
     def _run(self, steps: int, stores: Sequence[int], loads: Sequence[int]) -> float:
         rounds = self.rounds
