@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from kvfsm.bench import end_to_end, steps
 from kvfsm.bench.__main__ import GPU_PARTS, _print, app, layers_that_fit, verdicts
 from kvfsm.bench.connector import ConnectorRounds, RoundMismatch
-from kvfsm.bench.sustained import ROTATION, SustainedSteps
+from kvfsm.bench.sustained import ROTATION, SustainedSteps, pool_blocks
 from kvfsm.executor import SimDevice
 from kvfsm.mooncake import available as mooncake_available
 from kvfsm.executor.transfer import Segments
@@ -112,7 +112,7 @@ def test_control_a_round_whose_store_is_refused_is_caught(monkeypatch: pytest.Mo
 def _sustained() -> SustainedSteps:
     """Regions of two 2-block prompts."""
     rounds = ConnectorRounds(SimDevice(), "kv-first", 16, 2 * ROTATION * 4, 2, num_layers=2, num_heads=2, head_dim=8,
-                             regions=2 * ROTATION)
+                             regions=2 * ROTATION, cpu_blocks=pool_blocks(4))
     return SustainedSteps(rounds)
 
 

@@ -45,7 +45,7 @@ class ConnectorRounds:
     def __init__(self, device: Device, layout: str, block_tokens: int, num_blocks: int, prompt_blocks: int,
                  num_layers: int = 32, num_heads: int = 8, head_dim: int = 128,
                  dtype: torch.dtype = torch.bfloat16, seed: int = 0, as_finished: bool = False,
-                 regions: int = 2) -> None:
+                 regions: int = 2, cpu_blocks: int | None = None) -> None:
         if regions < 2 or num_blocks % (regions * prompt_blocks):
             raise ValueError(f"{num_blocks} GPU blocks do not split into {regions} (at least 2) regions of "
                              f"{prompt_blocks}-block prompts")
@@ -57,10 +57,9 @@ class ConnectorRounds:
                                              dtype, device.tensor_device())
         for tensor in tensors.values():
             tensor.view(torch.uint8).view(-1).random_(0, 256)
-        # One region's worth of slots more than the cache: a both-ways step stores one half while the previous
-        # half is loaded back (two regions: three halves); sustained steps keep the prompts they load back, one
-        # region per destination, beside as many regions of stores in flight.
-        config = OffloadConfig(cpu_blocks=(regions + 1) * num_blocks // regions, gpu_block_size=block_tokens)
+        # Three halves' worth of slots by default: a both-ways step stores one half while the previous half is
+        # loaded back.
+        config = OffloadConfig(cpu_blocks=cpu_blocks or 3 * num_blocks // 2, gpu_block_size=block_tokens)
         self.connector = Connector(config, device)
         self.caches = self.connector.register_kv_caches(tensors, layout, groups)
         self.tensors = tensors

@@ -14,7 +14,7 @@ import statistics
 from typing import Callable
 
 from kvfsm.bench.connector import ConnectorRounds
-from kvfsm.bench.sustained import ROTATION, SustainedSteps
+from kvfsm.bench.sustained import ROTATION, SustainedSteps, pool_blocks
 from kvfsm.executor.device import Device
 
 LLAMA_8B_KV = {"num_layers": 32, "num_heads": 8, "head_dim": 128}
@@ -44,7 +44,8 @@ def run(device: Device, layout: str, block_tokens: int, peaks: dict[str, float],
     prompt_blocks = max(1, prompt_tokens // block_tokens)
     region = max(prompt_blocks, moved_bytes // block_bytes // prompt_blocks * prompt_blocks)
     regions = 2 * ROTATION
-    rounds = ConnectorRounds(device, layout, block_tokens, regions * region, prompt_blocks, regions=regions, **shape)
+    rounds = ConnectorRounds(device, layout, block_tokens, regions * region, prompt_blocks, regions=regions,
+                             cpu_blocks=pool_blocks(region), **shape)
     row: dict[str, float | int | str] = {"layout": layout, "block_tokens": block_tokens}
     try:
         moved = rounds.bytes_per_region
@@ -55,11 +56,10 @@ def run(device: Device, layout: str, block_tokens: int, peaks: dict[str, float],
             rounds.check_landed()
             _shares(row, suffix, moved, peaks, store_s, load_s, _median(rounds.both, reps))
         sustained = SustainedSteps(rounds)
-        runs = max(1, reps // 3)
-        store_s = _median(lambda: sustained.store(SUSTAINED_STEPS), runs)
-        load_s = _median(lambda: sustained.load(SUSTAINED_STEPS), runs)
+        store_s = _median(lambda: sustained.store(SUSTAINED_STEPS), reps)
+        load_s = _median(lambda: sustained.load(SUSTAINED_STEPS), reps)
         sustained.check_landed()
-        both_s = _median(lambda: sustained.both(SUSTAINED_STEPS), runs)
+        both_s = _median(lambda: sustained.both(SUSTAINED_STEPS), reps)
         sustained.check_landed()
         _shares(row, "_sustained", SUSTAINED_STEPS * moved, peaks, store_s, load_s, both_s)
         row.update(mechanism=rounds.connector.worker.transfers.mechanism, bytes_each_way=moved)

@@ -31,6 +31,14 @@ moved 0.78-0.88 of the ceiling, four 0.85-0.96, five 0.87-0.93: with fewer the e
 the step before last while the store stream ran dry. One way and cross-layer moved the same at three as at five."""
 
 
+def pool_blocks(region_blocks: int) -> int:
+    """CPU blocks for sustained steps on regions of `region_blocks`: enough that the prompts loads bring back are
+    never the least recently used blocks. A source region is touched once a rotation, and a store's blocks enter
+    the eviction order when it completes, up to a rotation after it was ordered: so up to two rotations of stores
+    can be younger than the next source region (with one region to spare it was evicted on the H100)."""
+    return 3 * ROTATION * region_blocks
+
+
 class SustainedSteps:
     """Steps an engine through `rounds`' connector, storing fresh prompts and loading stored ones region by region."""
 
