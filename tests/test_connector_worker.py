@@ -25,14 +25,14 @@ SHAPE = (2, NUM_BLOCKS, 4, 1, 8)
 """kv-first: (K/V, blocks, tokens per block, heads, head dim)."""
 
 
-def make_worker(k: int = 1, cpu_blocks: int = 4, layer_stores: bool = False,
-                layer_loads: bool = False) -> tuple[WorkerConnector, SimDevice, list[torch.Tensor]]:
-    """A registered worker over two layers of distinct, random KV bytes."""
+def make_worker(k: int = 1, cpu_blocks: int = 4, layer_stores: bool = False, layer_loads: bool = False,
+                num_layers: int = 2) -> tuple[WorkerConnector, SimDevice, list[torch.Tensor]]:
+    """A registered worker over `num_layers` layers of distinct, random KV bytes."""
     device = SimDevice()
     worker = WorkerConnector(OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=k, gpu_block_size=4,
                                            layer_stores=layer_stores, layer_loads=layer_loads), device)
     generator = torch.Generator().manual_seed(7)
-    layers = [torch.randn(SHAPE, generator=generator).half() for _ in range(2)]
+    layers = [torch.randn(SHAPE, generator=generator).half() for _ in range(num_layers)]
     worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(layers)}, "kv-first")
     return worker, device, layers
 
@@ -227,6 +227,22 @@ def test_a_load_lands_one_segment_per_layer_and_completes_only_after_the_last() 
     assert worker.get_finished() == WorkerOutput() and worker.jobs[0].landed_segments == 1
     device.run_until_idle()
     assert worker.get_finished() == WorkerOutput(done=(0,))
+
+
+@pytest.mark.parametrize("landed", range(5))
+def test_a_report_counts_exactly_the_segments_that_landed(landed: int) -> None:
+    """Over four layers, whichever of them landed: the report asks the newest segment first and, that not done,
+    walks the earlier ones, so a walk that stopped short or skipped one would count segments still copying."""
+    worker, device, _ = make_worker(num_layers=4)
+    start_one_load(worker)
+    device.run_one("compute")
+    while [op.label for op in device._queues["load"]][:1] != [f"load job 0 layer {landed}"] and device._queues["load"]:
+        device.run_one("load")
+    reported = worker.get_finished()
+    if landed == 4:
+        assert reported == WorkerOutput(done=(0,))
+    else:
+        assert reported == WorkerOutput() and worker.jobs[0].landed_segments == landed
 
 
 @pytest.mark.parametrize(("layer", "may_compute"), [("layer.0", True), ("layer.1", False)])
