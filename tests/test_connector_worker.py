@@ -354,10 +354,7 @@ def test_a_segment_that_lands_while_a_report_walks_its_job_is_counted_by_the_nex
     oldest. Should the newest land in between, the walk still ends at it: the segments before it are counted
     now, the newest by the next report (asking it again there found it done, and the walk ran out)."""
     worker, device, _ = make_worker()
-    stored_slots(worker, device, (0,))
-    worker.bind_connector_metadata(ConnectorMetadata(step=3, loads=(
-        LoadOrder(job_id=0, req_id="r0", gpu_blocks=(5,), cpu_slots=(0,)),)))
-    worker.start_load_kv()
+    start_one_load(worker)
     device.run_until_idle()
     query, first = device.query, [True]
 
