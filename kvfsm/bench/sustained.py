@@ -28,7 +28,8 @@ ROTATION = 5
 this is how many steps of copies it lets queue before it waits: a store is sent the step after its compute, so its
 direction has one step less. On kv-first caches both ways at once (H100, 2026-11-26), the three-region rotation
 moved 0.78-0.88 of the ceiling, four 0.85-0.96, five 0.87-0.93: with fewer the engine waited for the stores of
-the step before last while the store stream ran dry. One way and cross-layer moved the same at three as at five."""
+the step before last while the store stream ran dry. One way, three regions already moved 0.96-0.98 (kv-first)
+and 0.98-1.0 (cross-layer)."""
 
 
 def pool_blocks(region_blocks: int) -> int:
@@ -63,8 +64,8 @@ class SustainedSteps:
         return self._run(steps, stores=(), loads=self._destinations())
 
     def both(self, steps: int) -> float:
-        """Seconds for `steps` steps, each storing the fresh prompts of one source region while loading another's
-        stored prompts as `load` does."""
+        """Seconds for `steps` steps, each computing and storing fresh prompts on source region j while loading
+        that region's earlier prompts, from the pool, into region `ROTATION + j`, j in turn."""
         return self._run(steps, stores=range(ROTATION), loads=self._destinations())
 
     def check_landed(self) -> None:
