@@ -97,7 +97,7 @@ def test_connector_rounds_load_back_exactly_the_bytes_they_stored(as_finished: b
 def test_control_a_loaded_block_that_differs_is_caught() -> None:
     rounds = _rounds()
     rounds.load()
-    rounds.caches.planes[0].rows[0, rounds._halves[1][0]] ^= 1
+    rounds.caches.planes[0].rows[0, rounds.regions[1][0]] ^= 1
     with pytest.raises(RoundMismatch):
         rounds.check_landed()
 

@@ -6,9 +6,9 @@ get_finished`, with every lifecycle change going through the spec's machines. A 
 from `build_connector_meta` until `update_connector_output` has seen every job finish, so host-side bookkeeping,
 submission and the copies themselves are all inside it.
 
-The workload: prompts of `prompt_blocks` scattered GPU blocks (a random permutation of the cache), stored into a
-pool that keeps evicting (LRU) and loaded back into the other half of the cache by new requests with the same
-prompt. The cache is Llama-3-8B-shaped (32 layers, 8 KV heads, 128 dims, bf16).
+The workload: prompts of `prompt_blocks` scattered GPU blocks (a random permutation of the cache, cut into equal
+regions), stored from the first region into a pool that keeps evicting (LRU) and loaded back into the second by new
+requests with the same prompt. The cache is Llama-3-8B-shaped (32 layers, 8 KV heads, 128 dims, bf16).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kvfsm.connector import Connector
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import allocate_kv_caches
+
 
 class RoundMismatch(RuntimeError):
     """A timed round did not move what it ordered: the figure would describe some other work."""
@@ -57,8 +58,8 @@ class ConnectorRounds:
                                              dtype, device.tensor_device())
         for tensor in tensors.values():
             tensor.view(torch.uint8).view(-1).random_(0, 256)
-        # Three halves' worth of slots by default: a both-ways step stores one half while the previous half is
-        # loaded back.
+        # By default one and a half caches' worth of slots: with two regions, a both-ways step stores the first
+        # while the prompts it stored before are loaded back into the second.
         config = OffloadConfig(cpu_blocks=cpu_blocks or 3 * num_blocks // 2, gpu_block_size=block_tokens)
         self.connector = Connector(config, device)
         self.caches = self.connector.register_kv_caches(tensors, layout, groups)
@@ -68,7 +69,6 @@ class ConnectorRounds:
         self.regions = tuple(order[i * size:(i + 1) * size] for i in range(regions))
         """Equal parts of a random permutation of the cache's blocks; the rounds store from the first and load
         into the second (`kvfsm.bench.sustained` uses them all)."""
-        self._halves = self.regions[:2]
         self._round = 0
         self._stored: list[Prompt] = []
 
@@ -164,34 +164,35 @@ class ConnectorRounds:
             worker.start_load_kv()
 
     def store(self) -> float:
-        """Seconds for one step that stores half the cache's blocks (ordered by the step before)."""
-        computed = self.admit_new(self._halves[0])
+        """Seconds for one step that stores the first region's blocks (ordered by the step before)."""
+        computed = self.admit_new(self.regions[0])
         self._compute_step(computed)
         return self._timed_step(len(computed), [])
 
     def load(self) -> float:
-        """Seconds for one step that loads the last stored prompts into the other half of the cache."""
+        """Seconds for one step that loads the last stored prompts into the second region."""
         if not self._stored:
             self.store()
         stored, self._stored = self._stored, []
-        return self._timed_step(0, self.admit_returning(stored, self._halves[1]))
+        return self._timed_step(0, self.admit_returning(stored, self.regions[1]))
 
     def check_landed(self) -> None:
         """After `load`: every loaded GPU block holds the bytes of the block its prompt was stored from."""
-        src = torch.tensor(self._halves[0], device=self.caches.device)
-        dst = torch.tensor(self._halves[1], device=self.caches.device)
+        src = torch.tensor(self.regions[0], device=self.caches.device)
+        dst = torch.tensor(self.regions[1], device=self.caches.device)
         for plane in self.caches.planes:
             if not torch.equal(plane.rows.index_select(1, src), plane.rows.index_select(1, dst)):
                 raise RoundMismatch(f"{plane.name}: a loaded block differs from the block it was stored from")
 
     def both(self) -> float:
-        """Seconds for one step that stores one half while loading the last stored prompts into the other."""
+        """Seconds for one step that stores the first region while loading the last stored prompts into the
+        second."""
         if not self._stored:
             self.store()
         stored = self._stored
-        computed = self.admit_new(self._halves[0])
+        computed = self.admit_new(self.regions[0])
         self._compute_step(computed)
-        return self._timed_step(len(computed), self.admit_returning(stored, self._halves[1]))
+        return self._timed_step(len(computed), self.admit_returning(stored, self.regions[1]))
 
     def close(self) -> None:
         self.connector.worker.shutdown()
