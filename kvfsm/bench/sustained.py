@@ -92,6 +92,8 @@ class SustainedSteps:
         return range(ROTATION, 2 * ROTATION)
 
     def _run(self, steps: int, stores: Sequence[int], loads: Sequence[int]) -> float:
+        """Seconds for `steps` engine steps, step i storing region `stores[i % len(stores)]`'s fresh prompts and
+        loading source i's prompts into `loads[i % len(loads)]`, until every request was released."""
         rounds = self.rounds
         if rounds.device.kind == "cuda":
             torch.cuda.synchronize()
@@ -150,6 +152,7 @@ class SustainedSteps:
             self._wait_oldest()
 
     def _drain(self) -> None:
+        """Step until the connector released every request this engine holds."""
         while any(self._holders):
             self._wait_oldest()
 
