@@ -178,11 +178,16 @@ class ConnectorRounds:
 
     def check_landed(self) -> None:
         """After `load`: every loaded GPU block holds the bytes of the block its prompt was stored from."""
-        src = torch.tensor(self.regions[0], device=self.caches.device)
-        dst = torch.tensor(self.regions[1], device=self.caches.device)
+        self.check_copied(0, 1)
+
+    def check_copied(self, source: int, destination: int) -> None:
+        """Region `destination` holds, block for block, region `source`'s bytes (its prompts were loaded there)."""
+        src = torch.tensor(self.regions[source], device=self.caches.device)
+        dst = torch.tensor(self.regions[destination], device=self.caches.device)
         for plane in self.caches.planes:
             if not torch.equal(plane.rows.index_select(1, src), plane.rows.index_select(1, dst)):
-                raise RoundMismatch(f"{plane.name}: a loaded block differs from the block it was stored from")
+                raise RoundMismatch(f"{plane.name}: a block loaded into region {destination} differs from the "
+                                    f"block of region {source} it was stored from")
 
     def both(self) -> float:
         """Seconds for one step that stores the first region while loading the last stored prompts into the

@@ -70,14 +70,8 @@ class SustainedSteps:
 
     def check_landed(self) -> None:
         """After `load` or `both`: every destination region holds, block for block, its source region's bytes."""
-        caches = self.rounds.caches
-        for source, destination in enumerate(range(ROTATION, 2 * ROTATION)):
-            src = torch.tensor(self.rounds.regions[source], device=caches.device)
-            dst = torch.tensor(self.rounds.regions[destination], device=caches.device)
-            for plane in caches.planes:
-                if not torch.equal(plane.rows.index_select(1, src), plane.rows.index_select(1, dst)):
-                    raise RoundMismatch(f"{plane.name}: region {destination} differs from region {source}, "
-                                        f"whose prompts it loaded")
+        for source in range(ROTATION):
+            self.rounds.check_copied(source, ROTATION + source)
 
     def _destinations(self) -> range:
         """The regions loads go into, one per source region, whose fresh prompts are stored first (untimed; the
