@@ -213,17 +213,18 @@ def start_one_load(worker: WorkerConnector, fail_after: int | None = None) -> No
     worker.start_load_kv()
 
 
-def land_first_segment(device: SimDevice) -> None:
-    """Run the compute barrier, then the load stream up to (not into) its second layer's segment."""
+def land_segments(device: SimDevice, count: int) -> None:
+    """Run the compute barrier, then the load stream up to (not into) load 0's segment of layer `count`: `count`
+    segments landed (all of them, where the load has no more)."""
     device.run_one("compute")
-    while [op.label for op in device._queues["load"]][:1] != ["load job 0 layer 1"]:
+    while device._queues["load"] and [op.label for op in device._queues["load"]][:1] != [f"load job 0 layer {count}"]:
         device.run_one("load")
 
 
 def test_a_load_lands_one_segment_per_layer_and_completes_only_after_the_last() -> None:
     worker, device, _ = make_worker()
     start_one_load(worker)
-    land_first_segment(device)
+    land_segments(device, 1)
     assert worker.get_finished() == WorkerOutput() and worker.jobs[0].landed_segments == 1
     device.run_until_idle()
     assert worker.get_finished() == WorkerOutput(done=(0,))
@@ -235,9 +236,7 @@ def test_a_report_counts_exactly_the_segments_that_landed(landed: int) -> None:
     walks the earlier ones, so a walk that stopped short or skipped one would count segments still copying."""
     worker, device, _ = make_worker(num_layers=4)
     start_one_load(worker)
-    device.run_one("compute")
-    while [op.label for op in device._queues["load"]][:1] != [f"load job 0 layer {landed}"] and device._queues["load"]:
-        device.run_one("load")
+    land_segments(device, landed)
     reported = worker.get_finished()
     if landed == 4:
         assert reported == WorkerOutput(done=(0,))
@@ -250,7 +249,7 @@ def test_a_layer_computes_once_its_own_segment_landed_not_the_whole_load(layer: 
     worker, device, _ = make_worker(layer_loads=True)
     start_one_load(worker)
     worker.wait_for_layer_load(layer)
-    land_first_segment(device)
+    land_segments(device, 1)
     assert ("compute" in device.runnable()) is may_compute
 
 
