@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kvfsm.executor import HostPool, KVCaches, SimDevice, Transfers, register_kv_caches
-from kvfsm.executor import gather, graphs, mechanisms, transfer
+from kvfsm.executor import gather, graphs, mechanisms
 from kvfsm.executor.layouts import allocate_kv_caches
-from kvfsm.executor.mechanisms import device_index, resolve, runs
+from kvfsm.executor.block_ids import BlockIds
+from kvfsm.executor.mechanisms import resolve, runs
 from kvfsm.executor.rows import RowCopies
 from test_executor_pipelines import JoinLog, uploads  # noqa: F401 (a fixture)
 from test_executor_transfer import CASES, NUM_BLOCKS, block, make
@@ -51,7 +52,7 @@ def test_a_run_is_consecutive_blocks_whose_offsets_advance_by_the_stride_togethe
 def test_a_block_index_is_int64_even_for_no_blocks() -> None:
     """Index kernels refuse any other dtype, and an empty list would otherwise become a float tensor."""
     for ids in ([], [4, 1]):
-        index = device_index(ids, torch.device("cpu"))
+        index = BlockIds(torch.device("cpu"))(ids)
         assert index.dtype == torch.int64 and index.tolist() == ids
 
 

@@ -10,7 +10,8 @@ from typing import Sequence
 import pytest
 import torch
 
-from kvfsm.executor import mechanisms, transfer
+from kvfsm.executor import mechanisms
+from kvfsm.executor.block_ids import BlockIds
 from kvfsm.executor.lanes import InlineLanes, Step
 from test_executor_transfer import block, make, stored
 
@@ -162,16 +163,15 @@ def test_only_the_first_layer_segment_of_a_load_waits_for_the_load_stream(joins:
 
 @pytest.fixture
 def uploads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """Every GPU block index uploaded: on CUDA each is a pinned copy issued from the host."""
+    """Every GPU block index uploaded: on CUDA each is a kernel reading pinned host memory, launched by the host."""
     uploaded: list[tuple[int, ...]] = []
-    upload = mechanisms.device_index
+    upload = BlockIds.__call__
 
-    def counted(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    def counted(self: BlockIds, ids: Sequence[int]) -> torch.Tensor:
         uploaded.append(tuple(ids))
-        return upload(ids, device)
+        return upload(self, ids)
 
-    monkeypatch.setattr(transfer, "device_index", counted)
-    monkeypatch.setattr(mechanisms, "device_index", counted)
+    monkeypatch.setattr(BlockIds, "__call__", counted)
     return uploaded
 
 

@@ -3,6 +3,8 @@ reproduced with a delayed stream, where the control (no event wait) must corrupt
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pytest
 import torch
 
@@ -10,7 +12,8 @@ from kvfsm.executor import LAYOUTS, MECHANISMS, POISON_BYTE, CudaDevice, HostPoo
 from kvfsm.executor import register_kv_caches
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.gather import SlotOverflow
-from kvfsm.executor.mechanisms import BLOCK_CONTIGUOUS_ONLY, device_index
+from kvfsm.executor.block_ids import BlockIds
+from kvfsm.executor.mechanisms import BLOCK_CONTIGUOUS_ONLY
 from kvfsm.executor.rows import RawRows, RowCopies
 
 pytestmark = pytest.mark.gpu
@@ -164,10 +167,10 @@ def gathered_fast_and_per_plane(caches: KVCaches, transfers: Transfers, fast: st
     for slot in mechanism._staging["store"]:
         slot.fill_(POISON_BYTE)
     for ids in (*earlier, blocks):
-        mechanism._gather(ids, device_index(ids, caches.device), 0, paced)
+        mechanism._gather(ids, transfers._block_ids(ids), 0, paced)
     faster = getattr(mechanism, fast)
     setattr(mechanism, fast, None)
-    mechanism._gather(blocks, device_index(blocks, caches.device), 1)
+    mechanism._gather(blocks, transfers._block_ids(blocks), 1)
     setattr(mechanism, fast, faster)
     torch.cuda.synchronize()
     n = len(blocks) * caches.gpu_block_bytes
@@ -205,8 +208,8 @@ def test_a_replayed_graph_scatters_a_full_chunk_into_its_own_blocks_only(layout:
     rows = torch.cat([block(caches, b) for b in sources])
     untouched = {b: block(caches, b).clone() for b in range(64) if b not in earlier + blocks}
     mechanism._staging["load"][0][:rows.numel()].copy_(rows)
-    mechanism._scatter(earlier, device_index(earlier, caches.device), 0, paced)
-    mechanism._scatter(blocks, device_index(blocks, caches.device), 0, paced)
+    mechanism._scatter(earlier, transfers._block_ids(earlier), 0, paced)
+    mechanism._scatter(blocks, transfers._block_ids(blocks), 0, paced)
     torch.cuda.synchronize()
     assert all(torch.equal(block(caches, b), block(caches, s)) for b, s in zip(blocks, sources))
     assert all(torch.equal(block(caches, b), want) for b, want in untouched.items())
@@ -233,8 +236,8 @@ def test_one_launch_gathers_refuse_more_blocks_than_a_staging_slot_holds() -> No
     assert one_launch is not None, "a one-block staging slot must still build the one-launch gather"
     slot = transfers._mechanism._words["store"][0]
     with pytest.raises(SlotOverflow, match="2 blocks do not fit a staging slot of 1"):
-        one_launch(device_index([3, 4], caches.device), slot)
-    one_launch(device_index([3], caches.device), slot)
+        one_launch(transfers._block_ids([3, 4]), slot)
+    one_launch(transfers._block_ids([3]), slot)
     torch.cuda.synchronize()
     assert torch.equal(transfers._mechanism._staging["store"][0], block(caches, 3))
     pool.close()
@@ -277,19 +280,63 @@ def test_held_row_copies_go_out_in_order_one_direction_per_driver_batch(monkeypa
     device.unpin_host(host)
 
 
-def test_a_block_index_goes_up_as_int64_without_the_host_waiting_for_its_stream() -> None:
-    """Made in pinned memory and copied without blocking: a pageable or blocking copy would hold the host until
+def test_block_ids_go_up_as_int64_without_the_host_waiting_for_their_stream() -> None:
+    """Read by a kernel from pinned memory, launched without blocking: a blocking upload would hold the host until
     everything already on the stream ran (a step's earlier copies), which is the step's submission time."""
     stream = CudaDevice().streams["store"]
+    ids = BlockIds(torch.device("cuda"))
     with torch.cuda.stream(stream):
         torch.cuda._sleep(SLEEP_CYCLES)  # the stream is busy for ~10 ms
         busy = torch.cuda.Event()
         busy.record(stream)
-        index, empty = device_index([3, 1, 2], torch.device("cuda")), device_index([], torch.device("cuda"))
+        index, empty = ids([3, 1, 2]), ids([])
         assert not busy.query(), "the host waited for the stream"
     torch.cuda.synchronize()
     assert index.is_cuda and index.dtype == torch.int64 and index.tolist() == [3, 1, 2]
     assert empty.is_cuda and empty.dtype == torch.int64
+
+
+class ForgetfulIds(BlockIds):
+    """The control: host ids released as soon as the kernel that reads them is launched."""
+
+    def __call__(self, ids: Sequence[int]) -> torch.Tensor:
+        index = super().__call__(ids)
+        self._kept.clear()
+        return index
+
+
+def ids_read_after_the_host_reused_pinned_memory(ids: BlockIds, trials: int = 8) -> int:
+    """Trials in which a kernel queued behind ~10 ms of other work read back the ids it was given, though the host
+    meanwhile allocated and filled pinned memory of the same size (what torch's pinned allocator hands out
+    again once a pinned tensor is released)."""
+    read = 0
+    for trial in range(trials):
+        want = torch.randperm(1024).tolist()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            index = ids(want)
+            scribbles = [torch.full((1024,), -1 - trial, dtype=torch.int64, pin_memory=True) for _ in range(4)]
+        torch.cuda.synchronize()
+        read += index.tolist() == want
+        del scribbles
+    return read
+
+
+def test_block_ids_are_kept_in_host_memory_until_the_kernel_reading_them_ran() -> None:
+    """A store's ids are read when its stream gets there, possibly after its forward pass: the host memory they
+    are read from must not be handed out and overwritten before. The control releases it at once and reads
+    another job's ids (or the scribbles) in most trials; kvfsm reads its own in every one."""
+    assert ids_read_after_the_host_reused_pinned_memory(BlockIds(torch.device("cuda"))) == 8
+    assert ids_read_after_the_host_reused_pinned_memory(ForgetfulIds(torch.device("cuda"))) <= 4
+
+
+def test_block_ids_release_their_host_memory_once_read() -> None:
+    """Kept host copies do not pile up: once the stream went past a kernel, the next upload lets its ids go."""
+    ids = BlockIds(torch.device("cuda"))
+    for _ in range(5):
+        ids([1, 2, 3])
+        torch.cuda.synchronize()
+    assert ids.kept == 1
 
 
 @pytest.fixture

@@ -15,7 +15,14 @@ from kvfsm.connector.worker import WorkerConnector
 from kvfsm.engine.model import POISON_BYTE, ToyModel
 from kvfsm.engine.requests import EngineRequest, Work
 from kvfsm.executor.device import Device, Touch
-from kvfsm.executor.mechanisms import device_index
+
+
+def device_index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`ids` (block ids, tokens) as an int64 tensor on `device`, copied without blocking the host (pageable
+    copies would): the engine's inputs, on its compute stream."""
+    if device.type == "cuda":  # made in pinned memory at once: no pageable tensor to copy into pinned first
+        return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 class Forward:

@@ -87,22 +87,15 @@ def _move(rows: RowCopies, direction: Direction, gpu: torch.Tensor, gpu_offset: 
         rows.copy(gpu, gpu_offset, nbytes, host, host_offset, nbytes, nbytes, 1)
 
 
-def device_index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    """`ids` as an int64 tensor on `device`, copied without blocking the host (pageable copies would)."""
-    if device.type == "cuda":  # made in pinned memory at once: no pageable tensor to copy into pinned first
-        return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(ids, dtype=torch.int64)
-
-
 class Mechanism(Protocol):
     chunk_blocks: int | None
     """Blocks a job's copies are issued in at a time (a staging slot's worth), or None where a job is one piece."""
 
-    def run(self, direction: Direction, placement: Placement, host: torch.Tensor,
-            index: torch.Tensor | None = None, join: bool = True) -> None:
+    def run(self, direction: Direction, placement: Placement, host: torch.Tensor, index: torch.Tensor | None,
+            join: bool = True) -> None:
         """Issue the copies of one job (or one chunk of it) on the current stream; `index` is its GPU blocks on
-        the device where already there; `join=False` continues the previous run on the same stream (see `Lanes`):
-        the next chunk of blocks whose first chunk already waited."""
+        the device (None for a DMA-only mechanism, which never reads it); `join=False` continues the previous run
+        on the same stream (see `Lanes`): the next chunk of blocks whose first chunk already waited."""
 
     def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
                     index: torch.Tensor | None, join: bool) -> None:
@@ -134,8 +127,8 @@ class DirectCopy:
                 yield (p * piece_stride + (gpu_start + i) * block_stride,
                        host_start + i * block_bytes + plane.offset + p * plane.piece_bytes, plane.piece_bytes)
 
-    def run(self, direction: Direction, placement: Placement, host: torch.Tensor,
-            index: torch.Tensor | None = None, join: bool = True) -> None:
+    def run(self, direction: Direction, placement: Placement, host: torch.Tensor, index: torch.Tensor | None,
+            join: bool = True) -> None:
         self._copy(direction, placement, host, self._caches.planes)
 
     def run_segment(self, direction: Direction, placement: Placement, host: torch.Tensor, segment: int,
@@ -315,10 +308,8 @@ class StagedGather:
         plan = chunk_runs(placement.host_offsets, c, self._caches.gpu_block_bytes)
         self._lanes[direction].run([step(i, host_runs) for i, host_runs in plan], join)
 
-    def run(self, direction: Direction, placement: Placement, host: torch.Tensor,
-            index: torch.Tensor | None = None, join: bool = True) -> None:
-        if index is None:  # one index for the whole job, on the enqueuing stream, which every lane starts behind
-            index = device_index(placement.gpu_blocks, self._caches.device)
+    def run(self, direction: Direction, placement: Placement, host: torch.Tensor, index: torch.Tensor,
+            join: bool = True) -> None:
         c, n = self._chunk, len(placement.gpu_blocks)
         # Paced unless the copy engine waits on it: a pipeline's first gather (before any DMA), a job's last
         # scatter (after every DMA); the others overlap DMAs of other chunks.

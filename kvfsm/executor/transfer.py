@@ -17,7 +17,8 @@ import torch
 
 from kvfsm.executor.device import Device, StreamName, Touch
 from kvfsm.executor.layouts import KVCaches
-from kvfsm.executor.mechanisms import DEFAULT_STAGING_BYTES, Direction, Placement, build, device_index, resolve
+from kvfsm.executor.block_ids import BlockIds
+from kvfsm.executor.mechanisms import DEFAULT_STAGING_BYTES, Direction, Placement, build, resolve
 from kvfsm.executor.pool import HostPool
 
 POISON_BYTE = 0xA5
@@ -70,6 +71,7 @@ class Transfers:
         self.block_size_factor = block_size_factor
         self.mechanism = resolve(mechanism, caches)
         self._mechanism = build(self.mechanism, caches, staging_bytes or DEFAULT_STAGING_BYTES)
+        self._block_ids = BlockIds(caches.device)
         self._segments = {plane.name: i for i, plane in enumerate(caches.planes)}
 
     def _host_offsets(self, slots: tuple[int, ...], first: int, count: int) -> tuple[int, ...]:
@@ -80,6 +82,10 @@ class Transfers:
             return tuple(map(slot_bytes.__mul__, slots))
         block_bytes = self._caches.gpu_block_bytes
         return tuple(slots[(i + first) // k] * slot_bytes + (i + first) % k * block_bytes for i in range(count))
+
+    def _index(self, placement: Placement) -> torch.Tensor | None:
+        """The placement's GPU blocks on the device, for a gathering mechanism; None for a DMA-only one."""
+        return self._block_ids(placement.gpu_blocks) if self._mechanism.chunk_blocks is not None else None
 
     @property
     def num_segments(self) -> int:
@@ -122,7 +128,8 @@ class Transfers:
         """Copy k consecutive GPU blocks into each CPU slot, filling every slot."""
         placement = self._store_placement(gpu_blocks, cpu_slots)
         self._device.enqueue(
-            "store", "store", label, lambda: self._mechanism.run("store", placement, self._pool.buffer),
+            "store", "store", label,
+            lambda: self._mechanism.run("store", placement, self._pool.buffer, self._index(placement)),
             (Touch("read", "gpu", placement.gpu_blocks), Touch("write", "cpu", tuple(cpu_slots))))
 
     def load(self, cpu_slots: Sequence[int], gpu_blocks: Sequence[int], gpu_offset: int = 0,
@@ -131,7 +138,8 @@ class Transfers:
         the last slot may be used only in part, every other slot from the offset on."""
         placement = self._load_placement(cpu_slots, gpu_blocks, gpu_offset)
         self._device.enqueue(
-            "load", "load", label, lambda: self._mechanism.run("load", placement, self._pool.buffer),
+            "load", "load", label,
+            lambda: self._mechanism.run("load", placement, self._pool.buffer, self._index(placement)),
             (Touch("read", "cpu", tuple(cpu_slots)), Touch("write", "gpu", placement.gpu_blocks)))
 
     def store_segments(self, gpu_blocks: Sequence[int], cpu_slots: Sequence[int]) -> Segments:
@@ -175,7 +183,7 @@ class Transfers:
         blocks = _ids(gpu_blocks, self._caches.num_blocks, "GPU blocks")
 
         def fill() -> None:
-            index = device_index(blocks, self._caches.device)
+            index = self._block_ids(blocks)
             for plane in self._caches.planes:
                 plane.rows.index_fill_(1, index, POISON_BYTE)
 
@@ -221,8 +229,8 @@ class Segments:
         self._joined = True
 
         def run() -> None:
-            if self._index is None and t._mechanism.chunk_blocks is not None:  # DMA-only mechanisms never read it
-                self._index = device_index(placement.gpu_blocks, t._caches.device)
+            if self._index is None:
+                self._index = t._index(placement)
             t._mechanism.run_segment(direction, placement, t._pool.buffer, segment, self._index, join)
 
         gpu = Touch("read" if direction == "store" else "write", "gpu", placement.gpu_blocks, layer=segment)
@@ -267,11 +275,9 @@ class Chunks:
         part = Placement(self._placement.gpu_blocks[start:stop], self._placement.host_offsets[start:stop])
 
         def run() -> None:
-            index = None
-            if t._mechanism.chunk_blocks is not None:  # the gathering mechanisms: one index upload per pipeline
-                if self._index is None:
-                    self._index = device_index(self._placement.gpu_blocks, t._caches.device)
-                index = self._index[start:stop]
+            if self._index is None:  # one upload per pipeline (None for a DMA-only mechanism, which reads none)
+                self._index = t._index(self._placement)
+            index = self._index[start:stop] if self._index is not None else None
             t._mechanism.run("store", part, t._pool.buffer, index, chunk == 0)
 
         slots = tuple(dict.fromkeys(offset // t._pool.slot_bytes for offset in part.host_offsets))
