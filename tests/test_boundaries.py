@@ -387,7 +387,7 @@ def test_an_illegal_command_line_option_is_refused_naming_it(app: typer.Typer, a
 
 
 def test_render_docs_outside_a_checkout_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(render, "DOCS_DIR", tmp_path / "site-packages" / "docs")
+    monkeypatch.setattr(render.cli, "DOCS_DIR", tmp_path / "site-packages" / "docs")
     result = CliRunner().invoke(render.app, ["--docs"])
     assert result.exit_code == 2 and "--docs" in result.output and "source checkout" in result.output
     assert not (tmp_path / "site-packages").exists()

@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 
 from kvfsm.bindings import default_registry, default_spec
 from kvfsm.render import (
-    DOCS_COMMAND, DOCS_DIR, STATES_MODULE, _camel, _constant, app, couplings_mermaid, digraph, mermaid, spec_markdown,
-    states_module, transition_label,
+    DOCS_COMMAND, DOCS_DIR, STATES_MODULE, app, couplings_mermaid, digraph, mermaid, spec_markdown, states_module,
+    transition_label,
 )
+from kvfsm.render.generated import _camel, _constant
 from kvfsm.spec import DEFAULT_SPEC_DIR, Lifecycle, SpecError, load_spec
 
 SPEC = default_spec()

@@ -1,0 +1,24 @@
+"""`python -m kvfsm.render`: lifecycle diagrams and the `docs/spec.md` reference, drawn from the spec.
+
+Nothing here names a state or a trigger: every picture and every table is derived from a loaded `Spec`, so a
+diagram cannot drift from the machines the runtime builds. Graphviz pictures go through transitions' own diagram
+support (a `GraphMachine` built by `TransitionsLifecycle`), so they show what the library thinks the spec means.
+Mermaid text is produced from the spec directly: it needs no binary, so it is always written (CI machines have no
+`dot`), and GitHub renders it inline in `docs/spec.md`.
+
+One concern per module, imported one way: `diagram_model` holds the arrows both drawings share, `graphviz_drawing`
+and `mermaid_text` draw them, `generated` makes `docs/spec.md` (with the Mermaid text) and `kvfsm/states.py`, and
+`cli` is the command over all of them (`__main__` runs it). Their public names are importable from here.
+"""
+
+from kvfsm.render.cli import DOCS_DIR, INSTALL_GRAPHVIZ, STATES_MODULE, Format, app, main, write_mermaid, write_pictures
+from kvfsm.render.diagram_model import Branch, Choice, Diagram, Edge, branches, diagram, transition_label
+from kvfsm.render.generated import DOCS_COMMAND, spec_markdown, states_module
+from kvfsm.render.graphviz_drawing import digraph
+from kvfsm.render.mermaid_text import couplings_mermaid, mermaid
+
+__all__ = [
+    "DOCS_COMMAND", "DOCS_DIR", "INSTALL_GRAPHVIZ", "STATES_MODULE", "Branch", "Choice", "Diagram", "Edge", "Format",
+    "app", "branches", "couplings_mermaid", "diagram", "digraph", "main", "mermaid", "spec_markdown", "states_module",
+    "transition_label", "write_mermaid", "write_pictures",
+]
