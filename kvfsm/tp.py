@@ -76,7 +76,7 @@ def _device(kind: DeviceKind, index: int, seed: int) -> Device:
 
 def _rank_main(index: int, world: int, rendezvous: str, kind: DeviceKind, config: DemoConfig,
                faults: tuple[str | None, int | None], result: str) -> None:
-    torch.set_num_threads(1)  # tiny tensors: intra-op threads only spin (see kvfsm.demo)
+    torch.set_num_threads(1)  # tiny tensors: intra-op threads only spin (see kvfsm.demo.runs)
     backend = "nccl" if kind is DeviceKind.cuda else "gloo"
     dist.init_process_group(backend, init_method=rendezvous, rank=index, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
