@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from kvfsm.mooncake.client import ClientSettings, MooncakeClient, SlotRegion, address
+from kvfsm.mooncake.client import ClientSettings, MooncakeClient
+from kvfsm.mooncake.host_memory import SlotRegion, address
 from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
 
 WAIT_S = 120.0

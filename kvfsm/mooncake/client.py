@@ -2,7 +2,7 @@
 
 Every call into Mooncake runs on an I/O executor (by default one daemon thread; Mooncake's calls release the GIL,
 so the engine keeps stepping; tests hand in a queue they run by hand). The engine only submits and polls: a
-`Pending` answers `None` until its call returned, so no engine step waits on the network.
+`Pending` answers `None` until its call returned, so no engine step waits on the network (`kvfsm.mooncake.io`).
 
 Deadlines: a call still queued when its deadline passes is cancelled and never runs (`StoreTimeout`), so a slow
 or dead store cannot pile up work. A call already running is never abandoned: it may be reading or writing the
@@ -11,18 +11,16 @@ seconds). Either way the client then refuses new calls for `retry_after_s` inste
 and refuses calls beyond `max_pending` with `StoreBusy`.
 
 Zero-copy: payloads and trailers are handed over as numpy views of host memory; each is registered with Mooncake
-the first time it is seen (`register` registers a whole buffer up front, which covers every view into it).
+the first time it is seen (`register` registers a whole buffer up front, which covers every view into it;
+`kvfsm.mooncake.host_memory` keeps which ranges are registered).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import queue
 import threading
 import time
-from concurrent.futures import Future
-from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +30,8 @@ from kvfsm.mooncake import value
 from kvfsm.mooncake.errors import (
     ChecksumMismatch, StoreBusy, StoreCode, StoreTimeout, StoreUnavailable, TierFault, fault_of,
 )
+from kvfsm.mooncake.host_memory import Registrations, address
+from kvfsm.mooncake.io import CancellableCall, IoExecutor, IoThread, Pending
 from kvfsm.mooncake.local import LOOPBACK, MasterAddress, port_accepts
 
 log = logging.getLogger(__name__)
@@ -59,164 +59,6 @@ class ClientSettings(BaseModel):
     """After the store was found unreachable or slow, new calls are refused at once for this long."""
 
 
-class IoExecutor(Protocol):
-    def submit(self, fn: Callable[[], T], /) -> Future[T]: ...
-
-    def shutdown(self, wait: bool = True) -> None: ...
-
-
-class IoThread:
-    """One daemon thread running calls in submission order (daemon: a hung call never holds up process exit)."""
-
-    def __init__(self, name: str = "kvfsm-mooncake-io") -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (item := self._calls.get()) is not None:
-            call, future = item
-            try:
-                future.set_result(call())
-            except BaseException as error:  # noqa: BLE001 - handed to the poller, never lost
-                future.set_exception(error)
-
-    def submit(self, fn: Callable[[], T], /) -> Future[T]:
-        future: Future[T] = Future()
-        self._calls.put((fn, future))  # type: ignore[arg-type]
-        return future
-
-    def shutdown(self, wait: bool = True) -> None:
-        self._calls.put(None)
-        if wait:
-            self._thread.join()
-
-
-class _Call(Generic[T]):
-    """A submitted call that can be cancelled until it starts, and only then."""
-
-    def __init__(self, fn: Callable[[], T], on_cancelled: Callable[[], T]) -> None:
-        self._fn = fn
-        self._on_cancelled = on_cancelled
-        self._lock = threading.Lock()
-        self.started = False
-        self.cancelled = False
-
-    def __call__(self) -> T:
-        with self._lock:
-            self.started = not self.cancelled
-        if not self.started:
-            return self._on_cancelled()
-        return self._fn()
-
-    def cancel(self) -> bool:
-        with self._lock:
-            if not self.started:
-                self.cancelled = True
-            return self.cancelled
-
-
-class Pending(Generic[T]):
-    """One call on the I/O executor and its deadline."""
-
-    def __init__(self, future: Future[T], call: _Call[T] | None, deadline: float,
-                 on_late: Callable[[], None], timed_out: T) -> None:
-        self._future = future
-        self._call = call
-        self._deadline = deadline
-        self._on_late = on_late
-        self._timed_out = timed_out
-        self._late = False
-
-    @classmethod
-    def answered(cls, result: T) -> Pending[T]:
-        future: Future[T] = Future()
-        future.set_result(result)
-        return cls(future, None, 0.0, lambda: None, result)
-
-    @property
-    def overdue(self) -> bool:
-        """Its deadline passed while the call was running: it may still touch its memory until it returns."""
-        return self._late and not self.settled
-
-    @property
-    def settled(self) -> bool:
-        """The call returned or will never run: the memory it was handed is no longer touched."""
-        return self._future.done() or (self._call is not None and self._call.cancelled)
-
-    def poll(self, now: float | None = None) -> T | None:
-        """The call's answer once it returned, its timeout answer once it was cancelled, else `None`."""
-        if self._call is not None and self._call.cancelled:
-            return self._timed_out
-        if self._future.done():
-            return self._future.result()
-        if (time.monotonic() if now is None else now) < self._deadline:
-            return None
-        if not self._late:
-            self._late = True
-            self._on_late()
-        return self._timed_out if self._call is not None and self._call.cancel() else None
-
-    def wait(self, timeout_s: float) -> T | None:
-        """Poll until answered or `timeout_s` passed: for tests, the benchmark and start-up, never an engine step."""
-        end = time.monotonic() + timeout_s
-        while (answer := self.poll()) is None and time.monotonic() < end:
-            try:
-                self._future.exception(timeout=min(0.01, max(end - time.monotonic(), 0.0)))
-            except TimeoutError:
-                pass
-        return answer
-
-
-class SlotRegion:
-    """A host buffer cut into slots, with one value trailer per slot (tests and the benchmark use it)."""
-
-    def __init__(self, buffer: torch.Tensor, slot_bytes: int) -> None:
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.device.type != "cpu":
-            raise ValueError("a slot region is a flat uint8 host tensor")
-        if slot_bytes <= 0 or buffer.numel() % slot_bytes:
-            raise ValueError(f"{buffer.numel()} bytes do not cut into slots of {slot_bytes}")
-        self.buffer = buffer
-        self.slot_bytes = slot_bytes
-        self.num_slots = buffer.numel() // slot_bytes
-        self.trailers = torch.zeros(self.num_slots * value.TRAILER_BYTES, dtype=torch.uint8)
-
-    def payload(self, slot: int) -> np.ndarray:
-        return self.buffer.numpy()[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
-
-    def trailer(self, slot: int) -> np.ndarray:
-        return self.trailers.numpy()[slot * value.TRAILER_BYTES:(slot + 1) * value.TRAILER_BYTES]
-
-    def payloads(self, slots: Sequence[int]) -> list[np.ndarray]:
-        return [self.payload(slot) for slot in slots]
-
-    def trailers_of(self, slots: Sequence[int]) -> list[np.ndarray]:
-        return [self.trailer(slot) for slot in slots]
-
-
-def address(array: np.ndarray) -> int:
-    return int(array.ctypes.data)
-
-
-class _Registrations:
-    """Host ranges registered with Mooncake; a view inside one needs no registration of its own."""
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._ends: dict[int, int] = {}
-
-    def covers(self, start: int, size: int) -> bool:
-        i = bisect.bisect_right(self._starts, start) - 1
-        return i >= 0 and start + size <= self._ends[self._starts[i]]
-
-    def add(self, start: int, size: int) -> None:
-        bisect.insort(self._starts, start)
-        self._ends[start] = start + size
-
-    def starts(self) -> list[int]:
-        return list(self._starts)
-
-
 class MooncakeClient:
     """A connected `MooncakeDistributedStore`, driven through an I/O executor with deadlines."""
 
@@ -230,7 +72,7 @@ class MooncakeClient:
         self._refuse_until = 0.0
         self._backlog = 0
         self._lock = threading.Lock()
-        self._registered = _Registrations()
+        self._registered = Registrations()
         self.verify_value: Callable[[np.ndarray, str, np.ndarray], int] = value.check
         """How a fetched value is checked against its trailer (an attribute so a test's mutant can drop it)."""
 
@@ -330,7 +172,7 @@ class MooncakeClient:
             self._count(-1)
             return timed_out
 
-        call = _Call(guarded, cancelled)
+        call = CancellableCall(guarded, cancelled)
         self._count(+1)
         future = (executor or self._io).submit(call)
         return Pending(future, call, now + self.settings.op_timeout_s, self._back_off, timed_out)
