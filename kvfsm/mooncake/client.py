@@ -2,7 +2,7 @@
 
 Every call into Mooncake runs on an I/O executor (by default one daemon thread; Mooncake's calls release the GIL,
 so the engine keeps stepping; tests hand in a queue they run by hand). The engine only submits and polls: a
-`Pending` answers `None` until its call returned, so no engine step waits on the network (`kvfsm.mooncake.io`).
+`Pending` answers `None` until its call returned, so no engine step waits on the network (`kvfsm.mooncake.io_thread`).
 
 Deadlines: a call still queued when its deadline passes is cancelled and never runs (`StoreTimeout`), so a slow
 or dead store cannot pile up work. A call already running is never abandoned: it may be reading or writing the
@@ -31,7 +31,7 @@ from kvfsm.mooncake.errors import (
     ChecksumMismatch, StoreBusy, StoreCode, StoreTimeout, StoreUnavailable, TierFault, fault_of,
 )
 from kvfsm.mooncake.host_memory import Registrations, address
-from kvfsm.mooncake.io import CancellableCall, IoExecutor, IoThread, Pending
+from kvfsm.mooncake.io_thread import CancellableCall, IoExecutor, IoThread, Pending
 from kvfsm.mooncake.local import LOOPBACK, MasterAddress, port_accepts
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from kvfsm.machines import MachineSet
 from kvfsm.mooncake import value
 from kvfsm.mooncake.client import ClientSettings, MooncakeClient
 from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreFull, StoreTimeout, TierFault
-from kvfsm.mooncake.io import Pending
+from kvfsm.mooncake.io_thread import Pending
 from kvfsm.mooncake.keys import KvNamespace, object_key
 from kvfsm.mooncake.local import MasterAddress
 from kvfsm.records import TierEntry

@@ -14,7 +14,7 @@ from kvfsm.mooncake.errors import (  # noqa: E402
     ChecksumMismatch, KeyMissing, StoreBusy, StoreFull, StoreTimeout, StoreUnavailable,
 )
 from kvfsm.mooncake.host_memory import SlotRegion  # noqa: E402
-from kvfsm.mooncake.io import Pending  # noqa: E402
+from kvfsm.mooncake.io_thread import Pending  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress, free_loopback_port  # noqa: E402
 
 SLOT = 64 << 10
