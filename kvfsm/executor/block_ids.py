@@ -25,12 +25,12 @@ import torch
 
 
 class MappedHost:
-    """Pinned host memory described to torch as GPU memory (`__cuda_array_interface__`, version 3), so a kernel
-    can read it over the bus."""
+    """Pinned int64 host memory described to torch as GPU memory (`__cuda_array_interface__`, version 3), so a
+    kernel can read it over the bus. torch places it on the device the pinned memory belongs to."""
 
     def __init__(self, host: torch.Tensor) -> None:
-        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i8", "strides": None,
-                                         "data": (host.data_ptr(), False), "version": 3}
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i8", "data": (host.data_ptr(), False),
+                                         "version": 3}
 
 
 class BlockIds:
@@ -51,7 +51,7 @@ class BlockIds:
         while self._kept and self._kept[0][0].query():
             self._kept.popleft()
         host = torch.tensor(ids, dtype=torch.int64, pin_memory=True)
-        mapped = torch.as_tensor(MappedHost(host), device=self._device)
+        mapped = torch.as_tensor(MappedHost(host))
         torch.add(mapped, 0, out=out)  # an elementwise kernel: `copy_` would be a memcpy on a copy engine again
         read = torch.cuda.Event()
         read.record()
