@@ -74,7 +74,7 @@ def test_a_worker_forgets_every_job_it_reported() -> None:
         LoadOrder(job_id=2, req_id="r2", gpu_blocks=(5,), cpu_slots=(0,)),)))
     forward(worker, ConnectorMetadata(step=3))
     assert worker.jobs == {}
-    assert (worker.events.jobs(), worker._planned, worker.events._segments) == ([], {}, {})
+    assert (worker.events.jobs(), worker._stores._planned, worker.events._segments) == ([], {}, {})
 
 
 def test_a_layer_hook_before_registration_is_refused_as_not_registered() -> None:

@@ -1,7 +1,8 @@
 """The connector's worker half: executes the scheduler's orders on a device, in the order the spec demands.
 
-Each order becomes a transfer job that moves through the spec's job lifecycle on this worker too. The ordering
-rules live here and nowhere else:
+Each order becomes a transfer job that moves through the spec's job lifecycle on this worker too (made and failed
+in `worker_jobs.py`, for both directions). The ordering rules live in the worker half and nowhere else: here, which
+hook sends what and what a load waits on; in `stores.py`, what a store waits on and how it goes out:
 - a store waits on the compute event recorded after the forward pass that wrote its blocks, and is submitted at
   the start of the next step (`start_load_kv`), after that step's sampled tokens were copied out; it is checked
   and placed as that forward ends (`wait_for_save`), so the step that sends it only sends it;
@@ -23,9 +24,8 @@ to submitted.
 
 from __future__ import annotations
 
-import logging
 from functools import partial
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -33,7 +33,8 @@ from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.checksums import SlotChecksums
 from kvfsm.connector.job_events import JobEvents
-from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
+from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, WorkerOutput
+from kvfsm.connector.stores import WorkerStores
 from kvfsm.connector.tier_runner import TierRunner
 from kvfsm.connector.turns import Piece, send_in_turns
 from kvfsm.connector.validation import (
@@ -43,10 +44,11 @@ from kvfsm.connector.validation import (
     check_registered_caches,
     check_registration,
 )
-from kvfsm.executor.device import Device, Event
+from kvfsm.connector.worker_jobs import WorkerJobs
+from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import KVCaches, register_kv_caches
 from kvfsm.executor.pool import HostPool
-from kvfsm.executor.transfer import Chunks, Segments, Transfers
+from kvfsm.executor.transfer import Segments, Transfers
 from kvfsm.machines import MachineSet
 from kvfsm.records import TransferJob
 from kvfsm.states import TransferJobState
@@ -56,7 +58,6 @@ from kvfsm.tiers.factory import IoFactory, open_tiers
 _RUNNING = frozenset({TransferJobState.SUBMITTED, TransferJobState.FLUSHED_ON_PREEMPT})
 """A job's states while its copies are on a stream: the ones whose end event `get_finished` polls."""
 
-log = logging.getLogger(__name__)
 
 class WorkerConnector:
     def __init__(self, config: OffloadConfig, device: Device, worker: int = 0,
@@ -66,21 +67,15 @@ class WorkerConnector:
         self.config = config
         self.device = device
         self.worker = worker
-        self.jobs: dict[int, TransferJob] = {}
         self._machines = machines or MachineSet(default_spec())
         self._job = self._machines["transfer-job"]
         self._meta = ConnectorMetadata(step=0)
         self.events = JobEvents(device)
-        self._planned: dict[int, tuple[Event, Chunks | Exception]] = {}
-        """Per pending store, the event after the forward that writes it, and its chunks (or why it cannot be
-        sent), planned in `wait_for_save`."""
+        self._records = WorkerJobs(self._job, self.events, lambda: self._meta.step)
+        self._stores = WorkerStores(self._records, device, lambda: self.transfers)
         self._step_loads: list[int] = []
         self._load_batch: list[tuple[TransferJob, Segments]] = []
         """This step's checked loads, sent together by `_load_pieces` once every order of the step was seen."""
-        self._layer_stores: dict[int, tuple[Segments, set[int]]] | None = None
-        """This step's stores begun by `save_kv_layer`: their segments and which segments went out."""
-        self._pending: list[TransferJob] = []
-        self._failed: list[int] = []
         self._caches: KVCaches | None = None
         self._pool: HostPool | None = None
         self._transfers: Transfers | None = None
@@ -108,6 +103,11 @@ class WorkerConnector:
             self._tiers = TierRunner(open_tiers(site, self._tier_io, self._keep_lookups, self._machines), self._pool)
         self._caches = caches
         return caches
+
+    @property
+    def jobs(self) -> dict[int, TransferJob]:
+        """The jobs this worker was ordered and has not reported yet, by id."""
+        return self._records.jobs
 
     @property
     def transfers(self) -> Transfers:
@@ -149,7 +149,7 @@ class WorkerConnector:
             if job.state == TransferJobState.PENDING_STORE:
                 pending.append(job)
             self._job.fire(job, "flush")
-        send_in_turns(self._store_pieces(pending))
+        send_in_turns(self._stores.pieces(pending))
         self.wait([job.job_id for job in flushed])
 
     def start_load_kv(self) -> None:
@@ -158,13 +158,9 @@ class WorkerConnector:
         only after every store, since it must wait on that store's event."""
         if self._tiers is not None:
             self._tiers.submit(self._meta.tier_orders)
-        stores = [job for job in self._pending if job.state == TransferJobState.PENDING_STORE]
-        for job in stores:
-            self._job.fire(job, "submit", step=self._meta.step)
-        self._pending = []
+        stores = self._stores.submit_pending()
         self._step_loads = []
-        self._layer_stores = None
-        store_pieces = self._store_pieces(stores)
+        store_pieces = self._stores.pieces(stores)
         read = {block for job in stores for block in job.gpu_blocks}
         if any(read.intersection(order.gpu_blocks) for order in self._meta.loads):
             send_in_turns(store_pieces)
@@ -192,42 +188,7 @@ class WorkerConnector:
         segment = self.transfers.segment_of(layer)  # an unknown layer is an error whatever the configuration
         if not self.config.layer_stores or not self._meta.stores:
             return
-        if self._layer_stores is None:
-            self._layer_stores = {}
-            for order in self._meta.stores:
-                job = self._new_job(order, "store")
-                self._job.fire(job, "prepare")
-                self._job.fire(job, "submit", step=self._meta.step)
-                try:
-                    segments = self.transfers.store_segments(job.gpu_blocks, job.cpu_slots)
-                except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-                    self._fail(job, "store", err)
-                    continue
-                job.segments = self.transfers.num_segments
-                self.events.segmented(job.job_id)
-                self._layer_stores[job.job_id] = (segments, set())
-        written = self._record_layer_written()
-        for job_id, (segments, saved) in self._layer_stores.items():
-            self._store_segment(job_id, segments, saved, segment, written)
-
-    def _record_layer_written(self) -> Event:
-        """layer-store-after-compute: the event a layer's store segments wait on, recorded after its write."""
-        written = self.device.new_event()
-        self.device.record("compute", written)
-        return written
-
-    def _store_segment(self, job_id: int, segments: Segments, saved: set[int], segment: int, written: Event) -> None:
-        job = self.jobs[job_id]
-        if segment in saved or job.state == TransferJobState.FAILED:
-            return
-        saved.add(segment)
-        self.device.wait("store", written)
-        try:
-            segments.enqueue(segment, f"store job {job_id} layer {segment}")
-        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-            self._fail(job, "store", err)
-            return
-        self.events.record_segment("store", (job_id,))
+        self._stores.save_layer(segment, self._meta.stores)
 
     def wait_for_save(self) -> None:
         """After the forward pass: mark where compute ends and queue this step's stores behind that mark (the
@@ -235,27 +196,7 @@ class WorkerConnector:
         if not self._meta.stores:
             return
         _ = self.transfers  # NotRegistered before any job exists, not a job stuck in pending-store
-        compute_done = self.device.new_event()
-        self.device.record("compute", compute_done)
-        if self._layer_stores is not None:
-            for job_id, (segments, saved) in self._layer_stores.items():
-                for segment in range(self.transfers.num_segments):
-                    self._store_segment(job_id, segments, saved, segment, compute_done)
-            self._layer_stores = None
-            return
-        for order in self._meta.stores:
-            job = self._new_job(order, "store")
-            self._job.fire(job, "prepare")
-            self._planned[job.job_id] = (compute_done, self._plan_store(job))
-            self._pending.append(job)
-
-    def _plan_store(self, job: TransferJob) -> Chunks | Exception:
-        """Check a store and place its blocks while the forward that writes them still runs, so the step that
-        sends it starts copying sooner; what makes it unsendable is kept, to fail it once it is submitted."""
-        try:
-            return self.transfers.store_chunks(job.gpu_blocks, job.cpu_slots)
-        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-            return err
+        self._stores.after_forward(self._meta.stores)
 
     def get_finished(self) -> WorkerOutput:
         """Jobs whose copies completed (or failed) since the last call, each reported once."""
@@ -277,11 +218,11 @@ class WorkerConnector:
                 done.append(job.job_id)
                 if self._checksums is not None and job.kind == "store":
                     self._checksums.record(job.cpu_slots)
-        failed = [j for j in self._failed if not self._ordered_this_step(self.jobs[j])
+        failed = [j for j in self._records.failed if not self._ordered_this_step(self.jobs[j])
                   and (self.events.end(j) is None or self.events.ended(j))]
-        self._failed = [j for j in self._failed if j not in failed]
+        self._records.failed = [j for j in self._records.failed if j not in failed]
         for job_id in (*done, *failed):
-            self._drop(job_id)
+            self._records.drop(job_id)
         tiers = self._tiers.poll() if self._tiers is not None else ()
         return WorkerOutput(worker=self.worker, done=tuple(done), failed=tuple(failed), tiers=tiers)
 
@@ -294,62 +235,12 @@ class WorkerConnector:
         """Block until these jobs' copies are done (they are still reported by `get_finished`)."""
         self.events.wait(job_ids)
 
-    # --- ordering rules ------------------------------------------------------------------------------------
-
-    def _store_pieces(self, jobs: Sequence[TransferJob]) -> list[Piece]:
-        """Submitted stores, planned in `wait_for_save`, as one pipeline of chunks (`Chunks`), each job's event
-        recorded after its last chunk; a store that could not be planned fails alone, and stores sharing a CPU slot
-        (never ordered by the scheduler) get a pipeline each."""
-        checked: list[tuple[TransferJob, Chunks]] = []
-        for job in jobs:
-            compute_done, plan = self._planned.pop(job.job_id)
-            self._wait_for_compute(compute_done)
-            if isinstance(plan, Exception):
-                self._fail(job, "store", plan)
-            else:
-                checked.append((job, plan))
-        slots = [slot for job, _ in checked for slot in job.cpu_slots]
-        groups = [checked] if len(set(slots)) == len(slots) else [[item] for item in checked]
-        return [piece for group in groups if group for piece in self._chunk_pieces(group)]
-
-    def _chunk_pieces(self, group: list[tuple[TransferJob, Chunks]]) -> list[Piece]:
-        jobs = [job for job, _ in group]
-        label = f"store job{'s' if len(jobs) > 1 else ''} {','.join(str(job.job_id) for job in jobs)}"
-        try:
-            chunks = self.transfers.merge_chunks([chunks for _, chunks in group])
-        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-            for job in jobs:
-                self._fail(job, "store", err)
-            return []
-        ending: dict[int, list[TransferJob]] = {}
-        for job, end in zip(jobs, chunks.ends):
-            ending.setdefault(end, []).append(job)
-        broken: list[Exception] = []
-
-        def send(chunk: int) -> None:
-            if broken:
-                return
-            try:
-                chunks.enqueue(chunk, f"{label} chunk {chunk}")
-            except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-                broken.append(err)
-                for job in jobs:
-                    if self.events.end(job.job_id) is None:
-                        self._fail(job, "store", err)
-                return
-            if chunk in ending:
-                self._record_end(ending[chunk], "store")
-
-        return [(chunks.nbytes(chunk), partial(send, chunk)) for chunk in range(chunks.count)]
-
-    def _wait_for_compute(self, compute_done: Event) -> None:
-        """store-after-compute: the store stream waits on the event recorded after the forward that wrote it."""
-        self.device.wait("store", compute_done)
+    # --- the loads' ordering rules -------------------------------------------------------------------------
 
     def _submit_load(self, order: LoadOrder) -> None:
         """Check one load and queue it for this step's `_load_pieces`; a load that cannot be sent fails alone."""
         _ = self.transfers  # NotRegistered before the job exists, not a job stuck in submitted
-        job = self._new_job(order, "load")
+        job = self._records.new(order, "load")
         self._job.fire(job, "submit", step=self._meta.step)
         self._wait_for_readers(job)
         self.events.segmented(job.job_id)
@@ -359,7 +250,7 @@ class WorkerConnector:
                 self._checksums.verify(job.cpu_slots)
             segments = self.transfers.load_segments(job.cpu_slots, job.gpu_blocks, job.gpu_offset)
         except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-            self._fail(job, "load", err)
+            self._records.fail(job, "load", err)
             return
         self._load_batch.append((job, segments))
 
@@ -383,7 +274,7 @@ class WorkerConnector:
             segments = self.transfers.merge(parts)
         except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
             for job in jobs:
-                self._fail(job, "load", err)
+                self._records.fail(job, "load", err)
             return []
         count = self.transfers.num_segments
         for job in jobs:
@@ -399,7 +290,7 @@ class WorkerConnector:
             except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
                 broken.append(err)
                 for job in jobs:
-                    self._fail(job, "load", err)
+                    self._records.fail(job, "load", err)
 
         return [(segments.nbytes(segment), partial(send, segment)) for segment in range(count)]
 
@@ -413,36 +304,3 @@ class WorkerConnector:
             end = self.events.end(other.job_id) if other.kind == "store" else None
             if end is not None and targets.intersection(other.gpu_blocks):
                 self.device.wait("load", end)
-
-    def _fail(self, job: TransferJob, stream: Any, err: Exception) -> None:
-        """A failure at submission fails the job visibly, never wedged, and the engine recomputes: whatever raised
-        (a refused job, a CUDA error, a host allocation that failed, a bug). Copies enqueued before the failure
-        may still run, so an event is recorded after them: the failure is reported, and later loads into the same
-        GPU blocks wait, only once they ran."""
-        log.warning("%s job %d failed at submission: %s: %s", job.kind, job.job_id, type(err).__name__, err)
-        self._job.fire(job, "fail", step=self._meta.step)
-        self._failed.append(job.job_id)
-        self._record_end([job], stream)
-
-    def _record_end(self, jobs: Sequence[TransferJob], stream: Any) -> None:
-        """One event after what these jobs enqueued so far, their end. Where the device cannot record it, the jobs
-        fail and keep the end they had: the event after the last segment they sent, or none if they sent none."""
-        try:
-            self.events.record_end(stream, [job.job_id for job in jobs])
-        except Exception as err:  # noqa: BLE001 (a device that cannot record leaves no newer event to wait for)
-            for job in jobs:
-                log.warning("%s job %d: no end event could be recorded: %s", job.kind, job.job_id, err)
-                if job.job_id not in self._failed:
-                    self._job.fire(job, "fail", step=self._meta.step)
-                    self._failed.append(job.job_id)
-
-    def _new_job(self, order: StoreOrder | LoadOrder, kind: str) -> TransferJob:
-        job = TransferJob(job_id=order.job_id, kind=kind, req_id=order.req_id,  # type: ignore[arg-type]
-                          gpu_blocks=order.gpu_blocks, cpu_slots=order.cpu_slots, hashes=(),
-                          gpu_offset=getattr(order, "gpu_offset", 0), ordered_step=self._meta.step)
-        self.jobs[job.job_id] = job
-        return job
-
-    def _drop(self, job_id: int) -> None:
-        del self.jobs[job_id]
-        self.events.drop(job_id)

@@ -41,8 +41,8 @@ class Mutant:
 
 
 def _no_compute_barrier(engine: Engine, connector: Connector) -> None:
-    worker = connector.worker
-    worker._wait_for_compute = lambda compute_done: None  # type: ignore[method-assign]
+    stores = connector.worker._stores
+    stores._wait_for_compute = lambda compute_done: None  # type: ignore[method-assign]
 
 
 def _no_preemption_flush(engine: Engine, connector: Connector) -> None:
@@ -81,19 +81,20 @@ def _flush_waits_pending_only(engine: Engine, connector: Connector) -> None:
 def _flush_skips_failed_stores(engine: Engine, connector: Connector) -> None:
     """The preemption hook does not wait for a flushed store that failed part-way through its pipeline."""
     worker = connector.worker
-    _flush_waits_only_for(connector, lambda: lambda j: j not in worker._failed)
+    _flush_waits_only_for(connector, lambda: lambda j: j not in worker._records.failed)
 
 
 def _fail_without_end_event(engine: Engine, connector: Connector) -> None:
     """A copy that fails part-way is reported at once, not once the copies it had already enqueued ran."""
     worker = connector.worker
-    fail = worker._fail
+    records = worker._records
+    fail = records.fail
 
     def fail_at_once(job: TransferJob, stream: StreamName, err: Exception) -> None:
         fail(job, stream, err)
         worker.events._ends.pop(job.job_id, None)
 
-    worker._fail = fail_at_once  # type: ignore[method-assign]
+    records.fail = fail_at_once  # type: ignore[method-assign]
 
 
 def _no_load_dedup(engine: Engine, connector: Connector) -> None:
@@ -153,8 +154,8 @@ def _wait_on_wrong_layer(engine: Engine, connector: Connector) -> None:
 
 
 def _store_event_before_write(engine: Engine, connector: Connector) -> None:
-    worker = connector.worker
-    record, wait = worker._record_layer_written, worker.wait_for_layer_load
+    worker, stores = connector.worker, connector.worker._stores
+    record, wait = stores._record_layer_written, worker.wait_for_layer_load
     marks: list = []
 
     def wait_for_layer_load(layer: str) -> None:
@@ -162,7 +163,7 @@ def _store_event_before_write(engine: Engine, connector: Connector) -> None:
         marks.append(record())  # recorded before the layer's compute is enqueued
 
     worker.wait_for_layer_load = wait_for_layer_load  # type: ignore[method-assign]
-    worker._record_layer_written = lambda: marks[-1]  # type: ignore[method-assign]
+    stores._record_layer_written = lambda: marks[-1]  # type: ignore[method-assign]
 
 
 def _partial_load_report(engine: Engine, connector: Connector) -> None:

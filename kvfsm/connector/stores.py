@@ -1,0 +1,162 @@
+"""A worker half's stores, from order to copy: when each may read its GPU blocks, and how it goes out.
+
+A store reads GPU blocks the forward pass writes, so it never starts before that write (`store-after-compute`):
+it waits on an event recorded after the forward (`after_forward`), is checked and placed meanwhile, and is sent
+the next step as one pipeline of chunks (`pieces`). With per-layer stores a layer's share goes out behind an event
+recorded right after that layer's write (`layer-store-after-compute`, `save_layer`). The worker decides when each
+of these runs in a step; this module is what each does.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Sequence
+
+from kvfsm.connector.metadata import StoreOrder
+from kvfsm.connector.turns import Piece
+from kvfsm.connector.worker_jobs import WorkerJobs
+from kvfsm.executor.device import Device, Event
+from kvfsm.executor.transfer import Chunks, Segments, Transfers
+from kvfsm.records import TransferJob
+from kvfsm.states import TransferJobState
+
+
+class WorkerStores:
+    """One worker's stores between their order and their last copy sent."""
+
+    def __init__(self, records: WorkerJobs, device: Device, transfers: Callable[[], Transfers]) -> None:
+        """`transfers`: the worker's transfers, asked for at each use (they exist once its caches are registered)."""
+        self._records = records
+        self._device = device
+        self._transfers = transfers
+        self._planned: dict[int, tuple[Event, Chunks | Exception]] = {}
+        """Per pending store, the event after the forward that writes it, and its chunks (or why it cannot be
+        sent), planned in `after_forward`."""
+        self._layer_stores: dict[int, tuple[Segments, set[int]]] | None = None
+        """This step's stores begun by `save_layer`: their segments and which segments went out."""
+        self._pending: list[TransferJob] = []
+
+    def submit_pending(self) -> list[TransferJob]:
+        """As a step starts: the stores planned last step and still pending (not flushed) go to submitted, returned
+        for `pieces`, and `save_layer` starts afresh on this step's stores."""
+        stores = [job for job in self._pending if job.state == TransferJobState.PENDING_STORE]
+        for job in stores:
+            self._records.machine.fire(job, "submit", step=self._records.step())
+        self._pending = []
+        self._layer_stores = None
+        return stores
+
+    def save_layer(self, segment: int, orders: Sequence[StoreOrder]) -> None:
+        """Right after the layer of `segment` wrote this step's KV: its share of these stores goes out behind an
+        event recorded now (the first layer submits the stores)."""
+        if self._layer_stores is None:
+            self._layer_stores = {}
+            for order in orders:
+                job = self._records.new(order, "store")
+                self._records.machine.fire(job, "prepare")
+                self._records.machine.fire(job, "submit", step=self._records.step())
+                try:
+                    segments = self._transfers().store_segments(job.gpu_blocks, job.cpu_slots)
+                except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+                    self._records.fail(job, "store", err)
+                    continue
+                job.segments = self._transfers().num_segments
+                self._records.events.segmented(job.job_id)
+                self._layer_stores[job.job_id] = (segments, set())
+        written = self._record_layer_written()
+        for job_id, (segments, saved) in self._layer_stores.items():
+            self._store_segment(job_id, segments, saved, segment, written)
+
+    def _record_layer_written(self) -> Event:
+        """layer-store-after-compute: the event a layer's store segments wait on, recorded after its write."""
+        written = self._device.new_event()
+        self._device.record("compute", written)
+        return written
+
+    def _store_segment(self, job_id: int, segments: Segments, saved: set[int], segment: int, written: Event) -> None:
+        job = self._records.jobs[job_id]
+        if segment in saved or job.state == TransferJobState.FAILED:
+            return
+        saved.add(segment)
+        self._device.wait("store", written)
+        try:
+            segments.enqueue(segment, f"store job {job_id} layer {segment}")
+        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+            self._records.fail(job, "store", err)
+            return
+        self._records.events.record_segment("store", (job_id,))
+
+    def after_forward(self, orders: Sequence[StoreOrder]) -> None:
+        """After the forward pass: mark where compute ends and queue these stores behind that mark (the layers
+        `save_layer` already sent are not sent again)."""
+        compute_done = self._device.new_event()
+        self._device.record("compute", compute_done)
+        if self._layer_stores is not None:
+            for job_id, (segments, saved) in self._layer_stores.items():
+                for segment in range(self._transfers().num_segments):
+                    self._store_segment(job_id, segments, saved, segment, compute_done)
+            self._layer_stores = None
+            return
+        for order in orders:
+            job = self._records.new(order, "store")
+            self._records.machine.fire(job, "prepare")
+            self._planned[job.job_id] = (compute_done, self._plan_store(job))
+            self._pending.append(job)
+
+    def _plan_store(self, job: TransferJob) -> Chunks | Exception:
+        """Check a store and place its blocks while the forward that writes them still runs, so the step that
+        sends it starts copying sooner; what makes it unsendable is kept, to fail it once it is submitted."""
+        try:
+            return self._transfers().store_chunks(job.gpu_blocks, job.cpu_slots)
+        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+            return err
+
+    def pieces(self, jobs: Sequence[TransferJob]) -> list[Piece]:
+        """Submitted stores, planned in `after_forward`, as one pipeline of chunks (`Chunks`), each job's event
+        recorded after its last chunk; a store that could not be planned fails alone, and stores sharing a CPU slot
+        (never ordered by the scheduler) get a pipeline each."""
+        checked: list[tuple[TransferJob, Chunks]] = []
+        for job in jobs:
+            compute_done, plan = self._planned.pop(job.job_id)
+            self._wait_for_compute(compute_done)
+            if isinstance(plan, Exception):
+                self._records.fail(job, "store", plan)
+            else:
+                checked.append((job, plan))
+        slots = [slot for job, _ in checked for slot in job.cpu_slots]
+        groups = [checked] if len(set(slots)) == len(slots) else [[item] for item in checked]
+        return [piece for group in groups if group for piece in self._chunk_pieces(group)]
+
+    def _chunk_pieces(self, group: list[tuple[TransferJob, Chunks]]) -> list[Piece]:
+        jobs = [job for job, _ in group]
+        label = f"store job{'s' if len(jobs) > 1 else ''} {','.join(str(job.job_id) for job in jobs)}"
+        try:
+            chunks = self._transfers().merge_chunks([chunks for _, chunks in group])
+        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+            for job in jobs:
+                self._records.fail(job, "store", err)
+            return []
+        ending: dict[int, list[TransferJob]] = {}
+        for job, end in zip(jobs, chunks.ends):
+            ending.setdefault(end, []).append(job)
+        broken: list[Exception] = []
+
+        def send(chunk: int) -> None:
+            if broken:
+                return
+            try:
+                chunks.enqueue(chunk, f"{label} chunk {chunk}")
+            except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+                broken.append(err)
+                for job in jobs:
+                    if self._records.events.end(job.job_id) is None:
+                        self._records.fail(job, "store", err)
+                return
+            if chunk in ending:
+                self._records.record_end(ending[chunk], "store")
+
+        return [(chunks.nbytes(chunk), partial(send, chunk)) for chunk in range(chunks.count)]
+
+    def _wait_for_compute(self, compute_done: Event) -> None:
+        """store-after-compute: the store stream waits on the event recorded after the forward that wrote it."""
+        self._device.wait("store", compute_done)
