@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from kvfsm.config import OffloadConfig
-from kvfsm.connector import Connector
+from kvfsm.connector import Connector, StepResult
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import allocate_kv_caches
@@ -106,8 +106,9 @@ class ConnectorRounds:
             self.connector.update_state_after_alloc(prompt, ids, want)
         return prompts
 
-    def _compute_step(self, computed: list[tuple[Prompt, tuple[int, ...]]]) -> None:
-        """The step whose forward pass computes `computed`: the scheduler orders their stores behind it."""
+    def engine_step(self, computed: Sequence[tuple[Prompt, tuple[int, ...]]]) -> StepResult:
+        """One engine step whose forward pass computes `computed` (none: an empty step): send what the connector
+        ordered, let the step's stores be planned behind the forward, report what finished."""
         scheduled = tuple(ScheduledRequest(req_id=p.request_id, block_ids=ids,
                                            num_computed_tokens=len(ids) * self.block_tokens) for p, ids in computed)
         worker = self.connector.worker
@@ -115,7 +116,11 @@ class ConnectorRounds:
         worker.handle_preemptions()
         worker.start_load_kv()
         worker.wait_for_save()
-        self.connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),)))
+        return self.connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),)))
+
+    def _compute_step(self, computed: list[tuple[Prompt, tuple[int, ...]]]) -> None:
+        """The step whose forward pass computes `computed`: the scheduler orders their stores behind it."""
+        self.engine_step(computed)
         for prompt, _ in computed:  # one-token requests: done at the end of their prefill, held while stored
             self.connector.request_finished(prompt.request_id)
         self._stored = [p for p, _ in computed]

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import torch
 
 from kvfsm.bench.connector import ConnectorRounds, Prompt, RoundMismatch
-from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
 
 ROTATION = 5
 """Regions each direction rotates through. The engine reuses a region once every request on it was released, so
@@ -122,16 +121,10 @@ class SustainedSteps:
             self._holders[region].add(prompt.request_id)
 
     def _step(self, computed: list[tuple[Prompt, tuple[int, ...]]]) -> None:
-        """One engine step: send what the connector ordered, let this step's stores be planned, report."""
-        connector, worker = self.rounds.connector, self.rounds.connector.worker
-        tokens = self.rounds.block_tokens
-        scheduled = tuple(ScheduledRequest(req_id=p.request_id, block_ids=ids, num_computed_tokens=len(ids) * tokens)
-                          for p, ids in computed)
-        worker.bind_connector_metadata(connector.build_connector_meta(SchedulerOutput(scheduled=scheduled)))
-        worker.handle_preemptions()
-        worker.start_load_kv()
-        worker.wait_for_save()
-        result = connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),)))
+        """One engine step (`ConnectorRounds.engine_step`), then what the engine does with its report: loaded
+        requests end, and released requests free their region."""
+        connector = self.rounds.connector
+        result = self.rounds.engine_step(computed)
         self._errors.update(result.load_errors)
         for request_id in result.loaded:  # the engine computes the last token; the request then ends
             if connector.request_finished(request_id):
