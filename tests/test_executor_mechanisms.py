@@ -133,8 +133,8 @@ class Replayed:
     def __init__(self, log: list[tuple[str, int, bool]], direction: str, launches: graphs.Launches, slots: int,
                  chunk: int, device: torch.device) -> None:
         for slot in range(slots):
-            for cycles in (0, graphs.PACE_CYCLES):
-                launches(torch.zeros(chunk, dtype=torch.int64, device=device), slot, cycles)
+            for pause_ns in (0, graphs.PACE_NS):
+                launches(torch.zeros(chunk, dtype=torch.int64, device=device), slot, pause_ns)
         self._log, self._direction, self._launches = log, direction, launches
 
     def __call__(self, index: torch.Tensor, slot: int, paced: bool) -> None:
@@ -149,7 +149,7 @@ def replays(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, bool]]:
     made = iter(("store", "load"))
     monkeypatch.setattr(graphs, "available", lambda device: True)
     monkeypatch.setattr(graphs, "SlotGraphs", lambda *args: Replayed(log, next(made), *args))
-    monkeypatch.setattr(graphs, "pause", lambda cycles: None)
+    monkeypatch.setattr(graphs, "pause", lambda ns: None)
     return log
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfsm.executor import LAYOUTS, MECHANISMS, POISON_BYTE, CudaDevice, HostPool, KVCaches, Transfers
-from kvfsm.executor import register_kv_caches
+from kvfsm.executor import graphs, register_kv_caches
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.gather import SlotOverflow
 from kvfsm.executor.block_ids import BlockIds
@@ -214,6 +214,32 @@ def test_a_replayed_graph_scatters_a_full_chunk_into_its_own_blocks_only(layout:
     assert all(torch.equal(block(caches, b), block(caches, s)) for b, s in zip(blocks, sources))
     assert all(torch.equal(block(caches, b), want) for b, want in untouched.items())
     pool.close()
+
+
+def held_by_captured_pauses(ns: int, pauses: int = 10) -> float:
+    """Milliseconds a replayed graph of `pauses` pauses of `ns` nanoseconds each held its stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graphs.pause(ns)  # once outside the capture, as graphs.SlotGraphs does: the kernel is compiled here
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            for _ in range(pauses):
+                graphs.pause(ns)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(side)
+        graph.replay()
+        end.record(side)
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def test_a_captured_pause_holds_its_stream_for_at_least_its_nanoseconds() -> None:
+    """A paced replay's pauses are timed by the GPU's clock of nanoseconds, so they last as long on a GPU at any
+    SM clock; ten of 100 µs each must hold the stream 1 ms at least. The control, ten pauses of nothing, shows
+    the measurement would see pauses that do not wait."""
+    assert held_by_captured_pauses(100_000) >= 1.0
+    assert held_by_captured_pauses(0) < 1.0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -7,7 +7,7 @@ launches costs ~3 µs of host time and runs the same kernels in the same order; 
 instead took more of a concurrent matmul.
 
 Back to back, though, the launches took more of a concurrent kernel's time than launches paced by a host (and
-moved stores faster under it): each slot has a second graph with a short pause between planes (`PACE_CYCLES`),
+moved stores faster under it): each slot has a second graph with a short pause between planes (`PACE_NS`),
 replayed wherever the copy engine has other chunks to move meanwhile, so compute keeps the precedence it had.
 
 A graph reads fixed addresses, so each slot's graphs read the block ids in a device index of their own. A chunk
@@ -17,26 +17,45 @@ slot runs on: a later chunk cannot overwrite the ids before the earlier replay h
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
 Launches = Callable[[torch.Tensor, int, int], None]
-"""A chunk's per-plane launches: block ids `index` (on the device), staging slot `slot`, GPU clock cycles to pause
+"""A chunk's per-plane launches: block ids `index` (on the device), staging slot `slot`, nanoseconds to pause
 between two planes' launches."""
 
-PACE_CYCLES = 15_000
-"""Cycles a paced replay pauses between two planes' launches: ~8 µs on an H100, about what a host took between
-launching them. Back to back, the launches took more of a concurrent matmul: H100, three rounds each, median
-slowdown 1.027 back to back, 1.025 with 5,000 cycles, 1.020 with 15,000, 1.020 launched from the host. Longer
-pauses take a little less (30,000: 1.013 against 1.018 on another H100) but bring a chunk's paced gathers near the
-length of its DMA, where the pipeline stalls (60,000: ~30% of the bandwidth lost every time, 40,000: in some
-rounds). Counted in GPU cycles, a pause lasts longer on a GPU at lower clocks, so the shorter one keeps a margin."""
+PACE_NS = 15_000
+"""Nanoseconds a paced replay pauses between two planes' launches. Back to back, the launches took more of a
+concurrent matmul: H100, three rounds each, median slowdown 1.027 back to back, 1.020 with pauses of ~8 µs (about
+what a host took between launching them), 1.013 with ~15 µs. Much longer pauses bring a chunk's paced gathers near
+the length of its DMA, where the pipeline stalls: ~30 µs lost ~30% of the bandwidth every time, ~20 µs in some
+rounds. A pause is timed by the GPU's wall clock, not counted in its cycles, so a GPU at lower clocks does not
+stretch it toward that stall."""
+
+_WAIT = """template <typename T> T wait_ns(T x, T ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < (unsigned long long)ns);
+    return x;
+}"""
+"""One thread that returns its input once `ns` nanoseconds of the GPU's global timer have passed."""
 
 
-def pause(cycles: int) -> None:
-    """Hold the current stream for `cycles` GPU clock cycles: one tiny kernel, so a graph can hold the pause."""
-    torch.cuda._sleep(cycles)
+@functools.cache
+def _wait_kernel() -> Callable[..., torch.Tensor]:
+    return torch.cuda.jiterator._create_jit_fn(_WAIT, ns=0)
+
+
+@functools.cache
+def _one_element(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, device=device)
+
+
+def pause(ns: int) -> None:
+    """Hold the current stream for `ns` nanoseconds: one tiny kernel, so a graph can hold the pause."""
+    _wait_kernel()(_one_element(torch.device("cuda", torch.cuda.current_device())), ns=ns)
 
 
 def available(device: torch.device) -> bool:
@@ -52,7 +71,7 @@ class SlotGraphs:
         self.chunk = chunk
         self._index = [torch.zeros(chunk, dtype=torch.int64, device=device) for _ in range(slots)]
         with torch.cuda.device(device):
-            self._graphs = [{paced: self._capture(launches, index, slot, PACE_CYCLES if paced else 0)
+            self._graphs = [{paced: self._capture(launches, index, slot, PACE_NS if paced else 0)
                              for paced in (False, True)} for slot, index in enumerate(self._index)]
 
     @staticmethod

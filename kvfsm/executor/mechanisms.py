@@ -236,7 +236,7 @@ class StagedGather:
 
     def _gather(self, blocks: Sequence[int], index: torch.Tensor, slot: int, paced: bool = False) -> None:
         """Blocks `blocks` (on the device: `index`) of every plane into staging slot `slot` of the stores; `paced`
-        where the copy engine has other chunks to move meanwhile (`graphs.PACE_CYCLES`)."""
+        where the copy engine has other chunks to move meanwhile (`graphs.PACE_NS`)."""
         if self._one_launch is not None:
             self._one_launch(index, self._words["store"][slot])
             return
@@ -245,10 +245,10 @@ class StagedGather:
         else:
             self._launch_gathers(index, slot)
 
-    def _launch_gathers(self, index: torch.Tensor, slot: int, cycles: int = 0) -> None:
+    def _launch_gathers(self, index: torch.Tensor, slot: int, pause_ns: int = 0) -> None:
         for plane, (rows, view) in enumerate(zip(self._rows, self._views["store"][slot])):
-            if plane and cycles:
-                graphs.pause(cycles)
+            if plane and pause_ns:
+                graphs.pause(pause_ns)
             torch.index_select(rows, 1, index, out=view[:, :len(index)])
 
     def _scatter(self, blocks: Sequence[int], index: torch.Tensor, slot: int, paced: bool = False) -> None:
@@ -258,10 +258,10 @@ class StagedGather:
         else:
             self._launch_scatters(index, slot)
 
-    def _launch_scatters(self, index: torch.Tensor, slot: int, cycles: int = 0) -> None:
+    def _launch_scatters(self, index: torch.Tensor, slot: int, pause_ns: int = 0) -> None:
         for plane, (rows, view) in enumerate(zip(self._rows, self._views["load"][slot])):
-            if plane and cycles:
-                graphs.pause(cycles)
+            if plane and pause_ns:
+                graphs.pause(pause_ns)
             rows.index_copy_(1, index, view[:, :len(index)])
 
     def _segment_gather(self, segment: int, blocks: Sequence[int], index: torch.Tensor, slot: int) -> None:
