@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfsm.executor import LAYOUTS, MECHANISMS, POISON_BYTE, CudaDevice, HostPool, KVCaches, Transfers
-from kvfsm.executor import graphs, register_kv_caches
+from kvfsm.executor import graphs, register_kv_caches, transfer
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.gather import SlotOverflow
 from kvfsm.executor.block_ids import BlockIds
@@ -397,9 +397,11 @@ def test_a_dma_only_jobs_copies_go_to_the_driver_in_batches(driver_batches: list
 
 @pytest.mark.parametrize("layer_segments", [False, True])
 def test_a_staged_job_s_copies_to_scattered_slots_go_to_the_driver_in_batches(
-        driver_batches: list[int], layer_segments: bool) -> None:
+        driver_batches: list[int], layer_segments: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of a chunk (or of a layer segment) whose host slots are scattered are a one-row copy each: sent as
-    driver batches (one call each ran a 2 MiB copy at 0.88 of the ceiling, batches at 0.98)."""
+    driver batches (one call each ran a 2 MiB copy at 0.88 of the ceiling, batches at 0.98). A load from slots
+    this scattered goes out whole (`MIN_LAYER_COPY_BYTES`) unless the minimum is lifted, as here."""
+    monkeypatch.setattr(transfer, "MIN_LAYER_COPY_BYTES", 0)
     device, caches, pool, transfers = rig("kv-first", 1, "staged-gather")
     sources, slots, targets = [9, 3, 40, 17, 5, 28], [30, 2, 17, 8, 25, 11], [50, 7, 21, 44, 2, 36]
     expected = [block(caches, b).clone() for b in sources]

@@ -23,6 +23,16 @@ from kvfsm.executor.pool import HostPool
 
 POISON_BYTE = 0xA5
 
+MIN_LAYER_COPY_BYTES = 2 << 20
+"""Bytes a load's layer segment must move per copy on average, or a gathering mechanism sends the load whole, in its
+first segment. A layer segment copies each run of consecutive CPU slots once, and the pieces of a layer are short
+(64 KiB per Llama-3-8B 16-token block), so a pool whose free slots are fragmented makes many small copies. H100,
+kv-first, 512 blocks loaded from runs of 512, 64, 17, 8, 4 and 1 slots: a layer at a time moved 0.95, 0.93, 0.83,
+0.75, 0.60 and 0.49 of the ceiling, the whole load through staging 0.95-1.0 in every case. A prompt's layers then
+wait for the whole load, which the bandwidth repays: the layers' compute a per-layer load overlaps, the tail of a
+prefix hit, is a few per cent of its load time (`kvfsm.bench.ttft`). 2 MiB a copy is 32 slots a run there. Varied
+prompt lengths under the scheduler bench's churn left load jobs 17 slots a run on average."""
+
 
 class TransferError(ValueError):
     """A job whose shape does not match the caches, the pool or the block size factor."""
@@ -86,6 +96,16 @@ class Transfers:
     def _index(self, placement: Placement) -> torch.Tensor | None:
         """The placement's GPU blocks on the device, for a gathering mechanism; None for a DMA-only one."""
         return self._block_ids(placement.gpu_blocks) if self._mechanism.chunk_blocks is not None else None
+
+    def _sends_whole(self, placement: Placement) -> bool:
+        """Whether a layer segment of this placement would copy less than `MIN_LAYER_COPY_BYTES` at a time, on a
+        mechanism that could send it whole through staging in copies of whole blocks instead."""
+        offsets = placement.host_offsets
+        if self.num_segments == 1 or self._mechanism.chunk_blocks is None:
+            return False
+        block_bytes = self._caches.gpu_block_bytes
+        copies = len(offsets) - list(map(operator.sub, offsets[1:], offsets)).count(block_bytes)  # in C: 2k blocks
+        return copies > 1 and len(offsets) * block_bytes < MIN_LAYER_COPY_BYTES * copies * self.num_segments
 
     @property
     def num_segments(self) -> int:
@@ -205,7 +225,9 @@ class Segments:
     """One job's placement, checked once, whose layer segments go out one at a time on the job's stream.
 
     Each segment is its own device operation touching only its layer, so a per-layer wait can follow it alone. The
-    job's GPU block index is built by the first segment that runs and shared by the rest."""
+    job's GPU block index is built by the first segment that runs and shared by the rest. A load a gathering
+    mechanism would copy in small pieces (`MIN_LAYER_COPY_BYTES`) goes out whole as its first segment, touching
+    every layer, and its later segments move nothing: each layer's wait still follows every byte of that layer."""
 
     def __init__(self, transfers: Transfers, direction: Direction, placement: Placement,
                  cpu_slots: tuple[int, ...]) -> None:
@@ -215,14 +237,21 @@ class Segments:
         self._cpu_slots = cpu_slots
         self._index: torch.Tensor | None = None
         self._joined = False
+        self.whole = direction == "load" and transfers._sends_whole(placement)
+        """Whether the job goes out whole in segment 0 (a load from fragmented CPU slots)."""
 
     def nbytes(self, segment: int) -> int:
         """Bytes segment `segment` moves."""
-        return len(self._placement.gpu_blocks) * self._transfers._caches.planes[segment].block_bytes
+        planes = self._transfers._caches.planes
+        if self.whole:
+            return len(self._placement.gpu_blocks) * sum(plane.block_bytes for plane in planes) if segment == 0 else 0
+        return len(self._placement.gpu_blocks) * planes[segment].block_bytes
 
     def enqueue(self, segment: int, label: str) -> None:
         """Enqueue segment `segment` on the job's stream (behind whatever that stream waits on by now)."""
         t, direction, placement = self._transfers, self._direction, self._placement
+        if self.whole and segment:
+            return  # segment 0 moved it, earlier on the same stream
         # Loads go out back to back: only the first waits for the stream. Stores go out a layer at a time, each
         # behind its own compute event, so every one waits.
         join = direction == "store" or not self._joined
@@ -231,9 +260,13 @@ class Segments:
         def run() -> None:
             if self._index is None:
                 self._index = t._index(placement)
-            t._mechanism.run_segment(direction, placement, t._pool.buffer, segment, self._index, join)
+            if self.whole:
+                t._mechanism.run(direction, placement, t._pool.buffer, self._index, join)
+            else:
+                t._mechanism.run_segment(direction, placement, t._pool.buffer, segment, self._index, join)
 
-        gpu = Touch("read" if direction == "store" else "write", "gpu", placement.gpu_blocks, layer=segment)
+        gpu = Touch("read" if direction == "store" else "write", "gpu", placement.gpu_blocks,
+                    layer=None if self.whole else segment)
         cpu = Touch("write" if direction == "store" else "read", "cpu", self._cpu_slots)
         t._device.enqueue(direction, direction, label, run, (gpu, cpu))
 
