@@ -388,6 +388,26 @@ def test_on_a_one_segment_cache_the_first_load_is_reported_while_the_next_still_
     assert worker.get_finished().done == (1,)
 
 
+def test_a_load_from_fragmented_slots_goes_out_whole_alone_and_the_steps_others_a_layer_at_a_time() -> None:
+    """Sent together, the fragmented load would take the step's other loads whole with it: their layers would wait
+    for every byte of the step."""
+    worker, device, layers = make_worker()
+    stored_slots(worker, device, (0, 1, 2, 3))
+    expected = blocks(layers, [3, 0, 1, 2])
+    worker.bind_connector_metadata(ConnectorMetadata(step=3, loads=(
+        LoadOrder(job_id=1, req_id="a", gpu_blocks=(4, 5), cpu_slots=(3, 0)),
+        LoadOrder(job_id=2, req_id="b", gpu_blocks=(6, 7), cpu_slots=(1, 2)))))
+    worker.start_load_kv()
+    assert [op.label for op in device._queues["load"] if "layer" in op.label] == [
+        "load job 2 layer 0", "load job 2 layer 1", "load job 1 layer 0"]
+    device.run_until_idle()
+    assert {(a.label, a.layer) for a in device.accesses if a.space == "gpu" and a.mode == "write"} == {
+        ("load job 2 layer 0", 0), ("load job 2 layer 1", 1), ("load job 1 layer 0", None)}
+    assert worker.get_finished().done == (1, 2)
+    for want, got in zip(expected, blocks(layers, [4, 5, 6, 7])):
+        assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+
+
 def test_loads_into_the_same_gpu_block_go_out_one_job_at_a_time() -> None:
     worker, device, _ = make_worker()
     stored_slots(worker, device, (0, 1))

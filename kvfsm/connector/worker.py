@@ -260,11 +260,15 @@ class WorkerConnector:
         submission per job and layer (on the H100, host submission of 4 jobs x 32 layers took longer than their
         copies). Where a job is one segment (a cross-layer cache) there is nothing to share, so each job goes out
         alone, behind its own event: an engine hears of the first load while the step's later loads still copy.
-        Loads whose GPU blocks overlap (never ordered by the scheduler) also go out one job at a time."""
+        Loads whose GPU blocks overlap (never ordered by the scheduler) also go out one job at a time, in order.
+        A load sent whole (`Segments.whole`: fragmented CPU slots) goes out alone after the others, so the rest
+        still land a layer at a time."""
         batch, self._load_batch = self._load_batch, []
         blocks = [block for job, _ in batch for block in job.gpu_blocks]
-        together = len(batch) > 1 and self.transfers.num_segments > 1 and len(set(blocks)) == len(blocks)
-        groups = [batch] if together else [[item] for item in batch]
+        if len(batch) < 2 or self.transfers.num_segments == 1 or len(set(blocks)) != len(blocks):
+            groups = [[item] for item in batch]
+        else:
+            groups = [[item for item in batch if not item[1].whole]] + [[item] for item in batch if item[1].whole]
         return [piece for group in groups if group
                 for piece in self._segment_pieces([job for job, _ in group], [segments for _, segments in group])]
 
