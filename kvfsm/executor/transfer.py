@@ -25,13 +25,14 @@ POISON_BYTE = 0xA5
 
 MIN_LAYER_COPY_BYTES = 2 << 20
 """Bytes a load's layer segment must move per copy on average, or a gathering mechanism sends the load whole, in its
-first segment. A layer segment copies each run of consecutive CPU slots once, and the pieces of a layer are short
-(64 KiB per Llama-3-8B 16-token block), so a pool whose free slots are fragmented makes many small copies. H100,
+first segment. A layer segment copies each run of consecutive CPU slots once, and the pieces of a layer are short (64
+KiB per Llama-3-8B 16-token block), so a pool whose free slots are fragmented makes many small copies. H100,
 kv-first, 512 blocks loaded from runs of 512, 64, 17, 8, 4 and 1 slots: a layer at a time moved 0.95, 0.93, 0.83,
-0.75, 0.60 and 0.49 of the ceiling, the whole load through staging 0.95-1.0 in every case. A prompt's layers then
-wait for the whole load, which the bandwidth repays: the layers' compute a per-layer load overlaps, the tail of a
-prefix hit, is a few per cent of its load time (`kvfsm.bench.ttft`). 2 MiB a copy is 32 slots a run there. Varied
-prompt lengths under the scheduler bench's churn left load jobs 17 slots a run on average."""
+0.75, 0.60 and 0.49 of the ceiling, the whole load through staging 0.95-1.0 in every case (0.66 once in a second
+call, noise: the same slots sent whole by this rule moved 0.97 there). A prompt's layers then wait for the whole
+load, which the bandwidth repays: the layers' compute a per-layer load overlaps, the tail of a prefix hit, is a few
+per cent of its load time (`kvfsm.bench.ttft`). 2 MiB a copy is 32 slots a run there. Varied prompt lengths under the
+scheduler bench's churn left load jobs 17 slots a run on average."""
 
 
 class TransferError(ValueError):
@@ -100,11 +101,11 @@ class Transfers:
     def _sends_whole(self, placement: Placement) -> bool:
         """Whether a layer segment of this placement would copy less than `MIN_LAYER_COPY_BYTES` at a time, on a
         mechanism that could send it whole through staging in copies of whole blocks instead."""
-        offsets = placement.host_offsets
         if self.num_segments == 1 or self._mechanism.chunk_blocks is None:
             return False
-        block_bytes = self._caches.gpu_block_bytes
-        copies = len(offsets) - list(map(operator.sub, offsets[1:], offsets)).count(block_bytes)  # in C: 2k blocks
+        offsets, block_bytes = placement.host_offsets, self._caches.gpu_block_bytes
+        # counted in C: a 32k-token prompt's load is 2k blocks, on the step's critical path
+        copies = len(offsets) - list(map(operator.sub, offsets[1:], offsets)).count(block_bytes)
         return copies > 1 and len(offsets) * block_bytes < MIN_LAYER_COPY_BYTES * copies * self.num_segments
 
     @property
@@ -242,10 +243,10 @@ class Segments:
 
     def nbytes(self, segment: int) -> int:
         """Bytes segment `segment` moves."""
-        planes = self._transfers._caches.planes
+        caches, blocks = self._transfers._caches, len(self._placement.gpu_blocks)
         if self.whole:
-            return len(self._placement.gpu_blocks) * sum(plane.block_bytes for plane in planes) if segment == 0 else 0
-        return len(self._placement.gpu_blocks) * planes[segment].block_bytes
+            return blocks * caches.gpu_block_bytes if segment == 0 else 0
+        return blocks * caches.planes[segment].block_bytes
 
     def enqueue(self, segment: int, label: str) -> None:
         """Enqueue segment `segment` on the job's stream (behind whatever that stream waits on by now)."""
