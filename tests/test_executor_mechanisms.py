@@ -12,7 +12,8 @@ from kvfsm.executor import HostPool, KVCaches, SimDevice, Transfers, register_kv
 from kvfsm.executor import gather, graphs, mechanisms
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.block_ids import BlockIds
-from kvfsm.executor.mechanisms import resolve, runs
+from kvfsm.executor.choice import COPY_ENGINE_MIN_PIECE, resolve
+from kvfsm.executor.mechanisms import runs
 from kvfsm.executor.rows import RowCopies
 from test_executor_pipelines import JoinLog, uploads  # noqa: F401 (a fixture)
 from test_executor_transfer import CASES, NUM_BLOCKS, block, make
@@ -59,7 +60,7 @@ def test_a_block_index_is_int64_even_for_no_blocks() -> None:
 def test_auto_moves_blocks_by_dma_alone_from_exactly_the_minimum_piece_size() -> None:
     tensors, groups = allocate_kv_caches("cross-layer", 16, 2, 16, 8, 128, torch.bfloat16, "cpu")  # 1 MiB blocks
     caches = register_kv_caches(tensors, "cross-layer", groups)
-    assert caches.gpu_block_bytes == mechanisms.COPY_ENGINE_MIN_PIECE
+    assert caches.gpu_block_bytes == COPY_ENGINE_MIN_PIECE
     assert resolve("auto", caches) == "cross-layer"
 
 

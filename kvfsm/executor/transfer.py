@@ -18,7 +18,8 @@ import torch
 from kvfsm.executor.device import Device, StreamName, Touch
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.executor.block_ids import BlockIds
-from kvfsm.executor.mechanisms import DEFAULT_STAGING_BYTES, Direction, Placement, build, resolve
+from kvfsm.executor.choice import build, resolve
+from kvfsm.executor.mechanisms import DEFAULT_STAGING_BYTES, Direction, Placement
 from kvfsm.executor.pool import HostPool
 
 POISON_BYTE = 0xA5
