@@ -85,8 +85,9 @@ class TailForward:
         """Layer i up to its attention: the queries, with the tail's keys and values written after the prefix."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        attn, tail = self._model.model.layers[i].self_attn, x.shape[1]
-        h = self._norm(x, self._model.model.layers[i].input_layernorm)
+        layer, tail = self._model.model.layers[i], x.shape[1]
+        attn = layer.self_attn
+        h = self._norm(x, layer.input_layernorm)
         q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(1, tail, -1, self._head_dim).transpose(1, 2)
         k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(1, tail, -1, self._head_dim).transpose(1, 2)
         v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(1, tail, -1, self._head_dim).transpose(1, 2)
@@ -119,8 +120,8 @@ class TailForward:
             return graphs(ids, fill)
         x = F.embedding(ids, self._model.model.embed_tokens.weight)
         cos, sin = self._rotary(x, prefix)
+        keys, values = self._buffers(x, prefix)  # shared by the layers, which run one after another on one stream
         for i in range(len(self._model.model.layers)):
-            keys, values = self._buffers(x, prefix)
             q = self.before_attention(i, x, cos, sin, keys, values)
             fill(i, keys[:, :, :prefix], values[:, :, :prefix])
             x = self.after_attention(i, x, q, keys, values)
