@@ -323,5 +323,5 @@ def _forget_checksum(entry: TierEntry, **_: object) -> None:
 
 
 @REGISTRY.effect("tier-job", "record-tier-finish-step")
-def _record_finish_step(job: TierJob, step: int | None = None, **_: object) -> None:
+def _record_tier_finish_step(job: TierJob, step: int | None = None, **_: object) -> None:
     job.finished_step = step

@@ -27,7 +27,6 @@ LAYER_CYCLES = 600_000
 
 def _trial(worker: WorkerConnector, names: list[str], stored_blocks: int, step: int) -> float:
     """Milliseconds from the end of one forward to its sampled token on the host."""
-    device = worker.device
     order = StoreOrder(job_id=step, req_id=f"r{step}", gpu_blocks=tuple(range(stored_blocks)),
                        cpu_slots=tuple(range(stored_blocks)))
     worker.bind_connector_metadata(ConnectorMetadata(step=step, stores=(order,)))
