@@ -129,13 +129,10 @@ class WorkerStores:
 
     def _chunk_pieces(self, group: list[tuple[TransferJob, Chunks]]) -> list[Piece]:
         jobs = [job for job, _ in group]
-        label = f"store job{'s' if len(jobs) > 1 else ''} {','.join(str(job.job_id) for job in jobs)}"
-        try:
-            chunks = self._transfers().merge_chunks([chunks for _, chunks in group])
-        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-            for job in jobs:
-                self._records.fail(job, "store", err)
+        chunks = self._records.merged(jobs, "store", lambda: self._transfers().merge_chunks([c for _, c in group]))
+        if chunks is None:
             return []
+        label = self._records.label("store", jobs)
         ending: dict[int, list[TransferJob]] = {}
         for job, end in zip(jobs, chunks.ends):
             ending.setdefault(end, []).append(job)

@@ -273,13 +273,10 @@ class WorkerConnector:
                 for piece in self._segment_pieces([job for job, _ in group], [segments for _, segments in group])]
 
     def _segment_pieces(self, jobs: list[TransferJob], parts: list[Segments]) -> list[Piece]:
-        label = f"load job{'s' if len(jobs) > 1 else ''} {','.join(str(job.job_id) for job in jobs)}"
-        try:
-            segments = self.transfers.merge(parts)
-        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
-            for job in jobs:
-                self._records.fail(job, "load", err)
+        segments = self._records.merged(jobs, "load", lambda: self.transfers.merge(parts))
+        if segments is None:
             return []
+        label = self._records.label("load", jobs)
         count = self.transfers.num_segments
         for job in jobs:
             job.segments = count

@@ -9,7 +9,7 @@ into the same GPU blocks to wait on.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from kvfsm.connector.job_events import JobEvents
 from kvfsm.connector.metadata import LoadOrder, StoreOrder
@@ -18,6 +18,8 @@ from kvfsm.records import TransferJob
 
 log = logging.getLogger("kvfsm.connector.worker")
 """The worker half's log, whichever of its modules writes: its failures are logged under one name."""
+
+Merged = TypeVar("Merged")
 
 
 class WorkerJobs:
@@ -48,6 +50,22 @@ class WorkerJobs:
         self.machine.fire(job, "fail", step=self.step())
         self.failed.append(job.job_id)
         self.record_end([job], stream)
+
+    def merged(self, jobs: Sequence[TransferJob], stream: Any, merge: Callable[[], Merged]) -> Merged | None:
+        """Jobs sent together as one transfer (a step's stores as one pipeline, its loads a layer at a time): what
+        `merge` makes of their checked copies, or None once every one of them failed, as a lone job would, where
+        it raised."""
+        try:
+            return merge()
+        except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
+            for job in jobs:
+                self.fail(job, stream, err)
+            return None
+
+    @staticmethod
+    def label(kind: str, jobs: Sequence[TransferJob]) -> str:
+        """How the device's log names jobs sent together: "store jobs 3,4", "load job 5"."""
+        return f"{kind} job{'s' if len(jobs) > 1 else ''} {','.join(str(job.job_id) for job in jobs)}"
 
     def record_end(self, jobs: Sequence[TransferJob], stream: Any) -> None:
         """One event after what these jobs enqueued so far, their end. Where the device cannot record it, the jobs
