@@ -3,6 +3,7 @@ reproduced with a delayed stream, where the control (no event wait) must corrupt
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import pytest
@@ -21,10 +22,10 @@ TRIALS = 50
 SLEEP_CYCLES = 20_000_000  # ~10 ms at H100 clocks: far longer than the copies it races
 
 
-def rig(layout: str, k: int, mechanism: str,
-        staging_blocks: int = 5) -> tuple[CudaDevice, KVCaches, HostPool, Transfers]:
+def rig(layout: str, k: int, mechanism: str, staging_blocks: int = 5,
+        layers: int = 4) -> tuple[CudaDevice, KVCaches, HostPool, Transfers]:
     device = CudaDevice()
-    tensors, groups = allocate_kv_caches(layout, 4, 64, 16, 2, 64, torch.bfloat16, "cuda", 2)
+    tensors, groups = allocate_kv_caches(layout, layers, 64, 16, 2, 64, torch.bfloat16, "cuda", 2)
     for t in tensors.values():
         t.view(torch.uint8).view(-1).random_(0, 256)
     torch.cuda.synchronize()  # filled on the compute stream, which the tests' direct transfers do not wait for
@@ -240,6 +241,64 @@ def test_a_captured_pause_holds_its_stream_for_at_least_its_nanoseconds() -> Non
     the measurement would see pauses that do not wait."""
     assert held_by_captured_pauses(100_000) >= 1.0
     assert held_by_captured_pauses(0) < 1.0
+
+
+def replay_ms(transfers: Transfers, blocks: list[int], paced: bool, trials: int = 3) -> float:
+    """The shortest of `trials` replays of a full chunk's captured gathers (`paced` or back to back), in ms."""
+    mechanism, index = transfers._mechanism, transfers._block_ids(blocks)
+    times = []
+    for _ in range(trials + 1):  # the first replay is a warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        mechanism._graphs["store"](index, 0, paced)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times[1:])
+
+
+def test_a_paced_replay_pauses_between_planes_and_a_back_to_back_one_does_not() -> None:
+    """A full chunk's paced replay (chunks whose gathers overlap other chunks' DMA) leaves a concurrent kernel its
+    SMs by a `graphs.PACE_NS` pause between planes: with 32 planes it holds its stream 31 pauses at least. The
+    back-to-back replay (the pipeline's first gather, which the copy engine waits for) has no pause, and ends well
+    before that: the measurement tells the two apart."""
+    _, caches, pool, transfers = rig("kv-first", 1, "staged-gather", layers=32)
+    pauses_ms = (len(caches.planes) - 1) * graphs.PACE_NS / 1e6
+    blocks = list(range(transfers._mechanism.chunk_blocks))
+    assert replay_ms(transfers, blocks, paced=True) >= pauses_ms
+    assert replay_ms(transfers, blocks, paced=False) < pauses_ms
+    pool.close()
+
+
+def capture_beside_a_thread_using_cuda() -> list[str]:
+    """Capture `graphs.SlotGraphs` whose launches, while captured, wait for another thread that synchronizes a
+    stream of its own (an engine thread using CUDA meanwhile): what that thread's CUDA calls raised."""
+    errors: list[str] = []
+
+    def use_cuda() -> None:
+        try:
+            torch.cuda.Stream().synchronize()
+        except Exception as err:  # noqa: BLE001 (the test reports whatever the other thread hit)
+            errors.append(f"{type(err).__name__}: {err}")
+
+    def launches(index: torch.Tensor, slot: int, ns: int) -> None:
+        index.add_(0)
+        if torch.cuda.is_current_stream_capturing():
+            other = threading.Thread(target=use_cuda)
+            other.start()
+            other.join()
+
+    graphs.SlotGraphs(launches, 1, 4, torch.device("cuda", torch.cuda.current_device()))
+    return errors
+
+
+def test_capturing_a_slot_s_graphs_leaves_other_threads_free_to_use_cuda() -> None:
+    """Caches are registered, and their graphs captured, while an engine's other threads may use CUDA: the capture
+    must confine its restrictions to its own thread. The control is a capture in torch's global mode, where the
+    other thread's synchronize is refused and the capture fails; it runs as a mutant (`graphs.SlotGraphs._capture`
+    without `capture_error_mode`), killed by this test on the GPU, not here: a failed capture leaves the process's
+    CUDA state unfit for the tests after it."""
+    assert capture_beside_a_thread_using_cuda() == []
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -68,23 +68,22 @@ class SlotGraphs:
     index they read."""
 
     def __init__(self, launches: Launches, slots: int, chunk: int, device: torch.device) -> None:
-        self.chunk = chunk
         self._index = [torch.zeros(chunk, dtype=torch.int64, device=device) for _ in range(slots)]
         with torch.cuda.device(device):
             self._graphs = [{paced: self._capture(launches, index, slot, PACE_NS if paced else 0)
                              for paced in (False, True)} for slot, index in enumerate(self._index)]
 
     @staticmethod
-    def _capture(launches: Launches, index: torch.Tensor, slot: int, cycles: int) -> torch.cuda.CUDAGraph:
+    def _capture(launches: Launches, index: torch.Tensor, slot: int, pause_ns: int) -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            launches(index, slot, cycles)  # once outside the capture, as torch asks: a first call may set up state
+            launches(index, slot, pause_ns)  # once outside the capture, as torch asks: a first call may set up state
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: an engine's other threads may use CUDA while the caches are being registered
         with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-            launches(index, slot, cycles)
+            launches(index, slot, pause_ns)
         return graph
 
     def __call__(self, index: torch.Tensor, slot: int, paced: bool) -> None:
