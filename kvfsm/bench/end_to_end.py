@@ -30,12 +30,17 @@ def _median(fn: Callable[[], float], reps: int) -> float:
     return statistics.median(fn() for _ in range(reps))
 
 
+def _ways(moved: int, store_s: float, load_s: float,
+          both_s: float) -> tuple[tuple[str, float, int, str], ...]:
+    """Each way a step moves bytes: its name, seconds, bytes, and the ceiling (a key of the peaks) it is a share of."""
+    return (("store", store_s, moved, "d2h"), ("load", load_s, moved, "h2d"), ("both", both_s, 2 * moved, "both"))
+
+
 def _shares(row: dict[str, float | int | str], suffix: str, moved: int, peaks: dict[str, float],
             store_s: float, load_s: float, both_s: float) -> None:
-    store, load, both = moved / store_s / 1e9, moved / load_s / 1e9, 2 * moved / both_s / 1e9
-    row.update({f"store_gbps{suffix}": store, f"load_gbps{suffix}": load, f"both_gbps{suffix}": both,
-                f"store_share{suffix}": store / peaks["d2h"], f"load_share{suffix}": load / peaks["h2d"],
-                f"both_share{suffix}": both / peaks["both"]})
+    for kind, seconds, nbytes, peak in _ways(moved, store_s, load_s, both_s):
+        gbps = nbytes / seconds / 1e9
+        row.update({f"{kind}_gbps{suffix}": gbps, f"{kind}_share{suffix}": gbps / peaks[peak]})
 
 
 def _fixed_ms(row: dict[str, float | int | str], moved: int, peaks: dict[str, float],
@@ -43,9 +48,8 @@ def _fixed_ms(row: dict[str, float | int | str], moved: int, peaks: dict[str, fl
     """What one step by itself costs beyond its bytes at the ceiling, in ms: the engine's wait for a step's
     bookkeeping and submission before its first copy and its completion after the last, which a share of one
     step folds into bandwidth."""
-    for kind, seconds, ideal in (("store", store_s, moved / peaks["d2h"]), ("load", load_s, moved / peaks["h2d"]),
-                                 ("both", both_s, 2 * moved / peaks["both"])):
-        row[f"{kind}_fixed_ms"] = (seconds - ideal / 1e9) * 1e3
+    for kind, seconds, nbytes, peak in _ways(moved, store_s, load_s, both_s):
+        row[f"{kind}_fixed_ms"] = (seconds - nbytes / peaks[peak] / 1e9) * 1e3
 
 
 def run(device: Device, layout: str, block_tokens: int, peaks: dict[str, float], moved_bytes: int = 1 << 30,
