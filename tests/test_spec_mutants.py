@@ -215,7 +215,7 @@ def disk_round_trip(fault: str | None) -> Callable[[Harness], None]:
             h.engine.reset_prefix_cache()
             h.add_request(prompt, 1)
             if fault == "stall-write-back" and prompt[0] == A[0]:
-                while not h.connector.scheduler.tiers.jobs:  # type: ignore[union-attr]
+                while not h.connector.scheduler.tier_jobs:
                     h.engine.step()
                     h.device.run_until_idle()
                 h.tier_faults.inject("stall")

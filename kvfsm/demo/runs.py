@@ -18,7 +18,8 @@ from rich.progress import Progress
 
 from kvfsm.config import DiskTierConfig, LowerTierConfig, MooncakeTierConfig, OffloadConfig
 from kvfsm.connector import Connector
-from kvfsm.connector.scheduler import UnknownJob, UnknownRequest
+from kvfsm.connector.scheduler import UnknownRequest
+from kvfsm.connector.validation import UnknownJob
 from kvfsm.demo.config import CUDA_SHAPE, SIM_SHAPE, DemoConfig, DeviceKind, engine_config_for, resolve_device
 from kvfsm.demo.pacing import OneStepBehind
 from kvfsm.demo.results import DemoResult, RunReport

@@ -62,8 +62,7 @@ class AdapterWorld:
 
     @property
     def tier_jobs(self) -> Mapping[int, TierJob]:
-        tiers = self._scheduler.tiers
-        return tiers.jobs if tiers is not None else {}
+        return self._scheduler.tier_jobs
 
     @property
     def writeback_bound(self) -> int:
