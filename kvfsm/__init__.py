@@ -1,4 +1,4 @@
-"""kvfsm: KV-cache offloading whose lifecycles are declared in `kvfsm/lifecycles/` and enforced by machines."""
+"""kvfsm: KV-cache offloading whose lifecycles are declared in `spec/` and enforced by machines."""
 
 from kvfsm.config import OffloadConfig
 from kvfsm.connector import Connector
