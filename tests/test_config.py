@@ -8,6 +8,7 @@ still accepted.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +70,10 @@ def test_a_config_read_from_json_is_accepted_with_a_list_of_tiers_and_a_string_p
 def test_a_path_that_is_neither_a_string_nor_a_path_is_refused() -> None:
     with pytest.raises(pydantic.ValidationError, match="path"):
         DiskTierConfig(path=3, capacity_bytes=1 << 20)
+
+
+def test_the_configuration_page_lists_every_field_and_no_other() -> None:
+    """docs/configuration.md's table is the user's reference: a field added to the model must appear there."""
+    page = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    listed = re.findall(r"^\| `(\w+)` \|", page, flags=re.MULTILINE)
+    assert sorted(listed) == sorted(OffloadConfig.model_fields)

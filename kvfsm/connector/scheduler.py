@@ -75,8 +75,9 @@ class SchedulerConnector:
                  tiers: Sequence[LowerTier] = ()) -> None:
         """`keep_history`: keep ended jobs and released requests (for invariant checks); `num_gpu_blocks`: the
         engine's KV-cache size, so block ids beyond it are refused (None: not checked) and each block's fence
-        record is made up front; KV-cache events are recorded when `config.kv_events` is on; `tiers`: the lower tiers below the CPU pool, looked up in this order
-        (opened by the worker half of this process)."""
+        record is made up front; `tiers`: the lower tiers below the CPU pool, looked up in this order (opened by
+        the worker half of this process). KV-cache events are recorded when `config.kv_events` is on, for an
+        engine that drains them (`manager.take_events()`) every step."""
         check_scheduler(config, gpu_block_bytes, num_gpu_blocks)
         self.config = config
         self.gpu_block_bytes = gpu_block_bytes
