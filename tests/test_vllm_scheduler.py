@@ -180,6 +180,12 @@ def test_extra_config_contradicting_vllm_fails_at_start_up(model) -> None:
         Driver(vllm_config(model, {"cpu_blocks": 4, "gpu_block_size": 32}, 16), FakeWorker())
 
 
+def test_kv_events_asked_for_while_vllm_publishes_none_fail_at_start_up(model) -> None:
+    """`kv_events` follows vLLM's `kv_events_config`: recording events vLLM drops would only cost time."""
+    with pytest.raises(InvalidExtraConfig, match="kv_events=True, but vLLM runs with False"):
+        Driver(vllm_config(model, {"cpu_blocks": 4, "kv_events": True}, 16), FakeWorker())
+
+
 def test_control_block_tables_that_miss_a_steps_new_blocks_are_caught(make_driver, monkeypatch) -> None:
     from kvfsm.integrations.vllm.convert import BlockTables
 
