@@ -1,6 +1,11 @@
-"""kvfsm: KV-cache offloading whose lifecycles are declared in `kvfsm/lifecycles/` and enforced by machines."""
+"""kvfsm: KV-cache offloading whose lifecycles are declared in `kvfsm/lifecycles/` and enforced by machines.
 
-from kvfsm.config import OffloadConfig
-from kvfsm.connector import Connector
+The names below are imported on first use (`kvfsm.lazy`): `Connector` brings torch, and every
+`python -m kvfsm.<command>` imports this package first, `--help` included.
+"""
 
-__all__ = ["Connector", "OffloadConfig"]
+from kvfsm import lazy
+
+_HOMES = {"config": ("OffloadConfig",), "connector": ("Connector",)}
+__all__ = lazy.exported(_HOMES)
+__getattr__ = lazy.attributes(__name__, _HOMES)
