@@ -231,7 +231,7 @@ def main(ranks: int = typer.Option(2, min=2, help="Tensor-parallel ranks, one pr
     try:
         run, reference = run_tp(config, ranks, control, failing_rank)
     except DemoConfigError as error:
-        raise typer.BadParameter(str(error)) from None
+        raise typer.BadParameter(str(error), param_hint=error.option) from None
     found = verdict(run, reference)
     console = Console(width=120)
     console.print(render(run, found))
