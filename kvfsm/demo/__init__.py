@@ -6,10 +6,10 @@ Both runs must produce the same tokens, the spec's invariants must hold after ev
 request may read a poisoned block: anything else fails the run (exit code 1).
 
 One concern per module, imported one way (each imports only those listed before it):
-`config` (what a run is asked to do, and the device and engine it resolves to), `results` (what a run did, and the
-verdict), `pacing` (the simulated GPU one engine step behind the host), `runs` (serving the arrivals and checking
-every step), `table` (the result as a rich table) and `cli` (`python -m kvfsm.demo`). The names callers use
-(`tests/`, `kvfsm.tp`) are importable from here.
+`switches` (the rules `--mutant` breaks on purpose), `config` (what a run is asked to do, and the device and
+engine it resolves to), `results` (what a run did, and the verdict), `pacing` (the simulated GPU one engine step
+behind the host), `runs` (serving the arrivals and checking every step), `table` (the result as a rich table)
+and `cli` (`python -m kvfsm.demo`). The names callers use (`tests/`, `kvfsm.tp`) are importable from here.
 """
 
 from kvfsm.demo.cli import DISK_DEMO_CPU_BLOCKS, SHOWN_BY_THE_WORKLOAD, app, main

@@ -18,10 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvfsm.demo.config import SIM_SHAPE, DemoConfig, DemoConfigError, DeviceKind, Eviction
 from kvfsm.demo.runs import run_demo
+from kvfsm.demo.switches import MUTANTS
 from kvfsm.demo.table import render
 from kvfsm.mooncake.errors import TierFault
 from kvfsm.mooncake.local import LocalMooncake, MooncakeProcessError
-from kvfsm.testing.mutants import MUTANTS
 from kvfsm.workload import WorkloadShape
 
 DISK_DEMO_CPU_BLOCKS = 32

@@ -14,9 +14,9 @@ from typing import Literal
 
 import torch
 
+from kvfsm.demo.switches import MUTANTS
 from kvfsm.engine.engine import EngineConfig
 from kvfsm.engine.model import ModelShape
-from kvfsm.testing.mutants import MUTANTS
 from kvfsm.workload import Arrival, WorkloadShape
 
 SIM_SHAPE = ModelShape(num_layers=2, num_heads=2, head_dim=8, block_size=8)
@@ -50,7 +50,7 @@ class DemoConfig:
     device: DeviceKind = DeviceKind.auto
     seed: int = 0
     mutant: str | None = None
-    """Serve with one of `kvfsm.testing.mutants.MUTANTS` (a guarded rule removed), to see the check catch it."""
+    """Serve with one of `kvfsm.demo.switches.MUTANTS` (a guarded rule removed), to see the check catch it."""
     disk: Path | None = None
     """A directory for a disk tier below the CPU pool (None: no disk tier)."""
     disk_blocks: int = 4096
