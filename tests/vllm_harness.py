@@ -33,16 +33,12 @@ from kvfsm.integrations.vllm.convert import computed_before
 from kvfsm.integrations.vllm.rig import (
     BLOCK_SIZE,
     HEAD_SIZE,
-    KVFSM_CONNECTOR,
     NUM_KV_HEADS,
     FakeJob,
     FakeWorker,
     kv_cache_config,
-    model_config,
     model_output,
     sampled_requests,
-    tiny_model,
-    vllm_config,
 )
 
 

@@ -11,7 +11,7 @@ the engine frees it rather than when a write happens to run first.
 
 from __future__ import annotations
 
-from typing import Collection, Mapping, Protocol, Sequence
+from typing import Collection, Mapping, Protocol, Sequence, runtime_checkable
 
 from kvfsm.checking.checks import RunChecks
 from kvfsm.checking.world import ConnectorWorld
@@ -22,6 +22,7 @@ from kvfsm.invariants import TierView
 from kvfsm.records import FLUSHABLE_JOB_STATES
 
 
+@runtime_checkable
 class EngineTables(Protocol):
     """What the check reads of an engine: its own block tables, never kvfsm's records of them."""
 
