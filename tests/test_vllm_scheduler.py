@@ -16,7 +16,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvfsm.integrations.vllm import InvalidExtraConfig  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
-from kvfsm.integrations.vllm.harness import Driver, FakeWorker, HeldBlockReleased, vllm_config  # noqa: E402
+from kvfsm.integrations.vllm.rig import FakeWorker, vllm_config  # noqa: E402
+from vllm_harness import Driver, HeldBlockReleased  # noqa: E402
 from vllm_support import PREFIX, loads_of, make_driver, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm

@@ -6,9 +6,9 @@ Both runs must produce the same tokens, the spec's invariants must hold after ev
 request may read a poisoned block: anything else fails the run (exit code 1).
 
 One concern per module, imported one way (each imports only those listed before it):
-`config` (what a run is asked to do), `plan` (the device, engine and kvfsm configuration it resolves to, checked
-before any work), `results` (what a run did, and the verdict), `pacing` (the simulated GPU one engine step behind
-the host), `runs` (serving the arrivals and checking every step), `table` (the result as a rich table) and `cli`
+`switches` (the rules `--mutant` breaks on purpose), `config` (what a run is asked to do), `plan` (the device,
+engine and kvfsm configuration it resolves to, checked before any work), `results` (what a run did, and the
+verdict), `pacing` (the simulated GPU one engine step behind the host), `runs` (serving the arrivals and checking every step), `table` (the result as a rich table) and `cli`
 (`python -m kvfsm.demo`). The names callers use (`tests/`, `kvfsm.tp`) are importable from here, each imported on
 first use (`lazy_loader`), so `--help` never imports torch.
 """

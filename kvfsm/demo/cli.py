@@ -107,7 +107,7 @@ def main(
     seed: int = typer.Option(DemoConfig.seed, help="Seed of the workload (tokens, think times, session order) "
                                                   "and of the simulator's stream schedule."),
     mutant: str | None = typer.Option(None, help="Serve with a guarded rule removed (a control of "
-                                                 "kvfsm.testing.mutants; an unknown name is refused with the list), "
+                                                 "kvfsm.demo.switches; an unknown name is refused with the list), "
                                                  "to watch integrity fail (on the simulator; a real GPU may not "
                                                  "lose the race). The default workload fails with "
                                                  + ", ".join(SHOWN_BY_THE_WORKLOAD) + ". The others' races need "

@@ -48,7 +48,7 @@ class DemoConfig:
     device: DeviceKind = DeviceKind.auto
     seed: int = 0
     mutant: str | None = None
-    """Serve with one of `kvfsm.testing.mutants.MUTANTS` (a guarded rule removed), to see the check catch it."""
+    """Serve with one of `kvfsm.demo.switches.MUTANTS` (a guarded rule removed), to see the check catch it."""
     disk: Path | None = None
     """A directory for a disk tier below the CPU pool (None: no disk tier)."""
     disk_blocks: int = 4096
@@ -58,7 +58,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         if self.mutant is not None:
-            from kvfsm.testing.mutants import MUTANTS  # the controls patch the connector: they bring torch
+            from kvfsm.demo.switches import MUTANTS  # the controls patch the connector: they bring torch
 
             if self.mutant not in MUTANTS:
                 raise DemoConfigError(f"unknown mutant {self.mutant!r}; known: {', '.join(sorted(MUTANTS))}",

@@ -17,22 +17,22 @@ from typing import Callable, Iterator
 import torch
 from rich.progress import Progress
 
+from kvfsm.checking import TraceRecorder
 from kvfsm.connector import Connector
 from kvfsm.connector.scheduler import UnknownJob, UnknownRequest
 from kvfsm.demo.config import DemoConfig, DeviceKind
 from kvfsm.demo.pacing import OneStepBehind
 from kvfsm.demo.plan import DemoPlan, offload_config, plan_demo
 from kvfsm.demo.results import DemoResult, RunReport
+from kvfsm.demo.switches import MUTANTS
 from kvfsm.engine.engine import Engine, EngineConfig
+from kvfsm.engine.world import EngineWorld
 from kvfsm.executor.cuda import CudaDevice
 from kvfsm.executor.device import Device
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import check_all
 from kvfsm.machines import IllegalTrigger
 from kvfsm.manager.catalogue import ManagerError
-from kvfsm.testing.mutants import MUTANTS
-from kvfsm.testing.trace import TraceRecorder
-from kvfsm.testing.world import EngineWorld
 from kvfsm.workload import Arrival, minimum_compute
 
 MAX_STEPS_PER_REQUEST = 50
