@@ -1,6 +1,10 @@
-"""kvfsm: KV-cache offloading whose lifecycles are declared in `kvfsm/lifecycles/` and enforced by machines."""
+"""kvfsm: KV-cache offloading whose lifecycles are declared in `spec/` and enforced by machines.
 
-from kvfsm.config import OffloadConfig
-from kvfsm.connector import Connector
+The names below are imported on first use (`lazy_loader`): `Connector` brings torch, and every
+`python -m kvfsm.<command>` imports this package first, `--help` included.
+"""
 
-__all__ = ["Connector", "OffloadConfig"]
+import lazy_loader
+
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__, submod_attrs={"config": ["OffloadConfig"], "connector": ["Connector"]})

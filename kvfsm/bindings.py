@@ -24,5 +24,5 @@ def default_registry() -> Registry:
 
 @cache
 def default_spec() -> Spec:
-    """The shipped lifecycles (`kvfsm/lifecycles/`), loaded once and checked against the default registry."""
+    """The shipped lifecycles (`spec/`), loaded once and checked against the default registry."""
     return load_spec(DEFAULT_SPEC_DIR, registry=REGISTRY)

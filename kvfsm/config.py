@@ -1,4 +1,10 @@
-"""What a user sets, validated at start-up: a bad key or value is a clear error before any memory is pinned."""
+"""What a user sets, validated at start-up: a bad key or value is a clear error before any memory is pinned.
+
+Validation is strict (pydantic's strict mode): a value of the wrong type is refused rather than coerced, so
+`cpu_blocks=True` is not 1 and `layer_loads="yes"` is not on. Two coercions stay, because they lose nothing and
+a dictionary read from JSON (vLLM's `kv_connector_extra_config`) needs them: a list where a tuple of tiers is
+expected, and a string where a path is. An int is a valid float (`io_timeout_s=30`).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +19,12 @@ WriteBack = Literal["eager", "on-evict"]
 eviction are written back before they are evicted, so the tier receives what the CPU pool is about to lose."""
 
 
+_STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
+"""Every config model: unknown keys refused, immutable once built, no type coercion."""
+
+
 class _TierConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _STRICT
 
     name: str = Field(default="", pattern=r"^[a-z0-9-]*$")
     """Unique among the tiers; defaults to `kind`."""
@@ -31,7 +41,7 @@ class DiskTierConfig(_TierConfig):
     """A local disk below the CPU pool: preallocated slot files in `path`, emptied when the process starts."""
 
     kind: Literal["disk"] = "disk"
-    path: Path
+    path: Path = Field(strict=False)
     """A directory (created if absent); kvfsm owns the files named `kvfsm-<tier>-<worker>.slots` in it."""
     capacity_bytes: PositiveInt
     """Size of the slot file per worker, rounded down to whole CPU blocks."""
@@ -85,7 +95,7 @@ class PoolTooSmall(ValueError):
 class OffloadConfig(BaseModel):
     """kvfsm's configuration; also what vLLM's `kv_connector_extra_config` is validated against."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _STRICT
 
     cpu_blocks: PositiveInt | None = None
     """Size of the pinned host pool in CPU blocks; give this or `cpu_bytes`."""
@@ -114,10 +124,14 @@ class OffloadConfig(BaseModel):
     checksum: bool = False
     """Checksum each CPU block when its store completes and verify it before loading it; a mismatch fails the
     load loudly (the engine recomputes) instead of loading corrupted KV. Costs a host CRC pass per block."""
-    lower_tiers: tuple[LowerTierConfig, ...] = ()
+    lower_tiers: tuple[LowerTierConfig, ...] = Field(default=(), strict=False)
     """Stores below the CPU pool, looked up in this order after it; CPU blocks are written back to each."""
     writeback_max_bytes_in_flight: PositiveInt = 256 * 1024 * 1024
     """Bound on the bytes of write-backs submitted and not yet finished, across all lower tiers."""
+    kv_events: bool = False
+    """Record a `BlockStored` / `BlockRemoved` event each time CPU blocks become loadable or stop being so, for an
+    engine that publishes which prefixes the host pool serves and drains them every step (`take_events()`). Off
+    by default: an engine that never drains them would hold an ever-growing list."""
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> "OffloadConfig":

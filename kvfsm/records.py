@@ -1,4 +1,4 @@
-"""The models each lifecycle moves, and the guards and effects `kvfsm/lifecycles/` names for them.
+"""The models each lifecycle moves, and the guards and effects `spec/` names for them.
 
 A record's `state` is a state name from the spec and changes only through `kvfsm.machines`; the counters beside
 it (readers, store readers) change only through the effects bound here, so a count and its state never disagree.

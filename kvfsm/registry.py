@@ -1,4 +1,4 @@
-"""Where the names used by `kvfsm/lifecycles/` are bound to Python: guards, effects and invariants.
+"""Where the names used by `spec/` are bound to Python: guards, effects and invariants.
 
 The spec only names things; this registry says what each name does. The loader refuses a spec that names a
 guard, effect or invariant missing here, so a typo in YAML is an error at load time, not a silently skipped check.

@@ -1,4 +1,4 @@
-"""The lifecycle spec: pydantic models for `kvfsm/lifecycles/*.yaml` and a loader that refuses what a typo could break.
+"""The lifecycle spec: pydantic models for `spec/*.yaml` and a loader that refuses what a typo could break.
 
 The spec is the single source of truth: machines, transition tables, diagrams, generated tests and invariant
 checks are all derived from what this module loads. A spec that loads is therefore a spec whose every name
@@ -16,8 +16,21 @@ from typing import Any, Protocol
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-DEFAULT_SPEC_DIR = Path(__file__).resolve().parent / "lifecycles"
-"""The shipped lifecycles: package data, so an installed wheel carries the spec its machines are built from."""
+_CHECKOUT = Path(__file__).resolve().parent.parent
+
+CHECKOUT_SPEC_DIR = _CHECKOUT / "spec"
+"""The lifecycles' single source of truth: `spec/` at the top of a source checkout (or an editable install of one)."""
+
+PACKAGED_SPEC_DIR = Path(__file__).resolve().parent / "lifecycles"
+"""Where a wheel puts the lifecycles: pyproject.toml maps the top-level `spec/` onto the data-only package
+`kvfsm.lifecycles`, so an installed wheel carries the spec its machines are built from."""
+
+DEFAULT_SPEC_DIR = (
+    CHECKOUT_SPEC_DIR if (_CHECKOUT / "pyproject.toml").is_file() and CHECKOUT_SPEC_DIR.is_dir() else PACKAGED_SPEC_DIR
+)
+"""The spec loaded when none is named: the checkout's `spec/` where kvfsm runs from a source checkout (its
+pyproject.toml beside it), so no leftover copy can stand in for the truth; else the copy the wheel installed (beside
+an installed package, `../spec` is whatever else sits in site-packages)."""
 
 
 class SpecError(ValueError):

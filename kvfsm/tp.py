@@ -27,23 +27,23 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
+from kvfsm.checking import DEVICE_LOG_INVARIANTS, DeviceLogWorld
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.demo import (CUDA_SHAPE, REFUSALS, SIM_SHAPE, DemoConfig, DemoConfigError, DeviceKind, OneStepBehind,
                         engine_config_for, resolve_device, run_once, serve_arrivals)
+from kvfsm.demo.switches import TP_CONTROLS, EveryNthFails
 from kvfsm.engine.distributed import DistributedRanks, ReadySlot, follow
 from kvfsm.engine.engine import Engine
+from kvfsm.engine.oracle import BlockOracle, poisoned
 from kvfsm.engine.ranks import Rank
+from kvfsm.engine.world import EngineWorld
 from kvfsm.executor.cuda import CudaDevice
 from kvfsm.executor.device import Device
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import check_all
 from kvfsm.states import CpuBlockState
-from kvfsm.testing.copy_faults import EveryNthFails
-from kvfsm.testing.mutants import TP_CONTROLS
-from kvfsm.testing.oracle import BlockOracle, poisoned
-from kvfsm.testing.world import DEVICE_LOG_INVARIANTS, DeviceLogWorld, EngineWorld
 from kvfsm.workload import WorkloadShape, generate
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -231,7 +231,7 @@ def main(ranks: int = typer.Option(2, min=2, help="Tensor-parallel ranks, one pr
     try:
         run, reference = run_tp(config, ranks, control, failing_rank)
     except DemoConfigError as error:
-        raise typer.BadParameter(str(error)) from None
+        raise typer.BadParameter(str(error), param_hint=error.option) from None
     found = verdict(run, reference)
     console = Console(width=120)
     console.print(render(run, found))

@@ -37,8 +37,10 @@ from kvfsm.connector.validation import (
     RequestStateForbids,
     ReusedJobId,
     UnknownJob,
+    UnknownWorker,
     WrongType,
 )
+from kvfsm.executor import CudaDevice, CudaUnavailable
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.sim import SimDevice
 from kvfsm.machines import MachineSet
@@ -178,6 +180,29 @@ def test_a_rank_registering_another_block_size_in_bytes_is_refused_naming_both()
     with pytest.raises(RankBlockSizeMismatch) as refused:
         c.register_kv_caches(wider, "kv-first", rank=1)
     assert str(refused.value) == "rank 1 registered 512 bytes per GPU block, rank 0 256"
+
+
+def test_registering_for_a_rank_without_a_device_is_refused_naming_the_legal_ranks() -> None:
+    c = Connector(OffloadConfig(cpu_blocks=8, gpu_block_size=BLOCK), SimDevice())
+    with pytest.raises(UnknownWorker) as refused:
+        c.register_kv_caches(caches(), "kv-first", rank=1)
+    assert str(refused.value) == "register_kv_caches: rank 1; legal ranks with 1 devices: 0 to 0"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_cuda_device_without_cuda_is_refused_pointing_at_the_simulator() -> None:
+    with pytest.raises(CudaUnavailable) as refused:
+        CudaDevice()
+    assert str(refused.value) == ("CudaDevice: torch sees no CUDA device here; on a CPU-only machine use "
+                                  "kvfsm.executor.SimDevice")
+
+
+def test_a_cuda_device_beyond_the_device_count_is_refused_naming_the_legal_indices(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(CudaUnavailable) as refused:
+        CudaDevice(2)
+    assert str(refused.value) == "CudaDevice: no CUDA device 2; legal: 0 to 1"
 
 
 def test_binding_metadata_before_registering_is_refused_naming_the_call() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from kvfsm.executor.sim import SimDevice
 from kvfsm.testing.harness import Harness
-from kvfsm.testing.oracle import expected_tokens
+from kvfsm.engine.oracle import expected_tokens
 
 PREFIX = (11, 12, 13, 14, 15, 16)
 

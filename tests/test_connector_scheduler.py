@@ -47,8 +47,9 @@ def prompt(request_id: str, hashes: Sequence[int], extra_tokens: int = 1) -> Req
 
 
 def connector(cpu_blocks: int = 8, k: int = 1, workers: int = 1) -> SchedulerConnector:
-    config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=k, gpu_block_size=BLOCK, num_workers=workers)
-    return SchedulerConnector(config, GPU_BLOCK_BYTES, keep_history=True, kv_events=True)
+    config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=k, gpu_block_size=BLOCK, num_workers=workers,
+                           kv_events=True)
+    return SchedulerConnector(config, GPU_BLOCK_BYTES, keep_history=True)
 
 
 def report(sched: SchedulerConnector, done: Sequence[int] = (), failed: Sequence[int] = (),

@@ -6,10 +6,12 @@ its rule is about; the engine is played by `step`, which calls the worker in the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from kvfsm.config import OffloadConfig
+from kvfsm.config import DiskTierConfig, OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
 from kvfsm.connector.validation import NotRegistered
 from kvfsm.connector.turns import send_in_turns
@@ -17,6 +19,7 @@ from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.layouts import LayoutError, allocate_kv_caches
 from kvfsm.executor.sim import SimDevice
 from kvfsm.executor.transfer import UnknownLayer
+from kvfsm.tiers.disk import DiskTierError
 from kvfsm.testing.copy_faults import FaultInjector
 from test_connector_copy_faults import lagging
 
@@ -76,6 +79,56 @@ def test_registering_caches_of_a_bad_layout_or_shape_raises_layout_error(tensors
     with pytest.raises(LayoutError):
         worker.register_kv_caches(tensors, layout)
     assert device.host_bytes == 0, "a refused registration pinned host memory"
+
+
+def worker_with_disk_tiers(device: SimDevice, *paths: Path) -> WorkerConnector:
+    """A worker whose lower tiers are disk tiers in `paths`, opened in that order when it registers."""
+    tiers = [DiskTierConfig(name=f"disk{i}", path=path, capacity_bytes=1 << 20) for i, path in enumerate(paths)]
+    return WorkerConnector(OffloadConfig(cpu_blocks=4, gpu_block_size=4, lower_tiers=tiers), device)
+
+
+def unopenable(tmp_path: Path) -> tuple[Path, Path]:
+    """(a file, a tier directory below it): the tier cannot open until the file is removed."""
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"")
+    return blocker, blocker / "tier"
+
+
+def test_a_registration_whose_tier_cannot_open_leaves_nothing_pinned_and_nothing_open(tmp_path: Path) -> None:
+    """The pool is pinned before the tiers open: a tier that then fails unpins it again, and the tiers already
+    opened are closed (their slot files gone)."""
+    device = SimDevice()
+    opened = tmp_path / "opened"
+    worker = worker_with_disk_tiers(device, opened, unopenable(tmp_path)[1])
+    with pytest.raises(DiskTierError):
+        worker.register_kv_caches({"layer.0": torch.zeros(SHAPE)}, "kv-first")
+    assert device.host_bytes == 0, "a failed registration left its host pool pinned"
+    assert list(opened.iterdir()) == [], "a failed registration left a tier open"
+    with pytest.raises(NotRegistered):
+        _ = worker.pool
+
+
+def test_a_failed_registration_can_be_retried_and_the_retry_pins_one_pool(tmp_path: Path) -> None:
+    device = SimDevice()
+    blocker, path = unopenable(tmp_path)
+    worker = worker_with_disk_tiers(device, path)
+    with pytest.raises(DiskTierError):
+        worker.register_kv_caches({"layer.0": torch.zeros(SHAPE)}, "kv-first")
+    blocker.unlink()
+    worker.register_kv_caches({"layer.0": torch.zeros(SHAPE)}, "kv-first")
+    assert device.host_bytes == worker.pool.registered_bytes == 4 * worker.pool.slot_bytes
+    assert [tier.name for tier in worker.lower_tiers] == ["disk0"]
+    worker.shutdown()
+
+
+def test_shutdown_after_failed_registrations_frees_every_host_byte(tmp_path: Path) -> None:
+    device = SimDevice()
+    worker = worker_with_disk_tiers(device, unopenable(tmp_path)[1])
+    for _ in range(2):
+        with pytest.raises(DiskTierError):
+            worker.register_kv_caches({"layer.0": torch.zeros(SHAPE)}, "kv-first")
+    worker.shutdown()
+    assert device.host_bytes == 0
 
 
 def test_orders_before_registration_raise_not_registered() -> None:

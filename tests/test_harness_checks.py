@@ -12,7 +12,7 @@ from typing import Any
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import check_all
 from kvfsm.testing.harness import Harness
-from kvfsm.testing.oracle import expected_tokens
+from kvfsm.engine.oracle import expected_tokens
 
 PROMPT = tuple(range(10, 22))
 """12 tokens: six 2-token GPU blocks, stored and then reloaded."""

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,12 @@ BENT_IMPORTS = {
     "a-cycle-inside-the-engine": (
         "kvfsm/engine/blocks.py", "from kvfsm.engine.engine import Engine", "No import cycles",
     ),
+    "the-adapter-imports-the-test-package": (
+        "kvfsm/integrations/vllm/checks.py", "import kvfsm.testing.harness", "Product code imports nothing from",
+    ),
+    "the-demo-imports-a-mutant-outside-its-switches": (
+        "kvfsm/demo/runs.py", "from kvfsm.testing.mutants import MUTANTS", "Product code imports nothing from",
+    ),
 }
 
 
@@ -51,3 +58,13 @@ def test_a_bent_import_breaks_its_contract(case: str, tmp_path: Path) -> None:
     run = lint_imports(tmp_path)
     assert run.returncode == 1, run.stdout + run.stderr
     assert re.search(re.escape(contract) + r"[^\n]*BROKEN", run.stdout), run.stdout
+
+
+def test_every_product_module_is_barred_from_the_test_package() -> None:
+    """A package added to kvfsm is product code until listed otherwise: the contract must name it, or it could
+    import test code unchecked."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    barred = [set(c["source_modules"]) for c in contracts if c.get("forbidden_modules") == ["kvfsm.testing"]]
+    modules = {f"kvfsm.{path.stem}" for path in (ROOT / "kvfsm").iterdir()
+               if (path.suffix == ".py" and path.stem != "__init__") or (path / "__init__.py").exists()}
+    assert barred == [modules - {"kvfsm.testing"}]

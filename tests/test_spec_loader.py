@@ -1,8 +1,12 @@
-"""The loader refuses every kind of broken spec, each with an error naming the file, the lifecycle and the item."""
+"""The loader reads the top-level `spec/` a wheel also carries, and refuses every kind of broken spec, each with an
+error naming the file, the lifecycle and the item."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -13,6 +17,9 @@ from kvfsm.bindings import default_registry, default_spec
 from kvfsm.spec import DEFAULT_SPEC_DIR, SpecError, load_spec
 
 Doc = dict
+REPO = Path(__file__).resolve().parents[1]
+PACKAGED = "kvfsm/lifecycles/"
+"""Where pyproject.toml puts `spec/` inside the wheel: the data-only package `kvfsm.lifecycles`."""
 
 
 def broken_spec(tmp_path: Path, lifecycle: str, mutate: Callable[[Doc], None]) -> Path:
@@ -41,6 +48,56 @@ def test_shipped_spec_loads_with_the_states_the_design_card_names() -> None:
     assert {"pending-store", "submitted", "loading", "ready"} <= set(spec["cpu-block"].states)
     assert {"pending-store", "submitted", "flushed-on-preempt", "done", "failed"} <= set(spec["transfer-job"].states)
     assert {"new", "deferred", "loading", "running", "preempted", "draining", "released"} <= set(spec["request"].states)
+
+
+# --- where the spec lives: `spec/` in the checkout, the same files inside the wheel --------------------------------
+
+
+def test_the_default_spec_is_read_from_the_top_level_spec_folder_of_the_checkout() -> None:
+    assert DEFAULT_SPEC_DIR == REPO / "spec"
+    assert {Path(f).parent for f in default_spec().files.values()} == {REPO / "spec"}
+
+
+def _wheel(tmp: Path, drop_from_pyproject: str = "") -> zipfile.ZipFile:
+    """A wheel built from a copy of the checkout's packaging inputs (so no stale `build/` of the tree leaks in),
+    without network: the running environment's setuptools builds it. `drop_from_pyproject` removes one line."""
+    src = tmp / "src"
+    for name in ("kvfsm", "spec"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "README.md", src)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert drop_from_pyproject in pyproject
+    (src / "pyproject.toml").write_text(pyproject.replace(drop_from_pyproject, ""))
+    out = tmp / "wheel"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                            str(out), str(src)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = out.glob("kvfsm-*.whl")
+    return zipfile.ZipFile(wheel)
+
+
+def _packaged_spec(wheel: zipfile.ZipFile) -> dict[str, bytes]:
+    return {name.removeprefix(PACKAGED): wheel.read(name) for name in wheel.namelist() if name.startswith(PACKAGED)}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    return _wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def test_a_built_wheel_carries_the_same_spec_files_as_the_top_level_spec_folder(wheel: zipfile.ZipFile) -> None:
+    assert _packaged_spec(wheel) == {p.name: p.read_bytes() for p in (REPO / "spec").glob("*.yaml")}
+
+
+def test_a_built_wheel_carries_every_kvfsm_package(wheel: zipfile.ZipFile) -> None:
+    """pyproject.toml lists the packages by hand (a folder mapped into the package is one `find` cannot see)."""
+    on_disk = {str(p.relative_to(REPO)) for p in (REPO / "kvfsm").rglob("__init__.py")}
+    assert on_disk <= set(wheel.namelist())
+
+
+def test_control_a_wheel_without_the_spec_as_package_data_carries_no_spec(tmp_path: Path) -> None:
+    """The check above can fail: drop the line shipping the YAML and the wheel's copy of the spec is empty."""
+    assert _packaged_spec(_wheel(tmp_path, drop_from_pyproject='"kvfsm.lifecycles" = ["*.yaml"]')) == {}
 
 
 def test_unknown_destination_state_is_refused(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from kvfsm.executor.sim import SimDevice
 from kvfsm.machines import IllegalTrigger
 from kvfsm.testing.harness import TP_SHAPE, Harness
 from kvfsm.testing.mutants import TP_MUTANTS
-from kvfsm.testing.oracle import BlockOracle
+from kvfsm.engine.oracle import BlockOracle
 from kvfsm.testing.tp_interleavings import tp_interleavings_for
 
 MUTANT_BUDGET = 1500

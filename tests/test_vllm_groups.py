@@ -21,14 +21,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from kvfsm.integrations.vllm import UnsupportedKVCache  # noqa: E402
-from kvfsm.integrations.vllm.harness import (  # noqa: E402
-    BLOCK_SIZE,
-    HEAD_SIZE,
-    NUM_KV_HEADS,
-    Driver,
-    FakeWorker,
-    vllm_config,
-)
+from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
+from vllm_harness import Driver  # noqa: E402
 from vllm_support import PREFIX, loads_of, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm

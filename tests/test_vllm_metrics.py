@@ -15,7 +15,8 @@ pytest.importorskip("vllm")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
 from kvfsm.integrations.vllm import KvfsmConnector, telemetry  # noqa: E402
-from kvfsm.integrations.vllm.harness import Driver, FakeWorker  # noqa: E402
+from kvfsm.integrations.vllm.rig import FakeWorker  # noqa: E402
+from vllm_harness import Driver  # noqa: E402
 from vllm_support import PREFIX, make_driver, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm

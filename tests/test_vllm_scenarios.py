@@ -14,7 +14,8 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
-from kvfsm.integrations.vllm.harness import BLOCK_SIZE, Driver, FakeWorker, HeldBlockReleased  # noqa: E402
+from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker  # noqa: E402
+from vllm_harness import Driver, HeldBlockReleased  # noqa: E402
 from vllm_support import PREFIX, loads_of, make_driver, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm

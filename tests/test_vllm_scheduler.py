@@ -16,7 +16,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvfsm.integrations.vllm import InvalidExtraConfig  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
-from kvfsm.integrations.vllm.harness import Driver, FakeWorker, HeldBlockReleased, vllm_config  # noqa: E402
+from kvfsm.integrations.vllm.rig import FakeWorker, vllm_config  # noqa: E402
+from vllm_harness import Driver, HeldBlockReleased  # noqa: E402
 from vllm_support import PREFIX, loads_of, make_driver, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
@@ -178,6 +179,12 @@ def test_same_step_layer_loads_are_refused_at_start_up(model) -> None:
 def test_extra_config_contradicting_vllm_fails_at_start_up(model) -> None:
     with pytest.raises(InvalidExtraConfig, match="gpu_block_size"):
         Driver(vllm_config(model, {"cpu_blocks": 4, "gpu_block_size": 32}, 16), FakeWorker())
+
+
+def test_kv_events_asked_for_while_vllm_publishes_none_fail_at_start_up(model) -> None:
+    """`kv_events` follows vLLM's `kv_events_config`: recording events vLLM drops would only cost time."""
+    with pytest.raises(InvalidExtraConfig, match="kv_events=True, but vLLM runs with False"):
+        Driver(vllm_config(model, {"cpu_blocks": 4, "kv_events": True}, 16), FakeWorker())
 
 
 def test_control_block_tables_that_miss_a_steps_new_blocks_are_caught(make_driver, monkeypatch) -> None:

@@ -11,14 +11,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
-from kvfsm.integrations.vllm.harness import (  # noqa: E402
-    BLOCK_SIZE,
-    ComputedWhileLoading,
-    Driver,
-    FakeRanks,
-    FakeWorker,
-    vllm_config,
-)
+from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker, vllm_config  # noqa: E402
+from vllm_harness import ComputedWhileLoading, Driver, FakeRanks  # noqa: E402
 from kvfsm.integrations.vllm.worker_side import engine_rank  # noqa: E402
 from kvfsm.testing.mutants import complete_on_first_report  # noqa: E402
 from vllm_support import model  # noqa: E402,F401  (the tiny model fixture)

@@ -21,14 +21,8 @@ from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder  # noqa: E402
 from kvfsm.executor.transfer import Segments  # noqa: E402
 from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, WrongRole  # noqa: E402
 from kvfsm.integrations.vllm.convert import KvfsmMetadata  # noqa: E402
-from kvfsm.integrations.vllm.harness import (  # noqa: E402
-    BLOCK_SIZE,
-    AdapterWorker,
-    Driver,
-    kv_cache_config,
-    model_config,
-    vllm_config,
-)
+from kvfsm.integrations.vllm.rig import BLOCK_SIZE, kv_cache_config, model_config, vllm_config  # noqa: E402
+from vllm_harness import AdapterWorker, Driver  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -11,7 +11,8 @@ from typing import Iterator
 import pytest
 
 from kvfsm.connector.metadata import LoadOrder
-from kvfsm.integrations.vllm.harness import BLOCK_SIZE, Driver, FakeWorker, model_config, vllm_config
+from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker, model_config, vllm_config
+from vllm_harness import Driver
 
 PREFIX = list(range(100, 100 + 4 * BLOCK_SIZE))
 

@@ -1,8 +1,10 @@
 """`python -m kvfsm.bench`: every kvfsm benchmark in one process, each figure beside the ceiling of the same run.
 
 The bare command runs all parts; a subcommand runs one. Without CUDA only the CPU-side parts run and the rest are
-listed as skipped (exit status 0). Results go to `--out`: `bench.json` (everything, with the goals and whether
-each was met) and `bench.png`. Performance is reported here, never asserted.
+listed as skipped (exit status 0). Results go to `--out` (given before or after the part's name): `bench.json`
+(everything, with the goals and whether each was met) and, when the connector or ttft part ran (they need CUDA)
+and matplotlib is installed, `bench.png`; the console says why when it is not drawn. Performance is reported
+here, never asserted.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvfsm.bench import plot, scheduler, steps
+from kvfsm.bench import plot
 from kvfsm.mooncake import available as mooncake_available
+from kvfsm.options import folder_option
 
 PARTS = ("scheduler", "disk", "transfer", "connector", "ttft", "mooncake")
 GPU_PARTS = ("transfer", "connector", "ttft")
@@ -54,11 +56,15 @@ console = Console(width=130)
 
 
 def _free_gpu() -> None:
+    import torch
+
     gc.collect()
     torch.cuda.empty_cache()
 
 
 def _scheduler(result: dict[str, Any], quick: bool) -> None:
+    from kvfsm.bench import scheduler, steps
+
     size = {"steps": 6, "requests": 16, "num_slots": 512, "documents": 32} if quick else {}
     result["scheduler"] = {
         "manager": {policy: scheduler.run(policy, **size) for policy in ("lru", "arc")},  # type: ignore[arg-type]
@@ -114,6 +120,8 @@ def layers_that_fit(free_bytes: int, max_tokens: int) -> int:
 
 
 def _ttft(result: dict[str, Any], quick: bool) -> None:
+    import torch
+
     from kvfsm.bench import transfer, ttft
     from kvfsm.executor import CudaDevice
 
@@ -300,7 +308,10 @@ def _print(result: dict[str, Any]) -> None:
 
 
 def collect(parts: tuple[str, ...], out: Path, quick: bool) -> dict[str, Any]:
-    """Run `parts` in order, write `bench.json` and `bench.png` into `out`, print the tables; returns the result."""
+    """Run `parts` in order, write `bench.json` and `bench.png` (or why not) into `out`, print the tables; returns
+    the result."""
+    import torch
+
     cuda = torch.cuda.is_available()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                               "quick": quick, "skipped": [p for p in parts if p in GPU_PARTS and not cuda]
@@ -317,13 +328,18 @@ def collect(parts: tuple[str, ...], out: Path, quick: bool) -> dict[str, Any]:
     result["errors"] = errors
     result["verdicts"] = verdicts(result)
     out.mkdir(parents=True, exist_ok=True)
-    result["plot"] = plot.save(result, out / "bench.png") or "bench.png"
+    not_drawn = plot.save(result, out / "bench.png")
+    result["plot"] = not_drawn or "bench.png"
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     _print(result)
+    console.print(f"wrote {out / 'bench.json'}")
+    console.print(f"wrote {out / 'bench.png'}" if not_drawn is None else f"[yellow]no bench.png[/yellow]: {not_drawn}")
     return result
 
 
-OUT = typer.Option(Path("bench-out"), "--out", file_okay=False, help="directory for bench.json and bench.png")
+DEFAULT_OUT = Path("bench-out")
+OUT = folder_option(None, "--out", help=f"directory for bench.json and bench.png (default {DEFAULT_OUT}; a part's "
+                                        "--out defaults to the one given before its name)", show_default=False)
 QUICK = typer.Option(False, "--quick", help="small sizes: checks the plumbing, not the hardware")
 
 
@@ -333,15 +349,26 @@ def _exit(result: dict[str, Any]) -> None:
 
 
 @app.callback(invoke_without_command=True)
-def everything(ctx: typer.Context, out: Path = OUT, quick: bool = QUICK) -> None:
+def everything(ctx: typer.Context, out: Path | None = OUT, quick: bool = QUICK) -> None:
     """Run every part (the bare command)."""
     if ctx.invoked_subcommand is None:
-        _exit(collect(PARTS, out, quick))
+        _exit(collect(PARTS, out or DEFAULT_OUT, quick))
+
+
+def _settings(ctx: typer.Context, out: Path | None, quick: bool) -> tuple[Path, bool]:
+    """A part's `--out` and `--quick`, or those given before its name (`bench --out X scheduler`); one folder
+    given both before and after the name is ambiguous, and refused."""
+    assert ctx.parent is not None  # a part is always a subcommand of the bare command
+    before: Path | None = ctx.parent.params["out"]
+    if out is not None and before is not None and out != before:
+        raise typer.BadParameter(f"given twice: {before} before the part's name, {out} after it", ctx=ctx,
+                                 param_hint="--out")
+    return out or before or DEFAULT_OUT, quick or ctx.parent.params["quick"]
 
 
 def _one(part: str) -> None:
-    def command(out: Path = OUT, quick: bool = QUICK) -> None:
-        _exit(collect((part,), out, quick))
+    def command(ctx: typer.Context, out: Path | None = OUT, quick: bool = QUICK) -> None:
+        _exit(collect((part,), *_settings(ctx, out, quick)))
 
     command.__doc__ = f"Run only the {part} part."
     app.command(part)(command)
@@ -352,14 +379,14 @@ for _part in PARTS:
 
 
 @app.command("vllm")
-def vllm_side_by_side(out: Path = OUT, quick: bool = QUICK) -> None:
+def vllm_side_by_side(ctx: typer.Context, out: Path | None = OUT, quick: bool = QUICK) -> None:
     """kvfsm's vLLM connector beside vLLM's OffloadingConnector under vLLM's Scheduler (needs vLLM 0.32)."""
     try:
         from kvfsm.integrations.vllm import bench as vllm_bench
     except ImportError as missing:
         console.print(f"vllm: skipped ({missing}); run it in the venv with vLLM 0.32")
         return
-    vllm_bench.main(out, quick)
+    vllm_bench.main(*_settings(ctx, out, quick))
 
 if __name__ == "__main__":
     app()

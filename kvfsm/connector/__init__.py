@@ -15,11 +15,12 @@ from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
 from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult
-from kvfsm.connector.validation import NotRegistered, check_halves
+from kvfsm.connector.validation import NotRegistered, UnknownWorker, check_halves
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.machines import MachineSet
+from kvfsm.manager.events import KVCacheEvent
 from kvfsm.tiers.factory import IoFactory
 
 __all__ = ["Connector", "SchedulerConnector", "WorkerConnector", "StepResult"]
@@ -65,6 +66,9 @@ class Connector:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout: str,
                            groups: dict[str, list[str]] | None = None, rank: int = 0) -> KVCaches:
         """Register one rank's caches; every rank's must have as many bytes per block (its share of the heads)."""
+        if not 0 <= rank < len(self.workers):
+            raise UnknownWorker(f"register_kv_caches: rank {rank}; legal ranks with {len(self.workers)} devices: "
+                                f"0 to {len(self.workers) - 1}")
         caches = self.workers[rank].register_kv_caches(kv_caches, layout, groups)
         if self._scheduler is None:
             self._scheduler = SchedulerConnector(self.config, caches.gpu_block_bytes, self.machines,
@@ -103,3 +107,8 @@ class Connector:
 
     def reset_cache(self) -> None:
         self.scheduler.reset_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call, oldest first: which prefixes became loadable from the host
+        pool (`BlockStored`) or stopped being so (`BlockRemoved`). Empty unless `config.kv_events` is on."""
+        return self.scheduler.manager.take_events()

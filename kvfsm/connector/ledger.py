@@ -1,6 +1,6 @@
 """One connector's lifecycle objects, and the one place the spec's couplings between them land.
 
-The spec declares how lifecycles move each other (`couplings:` in `kvfsm/lifecycles/*.yaml`): a store's completion
+The spec declares how lifecycles move each other (`couplings:` in `spec/*.yaml`): a store's completion
 makes its CPU slots ready, unfences the GPU blocks it read and tells its request; a preemption flushes the request's
 stores; a write-back's or a fetch's end (a tier job's) moves its CPU slots.
 The machines carry those couplings out as effects that call `Ledger.couple`, which fires the named trigger on the

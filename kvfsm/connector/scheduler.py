@@ -70,20 +70,20 @@ class RequestView(Protocol):
 
 class SchedulerConnector:
     def __init__(self, config: OffloadConfig, gpu_block_bytes: int, machines: MachineSet | None = None,
-                 keep_history: bool = False, kv_events: bool = False, num_gpu_blocks: int | None = None,
+                 keep_history: bool = False, num_gpu_blocks: int | None = None,
                  tiers: Sequence[LowerTier] = ()) -> None:
-        """`keep_history`: keep ended jobs and released requests (for invariant checks); `kv_events`: record the
-        pool's KV-cache events for an engine that drains them (`manager.take_events()`) every step;
-        `num_gpu_blocks`: the engine's KV-cache size, so block ids beyond it are refused (None: not checked) and each
-        block's fence record is made up front; `tiers`: the lower tiers below the CPU pool, looked up in this order
-        (opened by the worker half of this process)."""
+        """`keep_history`: keep ended jobs and released requests (for invariant checks); `num_gpu_blocks`: the
+        engine's KV-cache size, so block ids beyond it are refused (None: not checked) and each block's fence
+        record is made up front; `tiers`: the lower tiers below the CPU pool, looked up in this order (opened by
+        the worker half of this process). KV-cache events are recorded when `config.kv_events` is on, for an
+        engine that drains them (`manager.take_events()`) every step."""
         check_scheduler(config, gpu_block_bytes, num_gpu_blocks)
         self.config = config
         self.gpu_block_bytes = gpu_block_bytes
         self.num_gpu_blocks = num_gpu_blocks
         self.machines = machines or MachineSet(default_spec())
         self.manager = OffloadingManager(config.num_cpu_blocks(gpu_block_bytes), config.eviction, self.machines,
-                                         events=kv_events)
+                                         events=config.kv_events)
         self.ledger = Ledger(self.machines, self.manager, keep_history, num_gpu_blocks or 0)
         self.stats = ConnectorStats()
         self.step = 0

@@ -24,6 +24,7 @@ to submitted.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from functools import partial
 from typing import Sequence
 
@@ -88,19 +89,26 @@ class WorkerConnector:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout: str,
                            groups: dict[str, list[str]] | None = None) -> KVCaches:
-        """Validate the engine's caches and pin a host pool of exactly the configured size for them."""
+        """Validate the engine's caches, pin a host pool of exactly the configured size for them and open the lower
+        tiers. All or nothing: if any step after the pin fails (a tier that cannot open), the pool is unpinned
+        before the error propagates and nothing is kept, so a retry pins one pool, not a second beside a leaked
+        first that `shutdown` no longer knows of."""
         check_registration(self, kv_caches)
         caches = register_kv_caches(kv_caches, layout, groups)
         check_registered_caches(self.config, caches)
         k = self.config.block_size_factor
-        self._pool = HostPool(self.device, self.config.num_cpu_blocks(caches.gpu_block_bytes),
-                              k * caches.gpu_block_bytes)
-        self._transfers = Transfers(self.device, caches, self._pool, block_size_factor=k,
-                                    mechanism=self.config.mechanism, staging_bytes=self.config.staging_bytes)
-        self._checksums = SlotChecksums(self._pool) if self.config.checksum else None
-        if self.config.lower_tiers:
-            site = TierSite(self.config, self._pool.slot_bytes, self.worker, caches, self._pool)
-            self._tiers = TierRunner(open_tiers(site, self._tier_io, self._keep_lookups, self._machines), self._pool)
+        with ExitStack() as undo:
+            pool = undo.enter_context(HostPool(self.device, self.config.num_cpu_blocks(caches.gpu_block_bytes),
+                                               k * caches.gpu_block_bytes))
+            transfers = Transfers(self.device, caches, pool, block_size_factor=k, mechanism=self.config.mechanism,
+                                  staging_bytes=self.config.staging_bytes)
+            tiers = None
+            if self.config.lower_tiers:  # `open_tiers` closes the tiers it opened if a later one fails
+                site = TierSite(self.config, pool.slot_bytes, self.worker, caches, pool)
+                tiers = TierRunner(open_tiers(site, self._tier_io, self._keep_lookups, self._machines), pool)
+            undo.pop_all()  # registered: the pool now lives until `shutdown`
+        self._pool, self._transfers, self._tiers = pool, transfers, tiers
+        self._checksums = SlotChecksums(pool) if self.config.checksum else None
         self._caches = caches
         return caches
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from kvfsm.connector.stats import ConnectorStats
 from kvfsm.connector.tier_planner import TierStats
 from kvfsm.demo.config import DemoConfig
-from kvfsm.testing.oracle import poisoned
+from kvfsm.engine.oracle import poisoned
 
 EXAMPLES_KEPT = 3
 """Violation lines kept per invariant for the report."""

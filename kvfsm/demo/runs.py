@@ -1,8 +1,9 @@
 """Serving the demo's workload: the engine steps through the arrivals, with or without kvfsm, checked after each step.
 
 `run_once` builds a fresh device, connector and engine for one run, serves the arrivals (`serve_arrivals`) and
-records every invariant violation, refusal and trace drift in a `RunReport`; `run_demo` makes the two runs the
-demo compares. `kvfsm.tp` steps its ranks with `serve_arrivals` and serves its reference with `run_once`.
+records every invariant violation, refusal and trace drift in a `RunReport`; `run_plan` makes the two runs the
+demo compares from a checked `DemoPlan`, and `run_demo` plans them first. `kvfsm.tp` steps its ranks with
+`serve_arrivals` and serves its reference with `run_once`.
 """
 
 from __future__ import annotations
@@ -16,24 +17,24 @@ from typing import Callable, Iterator
 import torch
 from rich.progress import Progress
 
-from kvfsm.config import DiskTierConfig, LowerTierConfig, MooncakeTierConfig, OffloadConfig
+from kvfsm.checking import TraceRecorder
 from kvfsm.connector import Connector
 from kvfsm.connector.scheduler import UnknownRequest
 from kvfsm.connector.validation import UnknownJob
-from kvfsm.demo.config import CUDA_SHAPE, SIM_SHAPE, DemoConfig, DeviceKind, engine_config_for, resolve_device
+from kvfsm.demo.config import DemoConfig, DeviceKind
 from kvfsm.demo.pacing import OneStepBehind
+from kvfsm.demo.plan import DemoPlan, offload_config, plan_demo
 from kvfsm.demo.results import DemoResult, RunReport
+from kvfsm.demo.switches import MUTANTS
 from kvfsm.engine.engine import Engine, EngineConfig
+from kvfsm.engine.world import EngineWorld
 from kvfsm.executor.cuda import CudaDevice
 from kvfsm.executor.device import Device
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import check_all
 from kvfsm.machines import IllegalTrigger
 from kvfsm.manager.catalogue import ManagerError
-from kvfsm.testing.mutants import MUTANTS
-from kvfsm.testing.trace import TraceRecorder
-from kvfsm.testing.world import EngineWorld
-from kvfsm.workload import Arrival, generate, minimum_compute
+from kvfsm.workload import Arrival, minimum_compute
 
 MAX_STEPS_PER_REQUEST = 50
 """A run taking more engine steps than this per request (beyond the last arrival) has stalled."""
@@ -78,17 +79,7 @@ def run_once(config: DemoConfig, kind: DeviceKind, engine_config: EngineConfig, 
     device = _new_device(kind, config.seed)
     connector = None
     if offload:
-        block_bytes = config.block_size_factor * shape.gpu_block_bytes
-        tiers: tuple[LowerTierConfig, ...] = (DiskTierConfig(
-            path=config.disk, capacity_bytes=config.disk_blocks * block_bytes, writeback=config.writeback),
-        ) if config.disk is not None else ()
-        if config.mooncake_master is not None:
-            tiers += (MooncakeTierConfig(master=config.mooncake_master, model_id="kvfsm-demo-toy",
-                                         kv_dtype=str(shape.dtype), writeback=config.writeback),)
-        connector = Connector(OffloadConfig(cpu_blocks=config.cpu_blocks, block_size_factor=config.block_size_factor,
-                                            gpu_block_size=shape.block_size, eviction=config.eviction.value,
-                                            lower_tiers=tiers),
-                              device, keep_history=True)
+        connector = Connector(offload_config(config, shape), device, keep_history=True)
     engine = Engine(engine_config, device, connector)
     if connector is not None and config.mutant is not None:
         MUTANTS[config.mutant].apply(engine, connector)
@@ -152,19 +143,20 @@ def _one_cpu_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def run_demo(config: DemoConfig, progress: Progress | None = None) -> DemoResult:
-    """The workload served without offloading, then with kvfsm, on the same kind of device."""
-    kind = resolve_device(config.device)
-    shape = SIM_SHAPE if kind is DeviceKind.cpu else CUDA_SHAPE
-    arrivals = generate(config.workload, shape.vocab, config.seed)
-    engine_config = engine_config_for(arrivals, config.gpu_blocks, shape)
+def run_plan(plan: DemoPlan, progress: Progress | None = None) -> DemoResult:
+    """The planned workload served without offloading, then with kvfsm, on the same kind of device."""
     reports = []
-    with _one_cpu_thread() if kind is DeviceKind.cpu else nullcontext():
+    with _one_cpu_thread() if plan.kind is DeviceKind.cpu else nullcontext():
         for label, offload in (("without offloading", False), ("with kvfsm", True)):
             advance: Callable[[int], None] = lambda finished: None
             if progress is not None:
-                task = progress.add_task(label, total=len(arrivals))
+                task = progress.add_task(label, total=len(plan.arrivals))
                 advance = lambda finished, task=task: progress.update(task, completed=finished)  # noqa: E731
-            reports.append(run_once(config, kind, engine_config, arrivals, offload, advance))
-    return DemoResult(config, len(arrivals), minimum_compute(arrivals, shape.block_size), *reports)
+            reports.append(run_once(plan.config, plan.kind, plan.engine, plan.arrivals, offload, advance))
+    return DemoResult(plan.config, len(plan.arrivals), minimum_compute(plan.arrivals, plan.engine.model.block_size),
+                      *reports)
 
+
+def run_demo(config: DemoConfig, progress: Progress | None = None) -> DemoResult:
+    """`config` checked (`plan_demo`: any refusal comes before either run), then served by `run_plan`."""
+    return run_plan(plan_demo(config), progress)

@@ -1,6 +1,6 @@
 """The executor: devices (real and simulated), the pinned host pool, KV-cache layouts and transfer mechanisms."""
 
-from kvfsm.executor.cuda import CudaDevice, HostRegisterError
+from kvfsm.executor.cuda import CudaDevice, CudaUnavailable, HostRegisterError
 from kvfsm.executor.device import STREAMS, Device, Event, StreamName, Touch
 from kvfsm.executor.layouts import LAYOUTS, KVCaches, LayoutError, Plane, register_kv_caches
 from kvfsm.executor.mechanisms import MECHANISMS, MechanismError
@@ -9,7 +9,7 @@ from kvfsm.executor.sim import SimDeadlock, SimDevice, SimScheduleError, Unknown
 from kvfsm.executor.transfer import POISON_BYTE, IdOutOfRange, TransferError, Transfers
 
 __all__ = [
-    "CudaDevice", "HostRegisterError",
+    "CudaDevice", "CudaUnavailable", "HostRegisterError",
     "STREAMS", "Device", "Event", "StreamName", "Touch",
     "LAYOUTS", "KVCaches", "LayoutError", "Plane", "register_kv_caches",
     "MECHANISMS", "MechanismError",

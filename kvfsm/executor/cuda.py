@@ -21,6 +21,10 @@ class HostRegisterError(RuntimeError):
     """The CUDA runtime refused to register (or unregister) a host buffer."""
 
 
+class CudaUnavailable(RuntimeError):
+    """`CudaDevice` was built where torch sees no CUDA device (or not the one named)."""
+
+
 class CudaDevice:
     """Three CUDA streams and torch events; `enqueue` issues work at once, on the named stream."""
 
@@ -28,6 +32,14 @@ class CudaDevice:
     accesses: tuple[Access, ...] = ()  # the GPU keeps no access log; the ordering invariants run on SimDevice
 
     def __init__(self, index: int | None = None) -> None:
+        """Checks first that the device exists: torch would otherwise fail on its first CUDA call with a bare
+        `AssertionError` (a CPU-only build) or an invalid-ordinal error that does not say which index was asked."""
+        if not torch.cuda.is_available():
+            raise CudaUnavailable("CudaDevice: torch sees no CUDA device here; on a CPU-only machine use "
+                                  "kvfsm.executor.SimDevice")
+        count = torch.cuda.device_count()
+        if index is not None and not 0 <= index < count:
+            raise CudaUnavailable(f"CudaDevice: no CUDA device {index}; legal: 0 to {count - 1}")
         self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self.streams: dict[StreamName, torch.cuda.Stream] = {
             "compute": torch.cuda.current_stream(self._device),

@@ -181,9 +181,13 @@ class RowCopies:
                        src.is_cuda, width, height)
 
     def flush(self) -> None:
-        """Issue the one-row copies held so far as one batch."""
+        """Issue the one-row copies held so far as one batch. They are let go whether or not the driver took
+        them: a refused batch raised once, failing its job, and still held it would go to the driver again as
+        the context ends, raising a second error over the first or, if taken then, copying for a failed job."""
         held = self._held
         if held is not None and held[2]:
-            self._raw.copy_many(*held, self._to_device, self._device)  # type: ignore[union-attr]
-            for column in held:  # emptied in place: the driver got copies of them
-                column.clear()
+            try:
+                self._raw.copy_many(*held, self._to_device, self._device)  # type: ignore[union-attr]
+            finally:
+                for column in held:  # emptied in place: the driver got copies of them
+                    column.clear()

@@ -108,7 +108,7 @@ class OffloadingManager:
         }
 
     def fire(self, trigger: str, slots: Sequence[int], **_: Any) -> None:
-        """A coupling's entry: a job's transition moves its slots (the ledger calls this; see `kvfsm/lifecycles/`).
+        """A coupling's entry: a job's transition moves its slots (the ledger calls this; see `spec/`).
 
         Each coupled trigger goes through the method that keeps the indexes that transition implies (looked up
         by name at call time, so a patched method, as a mutant patches it, is the one used)."""

@@ -8,17 +8,19 @@ Mermaid text is produced from the spec directly: it needs no binary, so it is al
 
 One concern per module, imported one way: `diagram_model` holds the arrows both drawings share, `graphviz_drawing`
 and `mermaid_text` draw them, `generated` makes `docs/spec.md` (with the Mermaid text) and `kvfsm/states.py`, and
-`cli` is the command over all of them (`__main__` runs it). Their public names are importable from here.
+`cli` is the command over all of them (`__main__` runs it). Their public names are importable from here, each
+imported on first use (`lazy_loader`), so `--help` never imports the runtime's bindings and torch.
 """
 
-from kvfsm.render.cli import DOCS_DIR, INSTALL_GRAPHVIZ, STATES_MODULE, Format, app, main, write_mermaid, write_pictures
-from kvfsm.render.diagram_model import Branch, Choice, Diagram, Edge, branches, diagram, transition_label
-from kvfsm.render.generated import DOCS_COMMAND, spec_markdown, states_module
-from kvfsm.render.graphviz_drawing import digraph
-from kvfsm.render.mermaid_text import couplings_mermaid, mermaid
+import lazy_loader
 
-__all__ = [
-    "DOCS_COMMAND", "DOCS_DIR", "INSTALL_GRAPHVIZ", "STATES_MODULE", "Branch", "Choice", "Diagram", "Edge", "Format",
-    "app", "branches", "couplings_mermaid", "diagram", "digraph", "main", "mermaid", "spec_markdown", "states_module",
-    "transition_label", "write_mermaid", "write_pictures",
-]
+_HOMES = {
+    "cli": ("DOCS_DIR", "INSTALL_GRAPHVIZ", "STATES_MODULE", "Format", "app", "main", "write_mermaid",
+            "write_pictures"),
+    "diagram_model": ("Branch", "Choice", "Diagram", "Edge", "branches", "diagram", "transition_label"),
+    "generated": ("DOCS_COMMAND", "spec_markdown", "states_module"),
+    "graphviz_drawing": ("digraph",),
+    "mermaid_text": ("couplings_mermaid", "mermaid"),
+}
+__getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs=_HOMES)
+

@@ -1,7 +1,9 @@
 """`python -m kvfsm.render`: lifecycle diagrams and the `docs/spec.md` reference, drawn from the spec.
 
 The command line: it loads (and so validates) a spec, writes diagrams into a folder, and with `--docs` rewrites
-the generated files of a source checkout. Everything it writes is made by the sibling modules.
+the generated files of a source checkout. Everything it writes is made by the sibling modules. The runtime's
+bindings (and with them torch) and the Graphviz drawing are imported once the options are parsed, so `--help` is
+quick; an `--out` folder that cannot be written is refused as the options are parsed (`kvfsm.options`).
 """
 
 from __future__ import annotations
@@ -9,12 +11,10 @@ from __future__ import annotations
 from enum import Enum
 from pathlib import Path
 
-import graphviz
 import typer
 
-from kvfsm.bindings import default_registry
+from kvfsm.options import folder_option
 from kvfsm.render.generated import spec_markdown, states_module
-from kvfsm.render.graphviz_drawing import digraph
 from kvfsm.render.mermaid_text import mermaid
 from kvfsm.spec import DEFAULT_SPEC_DIR, Spec, SpecError, load_spec
 
@@ -45,6 +45,8 @@ def write_mermaid(spec: Spec, out: Path) -> list[Path]:
 
 def write_pictures(spec: Spec, out: Path, fmt: str) -> list[Path]:
     """One `<lifecycle>.<fmt>` per lifecycle in `out`; raises `graphviz.ExecutableNotFound` without `dot`."""
+    from kvfsm.render.graphviz_drawing import digraph
+
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, lc in spec.lifecycles.items():
@@ -61,11 +63,15 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n")[0])
 def main(
     spec_dir: Path = typer.Option(DEFAULT_SPEC_DIR, "--spec", exists=True, file_okay=False,
                                   help="Spec folder to load (and so validate)."),
-    out: Path | None = typer.Option(None, "--out", file_okay=False, help="Folder for one diagram per lifecycle."),
+    out: Path | None = folder_option(None, "--out", help="Folder for one diagram per lifecycle."),
     fmt: Format = typer.Option(Format.svg, "--format", help="Picture format; mermaid text is written in every case."),
     docs: bool = typer.Option(False, "--docs", help="Regenerate docs/spec.md, docs/diagrams/*.svg, kvfsm/states.py."),
 ) -> None:
     """Draw one diagram per lifecycle of the spec, and/or regenerate the docs."""
+    import graphviz
+
+    from kvfsm.bindings import default_registry
+
     if out is None and not docs:
         raise typer.BadParameter("name a folder with --out DIR, or pass --docs to regenerate docs/", param_hint="--out")
     if docs and not (DOCS_DIR / "spec.md").is_file():

@@ -53,8 +53,9 @@ def _names(names: Sequence[str]) -> str:
 
 
 def _shown(spec_dir: Path) -> str:
-    """A spec folder as the docs name it: its last two parts (`kvfsm/lifecycles`), the same on every machine."""
-    return f"{spec_dir.parent.name}/{spec_dir.name}"
+    """A spec folder as the docs name it: its own name (`spec`, the checkout's top-level folder), the same in every
+    checkout and worktree, where a longer path would name the machine's folders."""
+    return spec_dir.name
 
 
 def spec_markdown(spec: Spec, spec_dir: Path) -> str:

@@ -17,10 +17,13 @@ from typing import Literal, Sequence
 import torch
 
 from kvfsm.bindings import default_spec
+from kvfsm.checking import DEVICE_LOG_INVARIANTS, TraceRecorder
 from kvfsm.config import DiskTierConfig, LowerTierConfig, MooncakeTierConfig, OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine, EngineConfig
 from kvfsm.engine.model import ModelShape
+from kvfsm.engine.oracle import BlockOracle, expected_tokens, poisoned
+from kvfsm.engine.world import EngineWorld
 from kvfsm.executor.device import Device
 from kvfsm.invariants import check_all
 from kvfsm.machines import Backend, MachineSet
@@ -29,10 +32,7 @@ from kvfsm.states import TierEntryState as Entry
 from kvfsm.testing.copy_faults import FaultInjector
 from kvfsm.testing.mooncake_store import MooncakeFaults, tier_of
 from kvfsm.testing.mutants import MUTANTS, TP_MUTANTS
-from kvfsm.testing.oracle import BlockOracle, expected_tokens, poisoned
 from kvfsm.testing.tier_faults import TierFaults
-from kvfsm.testing.trace import TraceRecorder
-from kvfsm.testing.world import DEVICE_LOG_INVARIANTS, EngineWorld
 from kvfsm.tiers.disk import DiskTier
 from kvfsm.tiers.io import ManualIo
 

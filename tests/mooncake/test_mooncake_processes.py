@@ -17,7 +17,7 @@ ENGINE = """
 import json, sys
 from kvfsm.executor import SimDevice
 from kvfsm.testing.harness import Harness
-from kvfsm.testing.oracle import expected_tokens
+from kvfsm.engine.oracle import expected_tokens
 
 master, tenant = sys.argv[1], sys.argv[2]
 prompt = tuple(range(3, 3 + 24))

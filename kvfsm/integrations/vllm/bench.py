@@ -45,7 +45,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvfsm.integrations.vllm.config import gpu_block_bytes
-from kvfsm.integrations.vllm.harness import (
+from kvfsm.integrations.vllm.rig import (
     BLOCK_SIZE,
     KVFSM_CONNECTOR,
     FakeWorker,

@@ -1,9 +1,12 @@
 """kvfsm's configuration from vLLM's: the user's `kv_connector_extra_config`, checked against the engine.
 
-Settings vLLM already decides (tokens per block, how many workers report each job) are taken from vLLM; a user who
-also sets them must agree with it, or start-up fails naming both values. Every worker of the engine reports each
-job: vLLM's `KVOutputAggregator` counts `parallel_config.world_size` of them (tensor x pipeline x prefill-context
-parallel; pipeline stages other than the last pass their connector output through), so that is `num_workers`.
+Settings vLLM already decides (tokens per block, how many workers report each job, whether KV-cache events are
+published) are taken from vLLM; a user who also sets them must agree with it, or start-up fails naming both values.
+vLLM drains the connector's KV-cache events every step and publishes them only under `--kv-events-config
+'{"enable_kv_cache_events": true}'`, so kvfsm records them (`kv_events`) exactly then. Every worker of the engine
+reports each job: vLLM's `KVOutputAggregator` counts `parallel_config.world_size` of them (tensor x pipeline x
+prefill-context parallel; pipeline stages other than the last pass their connector output through), so that is
+`num_workers`.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ class UnsupportedKVCache(ValueError):
 def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
     transfer = vllm_config.kv_transfer_config
     extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {}) if transfer is not None else {}
+    events = vllm_config.kv_events_config
     from_engine = {
         "gpu_block_size": vllm_config.cache_config.block_size,
         "num_workers": vllm_config.parallel_config.world_size,
+        "kv_events": events is not None and events.enable_kv_cache_events,
     }
     for key, value in from_engine.items():
         if key in extra and extra[key] != value:

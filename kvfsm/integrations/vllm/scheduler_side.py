@@ -51,7 +51,7 @@ class UnexpectedAllocation(RuntimeError):
 
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
-        self.kvfsm = SchedulerConnector(config, gpu_block_bytes(kv_cache_config), kv_events=True,  # vLLM takes them
+        self.kvfsm = SchedulerConnector(config, gpu_block_bytes(kv_cache_config),
                                         num_gpu_blocks=kv_cache_config.num_blocks)
         self.codec = HashCodec()
         self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage)

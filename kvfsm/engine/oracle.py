@@ -1,8 +1,9 @@
-"""The data oracles: what the bytes and the tokens must be, computed without kvfsm.
+"""The toy model's data oracles: what the bytes and the tokens must be, computed without kvfsm.
 
 The toy model's KV is a pure function of (token, position, layer), so the bytes a CPU block must hold follow from
 the prompt tokens its hash covers; and a request's tokens follow from its prompt, so the run without offloading
-(`expected_tokens`) is the reference every offloaded run must reproduce exactly.
+(`expected_tokens`) is the reference every offloaded run must reproduce exactly. They live beside the toy model
+because the demo's and `kvfsm.tp`'s verdicts read them, as the tests do.
 """
 
 from __future__ import annotations

@@ -1,32 +1,46 @@
-"""The `World` the spec's invariants read, assembled from a running engine, its connector and its device."""
+"""kvfsm's `World` (what the named invariants read) seen from a scheduler half, and from a device log alone.
+
+`ConnectorWorld` is the part of the world every integration has: the scheduler half's records. An engine adds its
+device log and knows when it is idle (`kvfsm.checking.integration.IntegrationWorld`); an adapter whose worker lives
+in another process has neither, and says itself when everything should be drained (`idle`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-from kvfsm.connector import Connector, SchedulerConnector
-from kvfsm.engine.engine import Engine
+from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.executor.access import Access
 from kvfsm.executor.device import Device
-from kvfsm.invariants import Deferral
-from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TransferJob
-from kvfsm.tiers.base import LowerTier
-from kvfsm.records import TierJob
+from kvfsm.invariants import Deferral, TierView
+from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TierJob, TransferJob
 
 
-class EngineWorld:
-    """A live view: every attribute reads the current state, so one instance serves a whole run.
+def _never() -> bool:
+    return False
 
-    The device log is rank 0's unless `device` names another rank's (the ordering invariants hold on each rank's
-    device). `connector` is both halves, or the scheduler half alone (the other ranks' halves in other processes).
-    """
 
-    def __init__(self, engine: Engine, connector: Connector | SchedulerConnector, device: Device | None = None) -> None:
-        self.engine = engine
-        self.connector = connector
-        self.scheduler = connector.scheduler if isinstance(connector, Connector) else connector
-        self.device = device or engine.device
+class ConnectorWorld:
+    """A live view of a scheduler half: every attribute reads the current state, so one instance serves a whole
+    run. No device log and no lower tier is visible from here (`accesses` and `tiers` are empty); `is_idle` says
+    when the engine and the workers have nothing left, which turns on the `drained` invariant."""
+
+    def __init__(self, scheduler: SchedulerConnector, is_idle: Callable[[], bool] = _never) -> None:
+        self.scheduler = scheduler
+        self._is_idle = is_idle
+
+    @property
+    def idle(self) -> bool:
+        return self._is_idle()
+
+    @property
+    def accesses(self) -> Sequence[Access]:
+        return ()
+
+    @property
+    def tiers(self) -> Sequence[TierView]:
+        return ()
 
     @property
     def cpu_blocks(self) -> Sequence[CpuBlock]:
@@ -57,31 +71,16 @@ class EngineWorld:
         return self.scheduler.reported_failed
 
     @property
-    def tiers(self) -> Sequence[LowerTier]:
-        return self.connector.worker.lower_tiers if isinstance(self.connector, Connector) else ()
-
-    @property
     def tier_jobs(self) -> Mapping[int, TierJob]:
         return self.scheduler.tier_jobs
 
     @property
     def writeback_bound(self) -> int:
-        return self.connector.config.writeback_max_bytes_in_flight
-
-    @property
-    def accesses(self) -> Sequence[Access]:
-        return getattr(self.device, "accesses", ())
+        return self.scheduler.config.writeback_max_bytes_in_flight
 
     @property
     def num_workers(self) -> int:
-        return self.connector.config.num_workers
-
-    @property
-    def idle(self) -> bool:
-        tiers = self.scheduler.tiers
-        devices = [rank.device for rank in self.engine.ranks.local] if self.engine.ranks else [self.engine.device]
-        return (not self.engine.has_work and all(getattr(device, "idle", True) for device in devices)
-                and (tiers is None or tiers.idle))
+        return self.scheduler.config.num_workers
 
 
 DEVICE_LOG_INVARIANTS = ("store-after-compute", "layer-store-after-compute", "fence", "layer-stores-flushed",

@@ -1,60 +1,45 @@
-"""vLLM's real `Scheduler` on a CPU, driven step by step with a fake worker: what the vLLM adapter tests run on.
+"""vLLM's real `Scheduler` on a CPU, driven step by step, with every check: what the vLLM adapter tests run on.
 
-With tensor parallelism (`FakeRanks`) each rank is a fake worker of its own, and their outputs reach the scheduler
-through vLLM's own `KVOutputAggregator`, as vLLM's executors deliver them.
-
-The fake worker reads kvfsm's orders from `scheduler_output.kv_connector_metadata` and completes each job a chosen
-number of steps after it was ordered, as a GPU would report it; flushed stores complete in the step that flushes
-them (the real worker waits for them before the forward pass). It reports a failed load's GPU blocks as vLLM's
-`invalid_block_ids`, as `WorkerSide` does. After every scheduling and every output the harness checks the rule the
-adapter exists to keep: no GPU block read or written by an unfinished, unflushed job has left its request; and
-`SpecChecks` traces every transition against the spec, checks kvfsm's named invariants after every step and, once
-idle, that everything drained.
+The rig (`kvfsm.integrations.vllm.rig`: vLLM's configuration, `FakeWorker`) is the bench's too; this harness adds
+what only tests need. With tensor parallelism (`FakeRanks`) each rank is a fake worker of its own, and their outputs
+reach the scheduler through vLLM's own `KVOutputAggregator`, as vLLM's executors deliver them. After every
+scheduling and every output the harness checks the rule the adapter exists to keep: no GPU block read or written by
+an unfinished, unflushed job has left its request; and `SpecChecks` traces every transition against the spec,
+checks kvfsm's named invariants after every step and, once idle, that everything drained.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
-import torch  # noqa: E402
-import vllm.platforms as platforms  # noqa: E402
-from vllm.platforms.cpu import CpuPlatform  # noqa: E402
-
-platforms._current_platform = CpuPlatform()
-
-from vllm.config import (  # noqa: E402
-    CacheConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
+from kvfsm.connector.metadata import ConnectorMetadata
+from kvfsm.integrations.vllm.checks import SpecChecks
+from kvfsm.integrations.vllm.connector import KvfsmConnector
+from kvfsm.integrations.vllm.convert import computed_before
+from kvfsm.integrations.vllm.rig import (
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    FakeJob,
+    FakeWorker,
+    kv_cache_config,
+    model_output,
+    sampled_requests,
 )
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-
-from kvfsm.connector.metadata import ConnectorMetadata, WorkerOutput  # noqa: E402
-from kvfsm.integrations.vllm.checks import SpecChecks  # noqa: E402
-from kvfsm.integrations.vllm.connector import KvfsmConnector  # noqa: E402
-from kvfsm.integrations.vllm.convert import KvfsmWorkerMetadata, computed_before  # noqa: E402
-
-BLOCK_SIZE = 16
-NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 2, 2, 64
-MAX_MODEL_LEN = 4096
-SAMPLED_TOKEN = 7
 
 
 class HeldBlockReleased(AssertionError):
@@ -63,120 +48,6 @@ class HeldBlockReleased(AssertionError):
 
 class ComputedWhileLoading(AssertionError):
     """vLLM scheduled compute for a request while a rank was still loading its blocks."""
-
-
-def tiny_model(folder: Path) -> Path:
-    """A model folder vLLM accepts without weights or tokenizer: only a Llama config."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(
-        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,'
-        ' "intermediate_size": 512, "num_hidden_layers": %d, "num_attention_heads": 4,'
-        ' "num_key_value_heads": %d, "vocab_size": 1000, "max_position_embeddings": %d,'
-        ' "torch_dtype": "float16", "rms_norm_eps": 1e-5}' % (NUM_LAYERS, NUM_KV_HEADS, MAX_MODEL_LEN))
-    return folder
-
-
-def model_config(folder: Path) -> ModelConfig:
-    return ModelConfig(model=str(tiny_model(folder)), skip_tokenizer_init=True)
-
-
-KVFSM_CONNECTOR = "KvfsmConnector"
-
-
-def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
-                connector: str | None = KVFSM_CONNECTOR, max_batched_tokens: int = 512,
-                max_seqs: int = 32, tensor_parallel_size: int = 1) -> VllmConfig:
-    """vLLM's configuration with `connector` (kvfsm's, one of vLLM's own by name, or None for none)."""
-    transfer = None if connector is None else KVTransferConfig(
-        kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra,
-        kv_connector_module_path="kvfsm.integrations.vllm" if connector == KVFSM_CONNECTOR else None,
-        kv_load_failure_policy="recompute")
-    config = VllmConfig(
-        model_config=model, cache_config=CacheConfig(block_size=BLOCK_SIZE),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_batched_tokens, max_num_seqs=max_seqs,
-                                         max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
-        kv_transfer_config=transfer, parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
-    config.cache_config.num_gpu_blocks = num_gpu_blocks
-    return config
-
-
-def kv_cache_config(num_gpu_blocks: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
-                             dtype=torch.float16)
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    return KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
-
-
-def model_output(scheduler: Scheduler, output: SchedulerOutput,
-                 connector_output: KVConnectorOutput | None) -> ModelRunnerOutput:
-    """What a model runner returns for `output`: one token for each request whose prompt is now computed."""
-    req_ids = list(output.num_scheduled_tokens)
-    requests = scheduler.requests
-    sampled = [[SAMPLED_TOKEN] if requests[r].num_computed_tokens >= requests[r].num_tokens else [] for r in req_ids]
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=sampled, kv_connector_output=connector_output)
-
-
-def sampled_requests(outputs: dict[int, Any]) -> list[str]:
-    """Requests that got a new token in `Scheduler.update_from_output`'s result."""
-    return [out.request_id for engine in outputs.values() for out in engine.outputs if out.new_token_ids]
-
-
-@dataclass
-class _Job:
-    job_id: int
-    req_id: str
-    kind: str
-    gpu_blocks: tuple[int, ...]
-    due: int
-    ok: bool = True
-
-
-@dataclass
-class FakeWorker:
-    """Completes kvfsm jobs `load_steps` / `store_steps` steps after their order; fails loads of `fail_loads`."""
-
-    rank: int = 0
-    load_steps: int = 1
-    store_steps: int = 1
-    fail_loads: set[str] = field(default_factory=set)
-    report_invalid_blocks: bool = True
-    """False is a control: a failed load is reported as failed but its blocks are not named to vLLM."""
-    pending: dict[int, _Job] = field(default_factory=dict)
-    loads: list[_Job] = field(default_factory=list)
-    finished: list[_Job] = field(default_factory=list)
-
-    def step(self, step: int, output: SchedulerOutput, scheduler: Scheduler) -> KVConnectorOutput:
-        orders = output.kv_connector_metadata.orders
-        for job_id in orders.flush:
-            if job_id in self.pending:
-                self.pending[job_id].due = step
-        for load in orders.loads:
-            job = _Job(load.job_id, load.req_id, "load", load.gpu_blocks, step + self.load_steps - 1,
-                       ok=load.req_id not in self.fail_loads)
-            self.pending[job.job_id] = job
-            self.loads.append(job)
-        for store in orders.stores:
-            self.pending[store.job_id] = _Job(store.job_id, store.req_id, "store", store.gpu_blocks,
-                                              step + self.store_steps)
-        finished = [j for j in self.pending.values() if j.due <= step]
-        for job in finished:
-            del self.pending[job.job_id]
-        self.finished += finished
-        report = WorkerOutput(worker=self.rank, done=tuple(j.job_id for j in finished if j.ok),
-                              failed=tuple(j.job_id for j in finished if not j.ok))
-        invalid = {b for j in finished if not j.ok and j.kind == "load" for b in j.gpu_blocks}
-        return KVConnectorOutput(
-            kv_connector_worker_meta=KvfsmWorkerMetadata((report,)) if finished else None,
-            invalid_block_ids=invalid if self.report_invalid_blocks else set())
-
-    def in_flight(self, flushed: tuple[int, ...] = ()) -> list[_Job]:
-        return [j for j in self.pending.values() if j.job_id not in flushed]
-
-    @property
-    def pending_jobs(self) -> bool:
-        return bool(self.pending)
 
 
 class FakeRanks:
@@ -196,7 +67,7 @@ class FakeRanks:
         assert aggregated is not None and aggregated.kv_connector_output is not None
         return aggregated.kv_connector_output
 
-    def in_flight(self, flushed: tuple[int, ...] = ()) -> list[_Job]:
+    def in_flight(self, flushed: tuple[int, ...] = ()) -> list[FakeJob]:
         return [job for w in self.workers for job in w.in_flight(flushed)]
 
     @property
@@ -258,7 +129,7 @@ class AdapterWorker:
         first = next(iter(self.caches.values()))
         return [int(v) for v in first[0, block_id, :, 0, 0]]
 
-    def in_flight(self, flushed: tuple[int, ...] = ()) -> list[_Job]:
+    def in_flight(self, flushed: tuple[int, ...] = ()) -> list[FakeJob]:
         return []
 
     @property

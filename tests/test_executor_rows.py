@@ -1,0 +1,146 @@
+"""Row copies as the CUDA driver sees them: what a batch of one-row copies asks the driver, and what happens to a
+batch it refuses.
+
+The batched copies call the driver through ctypes, so on the CPU the driver is replaced by `FakeDriver`, which
+answers each call with a chosen CUresult and keeps the attributes every batch was built with; everything above
+the driver call (`RawRows`, `RowCopies`) is kvfsm's own code. The `gpu` test makes the real driver refuse.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvfsm.executor import rows
+from kvfsm.executor.rows import FIRST_BATCH, RowCopies, RowCopyError
+
+SRC_ACCESS_ORDER_STREAM, SRC_ACCESS_ORDER_ANY = 1, 3
+"""`CUmemcpySrcAccessOrder`: the source is read when the stream reaches the copy, or whenever the driver likes."""
+INVALID_VALUE = 1  # CUresult CUDA_ERROR_INVALID_VALUE
+ROW = 64
+
+
+@dataclass
+class FakeDriver:
+    """The driver calls `RawRows` makes, answering `result`; `batches` keeps each batch's attributes."""
+
+    result: int = 0
+    batches: list[rows._MemcpyAttributes] = field(default_factory=list)
+
+    def cuMemcpy2DAsync_v2(self, copy: Any, stream: Any) -> int:  # noqa: N802 (the driver's name)
+        return self.result
+
+    def batch(self, dsts: Any, srcs: Any, sizes: Any, count: int, attributes: Any, attribute_index: Any,
+              num_attributes: int, stream: Any) -> int:
+        self.batches.append(rows._MemcpyAttributes.from_buffer_copy(attributes._obj))
+        return self.result
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """What `RowCopies` reads of a tensor to send it to the driver: its side and its address."""
+
+    is_cuda: bool
+    address: int
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+GPU, HOST = Buffer(True, 1 << 40), Buffer(False, 1 << 20)
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
+    """Row copies on `cuda:0` whose driver is a `FakeDriver`, on a stream that takes batches."""
+    fake = FakeDriver()
+    monkeypatch.setattr(rows, "_driver", lambda: fake)
+    monkeypatch.setattr(rows, "_batch_issue", lambda: fake.batch)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=7))
+    return fake
+
+
+def copy_rows(count: int, to_device: bool) -> None:
+    """`count` one-row copies in one direction, held and sent as batches."""
+    dst, src = (GPU, HOST) if to_device else (HOST, GPU)
+    with RowCopies(torch.device("cuda", 0), batched=True) as copies:
+        for i in range(count):
+            copies.copy(dst, i * ROW, ROW, src, i * ROW, ROW, ROW, 1)
+
+
+# a refused batch ----------------------------------------------------------------------------------------------
+
+
+def test_a_batch_the_driver_refused_is_not_issued_again_on_exit(driver: FakeDriver) -> None:
+    """The first batch fills, is refused and raises; leaving the context sends nothing more."""
+    driver.result = INVALID_VALUE
+    with pytest.raises(RowCopyError):
+        copy_rows(FIRST_BATCH, to_device=True)
+    assert len(driver.batches) == 1
+
+
+@pytest.mark.gpu
+def test_a_batch_the_real_driver_refused_is_not_issued_again_on_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real driver refuses a batch on the legacy default stream (CUDA_ERROR_INVALID_VALUE): each batch is
+    sent there, once, and nothing of it lands."""
+    issue = rows._batch_issue()
+    if issue is None:
+        pytest.skip("this driver has no cuMemcpyBatchAsync")
+    sent: list[int] = []
+
+    def on_the_legacy_stream(*args: Any) -> int:
+        sent.append(args[3])
+        return int(issue(*args[:-1], None))
+
+    monkeypatch.setattr(rows, "_batch_issue", lambda: on_the_legacy_stream)
+    host = torch.arange(FIRST_BATCH * ROW, dtype=torch.int64).to(torch.uint8).pin_memory()
+    gpu = torch.zeros(FIRST_BATCH * ROW, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()), pytest.raises(RowCopyError, match="CUresult 1"):
+        with RowCopies(gpu.device, batched=True) as copies:
+            for i in range(FIRST_BATCH):
+                copies.copy(gpu, i * ROW, ROW, host, i * ROW, ROW, ROW, 1)
+    torch.cuda.synchronize()
+    assert sent == [FIRST_BATCH]
+    assert not gpu.any()
+
+
+# the source's access order -------------------------------------------------------------------------------------
+
+
+def batches_read_their_source_in_stream_order(driver: FakeDriver, to_device: bool) -> bool:
+    """Whether every batch a job of one-row copies sent asked the driver to read its source in stream order."""
+    copy_rows(3 * FIRST_BATCH, to_device)
+    assert driver.batches, "no batch went to the driver"
+    return all(batch.srcAccessOrder == SRC_ACCESS_ORDER_STREAM for batch in driver.batches)
+
+
+@pytest.mark.parametrize("to_device", [False, True], ids=["store", "load"])
+def test_store_after_compute_batched_copies_read_their_source_in_stream_order(driver: FakeDriver,
+                                                                              to_device: bool) -> None:
+    """A store's batch reads KV that compute wrote, behind the wait on the compute-done event. With
+    `srcAccessOrder=ANY` the copy engine may read the source before that wait is passed, so the CPU block
+    gets stale KV (the seeds' SimpleCPUOffloadConnector fix, vLLM #46278). Loads read their host slots in stream
+    order too: kvfsm passes one access order for both directions, and a change to either must fail a test."""
+    assert batches_read_their_source_in_stream_order(driver, to_device)
+
+
+def test_a_batch_built_to_read_its_source_in_any_order_is_caught(driver: FakeDriver,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: the same copies with the access order the fix removed."""
+    monkeypatch.setattr(rows, "_ACCESS_IN_STREAM_ORDER", SRC_ACCESS_ORDER_ANY)
+    assert not batches_read_their_source_in_stream_order(driver, to_device=False)
+
+
+def test_the_batch_attributes_are_laid_out_as_the_drivers_cumemcpyattributes() -> None:
+    """The driver reads `CUmemcpyAttributes` by offset (an access order, two (type, id) locations, a flags word):
+    a field moved in the ctypes struct would make it read another field as the access order, which the test
+    above, reading by name, cannot see."""
+    layout = {name: getattr(rows._MemcpyAttributes, name).offset for name, _ in rows._MemcpyAttributes._fields_}
+    assert layout == {"srcAccessOrder": 0, "srcLocHint": 4, "dstLocHint": 12, "flags": 20}
+    assert ctypes.sizeof(rows._MemcpyAttributes) == 24
