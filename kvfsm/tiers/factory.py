@@ -1,4 +1,8 @@
-"""Open the lower tiers an `OffloadConfig` names: one factory per tier kind, chosen by the config's `kind`."""
+"""Open the lower tiers an `OffloadConfig` names: one factory per tier kind, chosen by the config's `kind`.
+
+Called once, on the worker's thread when it registers its KV caches, with the connector's machine set, which every
+tier's entries fire on (there is no global set to fall back on).
+"""
 
 from __future__ import annotations
 
