@@ -262,7 +262,7 @@ class Below:
                                                  for name, policy in zip(names, writebacks)))
         machines = MachineSet(default_spec())
         self.io = ManualIo()
-        self.tiers = {name: DiskTier(name, path, 4 * BLOCK, BLOCK, self.io) for name in names}
+        self.tiers = {name: DiskTier(name, path, 4 * BLOCK, BLOCK, self.io, machines=machines) for name in names}
         self.manager = OffloadingManager(cpu_blocks, "lru", machines, events=False)
         self.planner = TierPlanner(config, tuple(self.tiers.values()), self.manager, BLOCK, count(100).__next__,
                                    Ledger(machines, self.manager))

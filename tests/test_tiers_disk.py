@@ -4,6 +4,8 @@ meets in service ending as a miss or a failed fetch the engine recomputes, with 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,17 +17,20 @@ from kvfsm.config import DiskTierConfig, OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.sim import SimDevice
+from kvfsm.machines import default_machines
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.tier_faults import FAULTS
 from kvfsm.tiers.base import LowerTier, TierFailure, TierMisuse
-from kvfsm.tiers.disk import DiskTier, DiskTierError
-from kvfsm.tiers.io import ManualIo
+from kvfsm.tiers.disk import DiskIo, DiskTier, DiskTierError
+from kvfsm.tiers.entries import TierEntries
+from kvfsm.tiers.io import ManualIo, io_threads
 
 BLOCK = 64
 
 
-def _tier(path: Path, slots: int = 2) -> DiskTier:
-    return DiskTier("disk", path, slots * BLOCK, BLOCK, ManualIo())
+def _tier(path: Path, slots: int = 2, **options: object) -> DiskTier:
+    return DiskTier("disk", path, slots * BLOCK, BLOCK, options.pop("io", ManualIo()),  # type: ignore[arg-type]
+                    machines=default_machines(), **options)  # type: ignore[arg-type]
 
 
 def _block(value: int) -> memoryview:
@@ -109,8 +114,70 @@ def test_misuse_raises_before_anything_changes(tmp_path: Path) -> None:
 
 def test_a_disk_that_cannot_hold_the_tier_is_a_clear_error_at_start(tmp_path: Path) -> None:
     with pytest.raises(DiskTierError, match="cannot preallocate"):
-        DiskTier("disk", tmp_path, 1 << 62, BLOCK, ManualIo())
+        DiskTier("disk", tmp_path, 1 << 62, BLOCK, ManualIo(), machines=default_machines())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tier_without_the_connectors_machines_is_refused_at_construction(tmp_path: Path) -> None:
+    """No global machine set to fall back on: entries moved by a machine nobody observes would escape the checks."""
+    with pytest.raises(TypeError, match="MachineSet"):
+        TierEntries("disk", None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="machines"):
+        DiskTier("disk", tmp_path, 2 * BLOCK, BLOCK, ManualIo())  # type: ignore[call-arg]
+    assert list(tmp_path.iterdir()) == []
+
+
+class _BuggyWrite(DiskIo):
+    """A write that raises an error no disk produces (a bug in the I/O code), for the key at one offset."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    def write(self, fd: int, data: memoryview, offset: int) -> None:
+        if offset == self.offset:
+            raise RuntimeError("a bug in the write path")
+        super().write(fd, data, offset)
+
+
+def test_a_bug_in_the_io_surfaces_only_after_every_finished_job_settled(tmp_path: Path) -> None:
+    tier = _tier(tmp_path, slots=3, disk_io=_BuggyWrite(offset=0))
+    tier.submit_write(1, [7], [_block(3)])  # slot 0: the bug
+    tier.submit_write(2, [8], [_block(4)])
+    tier._io.run_all()  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="a bug in the write path"):
+        tier.poll()
+    assert tier.entries.get(7) is None and tier.entries.get(8).state == "published"  # type: ignore[union-attr]
+    assert not tier.busy, "a job was left half settled"
+    assert {c.job_id: dict(c.failed) for c in tier.poll()} == {1: {7: TierFailure.io_error}, 2: {}}
+    assert tier.poll() == []
+    tier.close()
+
+
+class _HungWrite(DiskIo):
+    """A write that does not return until the test lets it (a hung disk)."""
+
+    def __init__(self) -> None:
+        self.returns = threading.Event()
+
+    def write(self, fd: int, data: memoryview, offset: int) -> None:
+        self.returns.wait()
+        super().write(fd, data, offset)
+
+
+def test_closing_a_tier_waits_for_hung_io_no_longer_than_its_deadline(tmp_path: Path) -> None:
+    hung = _HungWrite()
+    tier = _tier(tmp_path, disk_io=hung, io=io_threads(1, "disk"), io_timeout_s=0.2)
+    tier.submit_write(1, [7], [_block(3)])
+    rescue = threading.Timer(5.0, hung.returns.set)  # a close that waits on the disk fails the test, not hangs it
+    rescue.start()
+    started = time.monotonic()
+    tier.close()
+    assert time.monotonic() - started < 2.0, "close waited on the hung disk"
+    rescue.cancel()
+    assert tier.file.exists(), "the file was released under a write still running"
+    hung.returns.set()
+    tier._closing.join(10)  # type: ignore[union-attr]
+    assert not tier.file.exists(), "the file was not released once the write returned"
 
 
 @pytest.mark.parametrize("bad", [
