@@ -33,6 +33,10 @@ class ConnectorStats:
     deferrals: int = 0
     store_refusals: int = 0
     """Stores not ordered because no CPU slot could be freed (the request simply is not offloaded)."""
+    blocks_skipped_prompt_only: int = 0
+    """CPU blocks admission skipped because they lie past their request's prompt (`admission="prompt-only"`)."""
+    blocks_skipped_threshold: int = 0
+    """CPU blocks admission skipped because they were offered fewer than `store_threshold` times."""
     blocks_stored: int = 0
     blocks_loaded: int = 0
     bytes_stored: int = 0
@@ -47,6 +51,11 @@ class ConnectorStats:
         default_factory=lambda: {"store": TransferHistogram(), "load": TransferHistogram()}, repr=False,
         compare=False)
     """Each job's time in flight, by direction, as a histogram."""
+
+    def record_skipped(self, reason: str, cpu_blocks: int) -> None:
+        """`cpu_blocks` skipped by admission for `reason` (`prompt-only` or `threshold`)."""
+        name = f"blocks_skipped_{reason.replace('-', '_')}"
+        setattr(self, name, getattr(self, name) + cpu_blocks)
 
     def record_store(self, cpu_blocks: int, ok: bool, cpu_block_bytes: int, seconds: float) -> None:
         self.store_seconds += seconds
