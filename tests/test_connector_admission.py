@@ -15,9 +15,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvfsm.config import OffloadConfig
+from kvfsm.connector.admission import REASONS
+from kvfsm.connector.metrics import COUNTERS
 from kvfsm.connector.prometheus import KvfsmCollector
 from kvfsm.connector.scheduler import SchedulerConnector
-from kvfsm.connector.stats import ConnectorStats
+from kvfsm.connector.stats import SKIPPED_BY_REASON, ConnectorStats
 from kvfsm.executor.sim import SimDevice
 from kvfsm.testing.harness import Harness
 from tests.test_connector_scheduler import BLOCK, GPU_BLOCK_BYTES, Req, admit, compute, idle_step, prompt, report
@@ -120,6 +122,12 @@ def test_skipped_blocks_are_exported_by_reason() -> None:
     text = generate_latest(registry).decode()
     assert 'kvfsm_store_skipped_total{reason="prompt-only"} 2.0' in text
     assert 'kvfsm_store_skipped_total{reason="threshold"} 0.0' in text
+
+
+def test_every_skip_reason_has_its_counter_and_its_metric_label() -> None:
+    (family,) = [c for c in COUNTERS if c.name == "kvfsm_store_skipped"]
+    assert sorted(SKIPPED_BY_REASON) == sorted(REASONS) == sorted(labels["reason"] for labels, _ in family.samples)
+    assert all(SKIPPED_BY_REASON[labels["reason"]] == source for labels, source in family.samples)
 
 
 def offered_once_then_twice(mutant: str | None) -> tuple[list[str], ConnectorStats]:

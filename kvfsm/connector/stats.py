@@ -23,6 +23,10 @@ class TransferHistogram:
         self.sums[bucket] += seconds
 
 
+SKIPPED_BY_REASON = {"prompt-only": "blocks_skipped_prompt_only", "threshold": "blocks_skipped_threshold"}
+"""The counter of the blocks admission skipped for each reason (`kvfsm.connector.admission.REASONS`)."""
+
+
 @dataclass
 class ConnectorStats:
     lookups: int = 0
@@ -53,8 +57,8 @@ class ConnectorStats:
     """Each job's time in flight, by direction, as a histogram."""
 
     def record_skipped(self, reason: str, cpu_blocks: int) -> None:
-        """`cpu_blocks` skipped by admission for `reason` (`prompt-only` or `threshold`)."""
-        name = f"blocks_skipped_{reason.replace('-', '_')}"
+        """`cpu_blocks` skipped by admission for `reason` (a key of `SKIPPED_BY_REASON`)."""
+        name = SKIPPED_BY_REASON[reason]
         setattr(self, name, getattr(self, name) + cpu_blocks)
 
     def record_store(self, cpu_blocks: int, ok: bool, cpu_block_bytes: int, seconds: float) -> None:

@@ -1,7 +1,8 @@
 """kvfsm's configuration from vLLM's: the user's `kv_connector_extra_config`, checked against the engine.
 
-vLLM's `offload_prompt_only` is read as kvfsm's `admission`. Settings vLLM already decides (tokens per block, how many workers report each job, whether KV-cache events are
+Settings vLLM already decides (tokens per block, how many workers report each job, whether KV-cache events are
 published) are taken from vLLM; a user who also sets them must agree with it, or start-up fails naming both values.
+vLLM's own connector's `offload_prompt_only` is read as kvfsm's `admission`.
 vLLM drains the connector's KV-cache events every step and publishes them only under `--kv-events-config
 '{"enable_kv_cache_events": true}'`, so kvfsm records them (`kv_events`) exactly then. Every worker of the engine
 reports each job: vLLM's `KVOutputAggregator` counts `parallel_config.world_size` of them (tensor x pipeline x
