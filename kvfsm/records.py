@@ -304,10 +304,19 @@ class TierJob:
     state: str = "created"
     finished_step: int | None = None
     failed_keys: tuple[int, ...] = ()
+    reports: dict[int, Any] = field(default_factory=dict)
+    """Each rank's `TierReport` of its end, logged by the scheduler until every rank reported (empty elsewhere)."""
+    released: set[int] = field(default_factory=set)
+    """Ranks that reported it held at its deadline and since released it: their I/O for it returned."""
 
     @property
     def in_flight(self) -> bool:
         return self.state in IN_FLIGHT_TIER_JOB_STATES
+
+    @property
+    def holding(self) -> set[int]:
+        """Ranks whose I/O for it may still touch its CPU slots: they reported it held and have not released it."""
+        return {rank for rank, report in self.reports.items() if report.held} - self.released
 
     @property
     def nbytes(self) -> int:
@@ -338,3 +347,31 @@ def _forget_checksum(entry: TierEntry, **_: object) -> None:
 @REGISTRY.effect("tier-job", "record-tier-finish-step")
 def _record_tier_finish_step(job: TierJob, step: int | None = None, **_: object) -> None:
     job.finished_step = step
+
+
+# couplings of tier-job: selectors by the job's kind, so one transition serves both kinds and a write-back's end never
+# names a fetch's trigger (nor the reverse)
+
+
+@REGISTRY.relation("tier-job", "write-back-slots")
+def _write_back_slots(job: TierJob) -> tuple[int, ...]:
+    return job.cpu_slots if job.kind == "write-back" else ()
+
+
+@REGISTRY.relation("tier-job", "fetch-slots")
+def _fetch_slots(job: TierJob) -> tuple[int, ...]:
+    return job.cpu_slots if job.kind == "fetch" else ()
+
+
+@REGISTRY.relation("tier-job", "landed-fetch-slots")
+def _landed_fetch_slots(job: TierJob) -> tuple[int, ...]:
+    """A failed fetch's slots whose keys it read and verified: their bytes are good, they become loadable."""
+    lost = set(job.failed_keys)
+    return tuple(s for k, s in zip(job.keys, _fetch_slots(job)) if k not in lost)
+
+
+@REGISTRY.relation("tier-job", "lost-fetch-slots")
+def _lost_fetch_slots(job: TierJob) -> tuple[int, ...]:
+    """A failed fetch's slots whose keys it lost (`failed_keys`): freed and forgotten, so a lookup misses them."""
+    lost = set(job.failed_keys)
+    return tuple(s for k, s in zip(job.keys, _fetch_slots(job)) if k in lost)

@@ -66,6 +66,10 @@ NOT_GENERATED = {
         "a stall while a fetch from disk is in flight: return_from_disk's stall fault makes one, which this "
         "derandomized draw does not pick with a key only on disk; the explorer's disk-stall workload takes it in "
         "every schedule, tests/test_tiers_disk.py in its fault table",
+    **{("cpu-block", "orphaned", f"abandon-{kind}", "orphaned"):
+       f"a cache reset while a {kind} is in flight, then a stall past its deadline: tests/test_tiers_disk.py's fault "
+       f"table ({kind}-then-stall) and tests/test_spec_mutants.py's reset-then-stall-{kind} take it"
+       for kind in ("fetch", "write-back")},
 }
 """Declared transitions the generated interleavings do not take within COVERAGE_EXAMPLES, each with what it needs."""
 

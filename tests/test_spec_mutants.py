@@ -224,18 +224,21 @@ def offered_twice(h: Harness) -> None:
 
 def disk_round_trip(fault: str | None) -> Callable[[Harness], None]:
     """A prefix written back to a 3-slot disk, pushed out of the 2-slot CPU pool and fetched back; with the disk
-    stalling past the write-back's or the fetch's deadline, failing the write or the read, or the CPU cache reset
-    while the fetch is in flight; then a third prefix makes the full disk evict."""
+    stalling past the write-back's or the fetch's deadline (after a CPU cache reset orphaned its slots, or not),
+    failing the write or the read, or the CPU cache reset while the fetch is in flight; then a third prefix makes
+    the full disk evict."""
     def drive(h: Harness) -> None:
         if fault == "write-io-error":  # A's write-back meets it
             h.tier_faults.inject(fault)
         for prompt in (A + (1,), B + (2,)):
             h.engine.reset_prefix_cache()
             h.add_request(prompt, 1)
-            if fault == "stall-write-back" and prompt[0] == A[0]:
-                while not h.connector.scheduler.tiers.jobs:  # type: ignore[union-attr]
+            if fault in ("stall-write-back", "reset-then-stall-write-back") and prompt[0] == A[0]:
+                while not h.connector.scheduler.tier_jobs:
                     h.engine.step()
                     h.device.run_until_idle()
+                if fault == "reset-then-stall-write-back":
+                    h.connector.reset_cache()
                 h.tier_faults.inject("stall")
                 h.engine.step()
             h.drain()
@@ -244,7 +247,9 @@ def disk_round_trip(fault: str | None) -> Callable[[Harness], None]:
             h.tier_faults.inject(fault)
         h.add_request(A + (3,), 1)
         h.engine.step()
-        if fault == "stall-fetch":
+        if fault == "reset-then-stall-fetch":
+            h.connector.reset_cache()
+        if fault in ("stall-fetch", "reset-then-stall-fetch"):
             h.tier_faults.inject("stall")
             h.engine.step()
         if fault == "reset-during-fetch":
@@ -258,6 +263,19 @@ def disk_round_trip(fault: str | None) -> Callable[[Harness], None]:
     return drive
 
 
+def partly_failed_fetch(h: Harness) -> None:
+    """A fetch of two keys from a disk with room for both prefixes, whose second read fails: the block it did read
+    becomes loadable and is loaded, the other is recomputed."""
+    for prompt in (A + (1,), B + (2,)):
+        h.engine.reset_prefix_cache()
+        h.add_request(prompt, 1)
+        h.drain()
+    h.engine.reset_prefix_cache()
+    h.tier_faults.inject("read-io-error")
+    h.add_request(A + (3,), 1)
+    h.drain()
+
+
 SCENARIOS = (
     Scenario(store_and_reload, num_gpu_blocks=24, cpu_blocks=8),
     Scenario(preempt_abort_and_reset, num_gpu_blocks=24, cpu_blocks=8, report_lag=1),
@@ -269,7 +287,8 @@ SCENARIOS = (
     Scenario(offered_twice, num_gpu_blocks=24, cpu_blocks=8, store_threshold=2),
     *(Scenario(disk_round_trip(fault), num_gpu_blocks=8, cpu_blocks=2, disk_slots=3)
       for fault in (None, "write-io-error", "read-io-error", "stall-fetch", "stall-write-back",
-                    "reset-during-fetch")),
+                    "reset-during-fetch", "reset-then-stall-fetch", "reset-then-stall-write-back")),
+    Scenario(partly_failed_fetch, num_gpu_blocks=8, cpu_blocks=2, disk_slots=4),
 )
 
 

@@ -221,7 +221,8 @@ def test_write_backs_in_flight_stay_within_their_byte_bound() -> None:
         for _ in range(40):
             h.engine.step()
             h.settle()
-            peak = max(peak, sum(j.nbytes for j in tiers.jobs.values() if j.kind == "write-back" and j.in_flight))
+            peak = max(peak, sum(j.nbytes for j in h.connector.scheduler.tier_jobs.values()
+                                 if j.kind == "write-back" and j.in_flight))
         assert 0 < peak <= tiers.bound and tiers.stats.blocks_written_back["disk"] == 4
         assert tiers.stats.writebacks_held > 0, "no candidate ever waited for the bound"
         assert h.final_violations() == []
@@ -250,12 +251,12 @@ def _edges_of_a_returning_prefix(fault: str | None, reset: str | None) -> set[tu
         if fault in WRITE_FAULTS:
             h.tier_faults.inject(fault)
         h.add_request(A + (1,), 1)
-        while not h.connector.scheduler.tiers.jobs:  # type: ignore[union-attr]
+        while not h.connector.scheduler.tier_jobs:
             h.engine.step()
             h.device.run_until_idle()  # the device, not the disk: the write-back's write has not run
-        if reset == "write-back":
+        if reset in ("write-back", "write-back-then-stall"):
             h.connector.reset_cache()
-        if reset == "stall-write-back":  # the disk hangs past the write-back's deadline
+        if reset in ("stall-write-back", "write-back-then-stall"):  # the disk hangs past the write-back's deadline
             h.tier_faults.inject("stall")
             h.engine.step()
         _serve(h, A + (1,))
@@ -266,8 +267,10 @@ def _edges_of_a_returning_prefix(fault: str | None, reset: str | None) -> set[tu
             h.tier_faults.inject(fault)
         h.add_request(A + (3,), 1)
         h.engine.step()
-        if fault == "stall":
-            h.tier_faults.inject(fault)
+        if reset == "fetch-then-stall":  # its slots orphaned by the reset before the fetch is abandoned
+            h.connector.reset_cache()
+        if fault == "stall" or reset == "fetch-then-stall":
+            h.tier_faults.inject("stall")
             h.engine.step()
         if reset == "fetch":
             h.connector.reset_cache()
@@ -286,7 +289,7 @@ ONLY_A_SHARED_STORE_TAKES = {("tier-entry", "empty", "adopt", "published")}
 def test_the_tier_scenarios_take_every_transition_of_the_tier_lifecycles() -> None:
     taken: set[tuple[str, str, str, str]] = set()
     for fault in (None, "tier-evicts", *FAULTS):
-        for reset in (None, "fetch", "write-back", "stall-write-back"):
+        for reset in (None, "fetch", "write-back", "stall-write-back", "fetch-then-stall", "write-back-then-stall"):
             taken |= _edges_of_a_returning_prefix(fault, reset)
     missing = _declared_tier_edges() - taken - ONLY_A_SHARED_STORE_TAKES
     assert not missing, f"tier transitions no scenario takes: {sorted(missing)}"

@@ -35,7 +35,6 @@ from kvfsm.connector.ranks import every_rank_verdict, rank_reports
 from kvfsm.connector.stats import ConnectorStats
 from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.connector.validation import (
-    UnknownJob,
     UnknownRequest,
     check_alloc,
     check_finished,
@@ -47,7 +46,7 @@ from kvfsm.connector.validation import (
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
-from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TransferJob
+from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TierJob, TransferJob
 from kvfsm.states import CpuBlockState, RequestState, TransferJobState
 from kvfsm.tiers.base import LowerTier
 
@@ -97,7 +96,7 @@ class SchedulerConnector:
         self._load_errors: set[int] = set()
         self._cpu_block_tokens = config.cpu_block_tokens
         self.tiers = TierPlanner(config, tiers, self.manager, config.block_size_factor * gpu_block_bytes,
-                                 self._take_job_id, self.machines, keep_history) if tiers else None
+                                 self._take_job_id, self.ledger) if tiers else None
         """The lower tiers' side of this half (lookup below CPU, fetches, write-backs); None without tiers."""
 
     # --- the ledger's tables, as the spec's invariants read them -------------------------------------------
@@ -105,6 +104,11 @@ class SchedulerConnector:
     @property
     def jobs(self) -> dict[int, TransferJob]:
         return self.ledger.jobs
+
+    @property
+    def tier_jobs(self) -> dict[int, TierJob]:
+        """Write-backs and fetches, on the same ledger and under the same history policy as `jobs`."""
+        return self.ledger.tier_jobs
 
     @property
     def requests(self) -> dict[str, RequestRecord]:
@@ -204,7 +208,7 @@ class SchedulerConnector:
         self.manager.touch(hashes)
         if self.tiers is not None:
             end, size = first_gpu + count, self.config.gpu_block_size
-            self.tiers.loaded(hashes, [size * (min(end, (i + 1) * k) - max(first_gpu, i * k))
+            self.tiers.loaded(slots, [size * (min(end, (i + 1) * k) - max(first_gpu, i * k))
                                        for i in range(first_cpu, end_cpu)])
         job = self._new_job("load", request.request_id, record.block_ids[first_gpu:first_gpu + count], slots,
                             hashes, gpu_offset=offset)
@@ -292,8 +296,6 @@ class SchedulerConnector:
             if verdict is not None:
                 self._finish(job, verdict)
         for worker in output.workers:
-            if worker.tiers and self.tiers is None:
-                raise UnknownJob(f"worker {worker.worker} reported tier jobs, but no lower tier is configured")
             for report in worker.tiers:
                 self.tiers.report(worker.worker, report, self.step)  # type: ignore[union-attr]
         result = self.ledger.take_result()
@@ -351,8 +353,7 @@ class SchedulerConnector:
             block = blocks[slot]
             jobs.add(block.writer_job if block.state in _WRITING else block.reader_job)
         jobs.discard(None)
-        if self.tiers is not None:
-            jobs |= self.tiers.blockers(busy_slots)  # a write-back reading a slot
+        jobs |= self.ledger.tier_blockers(busy_slots)  # a write-back reading a slot
         return frozenset(jobs)  # type: ignore[arg-type]
 
     def _take_job_id(self) -> int:
