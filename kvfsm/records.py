@@ -80,6 +80,13 @@ class RequestRecord:
     stored_cpu_blocks: int = 0
     match: tuple[int, int] | None = None
     """(first GPU block, GPU blocks offered) by the last lookup, until the engine allocates."""
+    prompt_cpu_blocks: int = 0
+    """Whole CPU blocks of the tokens the request held at its first lookup: what `prompt-only` admission stores."""
+    offered_cpu_blocks: int = 0
+    """Leading CPU blocks offered to admission so far; unlike `stored_cpu_blocks` it survives a preemption, so a
+    resumed request does not offer them again."""
+    skipped: dict[int, str] = field(default_factory=dict)
+    """CPU-block hashes admission skipped for this request, with the reason (`record-skipped-blocks`)."""
 
     @property
     def jobs_in_flight(self) -> list[TransferJob]:
@@ -205,6 +212,12 @@ def _no_jobs_in_flight(request: RequestRecord, **_: object) -> bool:
 def _mark_load_error(request: RequestRecord, cause: TransferJob | None = None, **_: object) -> None:
     """The failed load (the coupling's cause) names the GPU blocks the engine must recompute."""
     request.failed_blocks = cause.gpu_blocks if cause is not None else request.failed_blocks
+
+
+@REGISTRY.effect("request", "record-skipped-blocks")
+def _record_skipped_blocks(request: RequestRecord, hashes: Sequence[int] = (), reason: str = "", **_: object) -> None:
+    """The blocks admission skipped stay skipped for this request: none of its stores may carry them."""
+    request.skipped.update(dict.fromkeys(hashes, reason))
 
 
 @REGISTRY.relation("request", "flushable-stores")

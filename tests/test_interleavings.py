@@ -35,6 +35,10 @@ SESSION_11_DRAW = (": the draws of recent commits made one; this one, reshuffled
                    "went (session 11), does not")
 
 NOT_GENERATED = {
+    ("request", "running", "skip-store", "running"):
+        "kvfsm's own draws store every block at its first offer (the reference engine hashes prompt blocks alone, so "
+        "only a store threshold makes it skip: the skip-not-applied mutant's hunt draws one); "
+        "tests/test_connector_admission.py and test_spec_mutants.py's offered_twice scenario take it",
     ("request", "loading", "job-done", "loading"): "needs a flushed store reported while its request loads",
     ("request", "draining", "job-done", "draining"):
         "needs one of an aborted request's jobs reported while another is still in flight; met by some of the 600 "

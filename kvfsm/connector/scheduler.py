@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 
 from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
+from kvfsm.connector.admission import Admission
 from kvfsm.connector.due import StoreDue
 from kvfsm.connector.ledger import Ledger, StepResult
 from kvfsm.connector.metadata import (
@@ -65,7 +66,8 @@ class RequestView(Protocol):
         """Hash chain over the request's full GPU blocks (block i's hash covers tokens [0, (i+1)·block_size))."""
 
     @property
-    def num_tokens(self) -> int: ...
+    def num_tokens(self) -> int:
+        """Tokens the request holds; at its first lookup, its prompt (what `prompt-only` admission stores)."""
 
 
 class SchedulerConnector:
@@ -86,6 +88,7 @@ class SchedulerConnector:
                                          events=config.kv_events)
         self.ledger = Ledger(self.machines, self.manager, keep_history, num_gpu_blocks or 0)
         self.stats = ConnectorStats()
+        self.admission = Admission(config)
         self.step = 0
         self._next_job = 0
         self._new_loads: list[TransferJob] = []
@@ -256,13 +259,19 @@ class SchedulerConnector:
         self.ledger.due.set(record.req_id, (record.stored_cpu_blocks + 1) * self._cpu_block_tokens)
         if full_cpu <= start:
             return None
-        plan = self.manager.prepare_store(cpu_hashes[start:full_cpu], self._next_job)
+        verdict = self.admission.offer(record, start, cpu_hashes[start:full_cpu], self.manager.catalogue)
+        for reason, skipped in verdict.skipped.items():
+            self.ledger.fire_request(record, "skip-store", hashes=skipped, reason=reason)
+            self.stats.record_skipped(reason, len(skipped))
+        if not verdict.admitted:
+            return None
+        plan = self.manager.prepare_store(verdict.admitted, self._next_job)
         if plan is None:
             self.stats.store_refusals += 1
             return None
         if not plan.hashes:
             return None
-        if len(plan.hashes) == full_cpu - start:  # the pool held none of them: the blocks are one run
+        if len(plan.hashes) == full_cpu - start:  # the pool held none of them, none skipped: the blocks are one run
             gpu_blocks = tuple(block_ids[start * k:full_cpu * k])
         else:
             wanted = set(plan.hashes)
@@ -371,7 +380,8 @@ class SchedulerConnector:
     def _track(self, request: RequestView) -> RequestRecord:
         record = self.ledger.tracked.get(request.request_id)
         if record is None:
-            record = RequestRecord(request.request_id)
+            record = RequestRecord(request.request_id,
+                                   prompt_cpu_blocks=request.num_tokens // self._cpu_block_tokens)
             self.ledger.track(record)
         record.view = request
         return record

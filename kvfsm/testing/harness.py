@@ -62,7 +62,8 @@ class Harness:
                  disk_slots: int = 0, writeback: Literal["eager", "on-evict"] = "eager",
                  writeback_bound_blocks: int = 2, report_lag: int = 0, mooncake_master: str | None = None,
                  mooncake_options: dict[str, object] | None = None, tier_threads: bool = False,
-                 staging_blocks: int | None = None, keep_history: bool = True) -> None:
+                 staging_blocks: int | None = None, store_threshold: int = 1,
+                 keep_history: bool = True) -> None:
         self.devices = list(device) if isinstance(device, Sequence) else [device]
         self.device = self.devices[0]
         self.shape = shape
@@ -82,7 +83,8 @@ class Harness:
                                layer_stores=layer_stores, lower_tiers=tiers,
                                writeback_max_bytes_in_flight=writeback_bound_blocks * cpu_block_bytes,
                                num_workers=len(self.devices),
-                               staging_bytes=staging_blocks * shape.gpu_block_bytes if staging_blocks else None)
+                               staging_bytes=staging_blocks * shape.gpu_block_bytes if staging_blocks else None,
+                               store_threshold=store_threshold)
         self.io = ManualIo()
         """The tiers' I/O queue: tests choose when each read or write runs, as they choose device streams (unless
         `tier_threads`: the tiers' own threads, as in production)."""
