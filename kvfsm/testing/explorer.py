@@ -60,6 +60,8 @@ class Workload:
     """Staging slots this many GPU blocks long: a step's stores go out as a pipeline of that many-block chunks."""
     ranks: int = 1
     """Tensor-parallel ranks, each on its own SimDevice holding its share of the heads."""
+    store_threshold: int = 1
+    """Times a block must be offered before it is stored (admission's threshold rule; 1 stores every block)."""
 
     @property
     def tier(self) -> str | None:
@@ -141,7 +143,7 @@ class _Replay:
                                layer_stores=workload.layer_stores,
                                disk_slots=workload.disk_slots, writeback_bound_blocks=workload.writeback_bound_blocks,
                                mooncake_master=shared_master() if workload.mooncake else None,
-                               staging_blocks=workload.staging_blocks,
+                               staging_blocks=workload.staging_blocks, store_threshold=workload.store_threshold,
                                shape=TP_SHAPE if workload.ranks > 1 else SHAPE)
         self.host_index = 0
 
@@ -216,7 +218,8 @@ def fits(workload: Workload, mutant: str) -> bool:
     """Whether the mutant's bug can show in this workload's engine (a per-layer bug needs per-layer hooks)."""
     needs = (MUTANTS | TP_MUTANTS)[mutant]
     return ((needs.per_layer is None or needs.per_layer == workload.per_layer)
-            and (not needs.layer_loads or workload.layer_loads) and (not needs.layer_stores or workload.layer_stores))
+            and (not needs.layer_loads or workload.layer_loads) and (not needs.layer_stores or workload.layer_stores)
+            and (needs.store_threshold == 1 or needs.store_threshold == workload.store_threshold))
 
 
 def explore(workload: Workload, mutant: str | None = None, max_states: int = 5000) -> Exploration:
@@ -317,6 +320,10 @@ SMALL_WORKLOADS: dict[str, Workload] = {
         actions=(add(_P + (1,), 3), step, fail_next("store", stage="copy", after=1), preempt_first_reclaiming, step),
         num_gpu_blocks=6, cpu_blocks=3, staging_blocks=1,
     ),
+    "offered-twice": Workload(
+        actions=(add(_P + (1,), 1), step, step, forget_gpu_prefixes, add(_P + (2,), 1), step, step),
+        num_gpu_blocks=6, cpu_blocks=3, store_threshold=2,
+    ),
 }
 """Small workloads that between them reach every hazard: a stored prefix reloaded by two requests at once after
 the GPU forgot it; three requests sharing a prefix with a forced preemption; a running request that preempts
@@ -325,7 +332,8 @@ computed in the step that loads it, and a request preempted while its per-layer 
 preempted under memory pressure a step after its store was submitted, so the store may still be on the copy stream
 when its blocks are rewritten (vLLM 29870); a reload whose load fails after its first layer was sent, recomputed
 while that layer may still be copying; and a request preempted under memory pressure whose store, flushed as a
-pipeline of one-block chunks, fails after its first chunk was sent."""
+pipeline of one-block chunks, fails after its first chunk was sent; and a prefix offered once (skipped under a
+store threshold of two), then again (stored)."""
 
 TP_WORKLOADS: dict[str, Workload] = {
     "tp-preempt-mid-copy": Workload(
