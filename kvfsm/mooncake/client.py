@@ -122,12 +122,14 @@ class MooncakeClient:
         """Unregister and close once every call settled; False (and the client kept open, its memory still
         registered) if calls are still running after `timeout_s`: that memory must then outlive the process.
 
-        New calls are refused from here on, but the store handle is dropped only by the teardown, which runs on the
-        I/O executor after every call queued before it: those calls still find the store they were submitted to."""
+        New calls are refused from here on, but the store is closed only by the teardown, which runs on the I/O
+        executor after every call queued before it and waits for the lookups queued before it: those calls still
+        find the store they were submitted to open (a closed store's handle must never be called: it crashes)."""
         store = None if self._closing else self._store  # a second close has nothing more to tear down
         self._closing = True
         if store is not None:
             def teardown() -> None:
+                self._queries.shutdown(wait=True)
                 for start in self._registered.starts():
                     store.unregister_buffer(start)
                 store.close()
