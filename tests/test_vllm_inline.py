@@ -145,6 +145,23 @@ def test_inline_hit_preempted_the_next_step_keeps_its_load_until_it_is_reported(
     assert d.cpu_pool_drained()
 
 
+def test_control_an_inline_load_in_flight_under_a_released_request_breaks_its_rule(make_driver) -> None:
+    """The rule's check can fail: under async scheduling the load of the step just run is still in flight; a request
+    let go behind the machines with its load's slots unpinned is named by `inline-load-outlives-request`."""
+    d = make_driver(async_scheduling=True, **INLINE)
+    store_prefix(d)
+    d.add("reader", PREFIX + [1], max_tokens=4)
+    d.step()
+    kvfsm = d.connector.scheduler_side.kvfsm
+    (load,) = [job for job in kvfsm.jobs.values() if job.kind == "load" and job.in_flight]
+    kvfsm.requests["reader"].state = RequestState.RELEASED
+    for slot in load.cpu_slots:
+        kvfsm.manager.blocks[slot].readers = 0
+    found = d.checks.violations()["inline-load-outlives-request"]
+    assert any("while its request reader is released" in line for line in found)
+    assert any("are not pinned" in line for line in found)
+
+
 @SCHEDULING
 def test_request_finished_in_its_inline_load_step_drains_until_the_load_is_reported(make_driver, states,
                                                                                   async_scheduling: bool) -> None:
