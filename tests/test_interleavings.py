@@ -62,6 +62,15 @@ NOT_GENERATED = {
         "a stall while a fetch from disk is in flight: return_from_disk's stall fault makes one, which this "
         "derandomized draw does not pick with a key only on disk; the explorer's disk-stall workload takes it in "
         "every schedule, tests/test_tiers_disk.py in its fault table",
+    ("request", "loading-inline", "load-failed", "running"):
+        "an inline load that fails under a running request: this draw makes none; tests/test_spec_mutants.py's "
+        "failed_store_and_loads with layer_loads takes it, and tests/test_vllm_inline.py under vLLM",
+    **dict.fromkeys([("request", "loading-inline", "preempt", "preempted"),
+                     ("request", "loading-inline", "finish", "draining"),
+                     ("request", "preempted", "load-done", "preempted"),
+                     ("request", "preempted", "load-failed", "preempted")],
+                    "kvfsm's engine neither preempts nor finishes a request whose inline load is unreported; vLLM's "
+                    "scheduler does, and tests/test_vllm_inline.py takes each under it"),
 }
 """Declared transitions the generated interleavings do not take within COVERAGE_EXAMPLES, each with what it needs."""
 
