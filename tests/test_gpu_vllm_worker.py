@@ -11,6 +11,7 @@ one pinned host-to-device copy of the same bytes (its floor) is printed, not ass
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -40,7 +41,10 @@ def step(worker, meta, read: dict[str, torch.Tensor] | None = None) -> dict[str,
     return seen
 
 
-def test_the_adapters_worker_reloads_a_32k_llama_8b_prefix_layer_by_layer() -> None:
+def reload_in_hook_order(monkeypatch: pytest.MonkeyPatch, wait: bool) -> tuple[Any, int, float]:
+    """Store the prefix, reload it in one step; the step's report, the layer blocks compute read wrong, and the
+    reload's time over the floor's. `wait=False` is the control: the worker reports without waiting for the
+    step's loads (the rule `inline-load-in-step` would then break)."""
     vllm_stand_in.install()
     from kvfsm.config import OffloadConfig
     from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder
@@ -72,6 +76,8 @@ def test_the_adapters_worker_reloads_a_32k_llama_8b_prefix_layer_by_layer() -> N
     for cache in caches.values():
         cache.zero_()
 
+    if not wait:  # the step's report no longer waits for its loads; the layers' waits on the GPU stay
+        monkeypatch.setattr(worker.kvfsm, "wait", lambda job_ids: None)
     destination = tuple(torch.randperm(num_blocks)[:BLOCKS].tolist())
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -81,12 +87,11 @@ def test_the_adapters_worker_reloads_a_32k_llama_8b_prefix_layer_by_layer() -> N
         read=dict.fromkeys(names, list(destination)))
     end.record()
     torch.cuda.synchronize()
-    (report,) = worker.take_worker_meta().reports
-    assert report.done == (1,) and not report.failed  # reported in the output of the step that computed on it
+    meta = worker.take_worker_meta()
+    report = meta.reports[0] if meta is not None else None
     assert worker.take_load_errors() == set()
     differing = sum(int((seen[n].view(torch.int16) != expected[n].view(torch.int16)).any(dim=(0, 2, 3, 4)).sum())
                     for n in names)  # compared as bits: random bf16 bits include NaNs
-    assert differing == 0, f"{differing} layer blocks read before their bytes landed, or wrong"
 
     nbytes = sum(t.numel() * t.element_size() for t in expected.values())
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -101,3 +106,16 @@ def test_the_adapters_worker_reloads_a_32k_llama_8b_prefix_layer_by_layer() -> N
           f"hook order (compute reading every layer); one pinned H2D copy {floor_ms:.1f} ms: "
           f"{reload_ms / floor_ms:.2f}x the floor")
     worker.shutdown()
+    return report, differing, reload_ms / floor_ms
+
+
+def test_the_adapters_worker_reloads_a_32k_llama_8b_prefix_layer_by_layer(monkeypatch) -> None:
+    report, differing, _ = reload_in_hook_order(monkeypatch, wait=True)
+    assert differing == 0, f"{differing} layer blocks read before their bytes landed, or wrong"
+    assert report is not None and report.done == (1,)  # reported in the output of the step that computed on it
+
+
+def test_control_a_worker_that_does_not_wait_reports_the_load_after_its_step(monkeypatch) -> None:
+    report, differing, _ = reload_in_hook_order(monkeypatch, wait=False)
+    assert differing == 0  # compute still waited per layer on the GPU
+    assert report is None or 1 not in report.done
