@@ -229,9 +229,14 @@ def test_failed_inline_load_recomputes_exactly_its_blocks_and_withholds_that_ste
     step, again = failed_inline_load(d)
     (load,) = loads_of(d, "reader")
     assert len(load.gpu_blocks) == 2
-    if not async_scheduling:  # vLLM resumes it the next step from the first block that did not land
+    if async_scheduling:
+        # vLLM's limit (docs/vllm.md): the step scheduled before the failing step's output was read decodes on the
+        # unlanded KV and its token is emitted; the recompute from the first failed block follows it.
+        assert d.first_token["reader"] == step + 1
+        assert next(log.computed["reader"] for log in d.log if log.step == step + 2) == 2 * BLOCK_SIZE
+    else:  # vLLM resumes it the next step from the first block that did not land
         assert again == 2 * BLOCK_SIZE
-    assert d.first_token["reader"] > step
+        assert d.first_token["reader"] > step
     assert d.connector.scheduler_side.kvfsm.stats.loads_failed == 1
     assert d.cpu_pool_drained()
 
