@@ -230,6 +230,36 @@ def skipped_not_stored(world: World) -> list[str]:
     return found
 
 
+LOAD_OWNER_STATES = frozenset({R.LOADING, R.LOADING_INLINE, R.PREEMPTED, R.DRAINING})
+"""Where a request may be while its load is in flight: preempted only after an inline load (the engine computed it
+and gave its blocks back, behind that step's compute), draining once finished or aborted."""
+
+
+@REGISTRY.invariant("inline-load-outlives-request")
+def inline_load_outlives_request(world: World) -> list[str]:
+    found = []
+    for job in world.jobs.values():
+        if job.kind != "load" or not job.in_flight:
+            continue
+        owner = world.requests.get(job.req_id)
+        state = owner.state if owner is not None else R.RELEASED
+        if state not in LOAD_OWNER_STATES:
+            found.append(f"load job {job.job_id} is {job.state} while its request {job.req_id} is {state}")
+        unpinned = [slot for slot in job.cpu_slots if world.cpu_blocks[slot].readers == 0]
+        if unpinned:
+            found.append(f"load job {job.job_id} is {job.state} but its CPU slots {unpinned} are not pinned")
+    return found
+
+
+@REGISTRY.invariant("inline-load-in-step")
+def inline_load_in_step(world: World) -> list[str]:
+    return [f"load job {job.job_id} was computed on in step {job.due_output} but reported in output "
+            f"{job.reported_output}"
+            for job in world.jobs.values()
+            if job.due_output is not None and job.reported_output is not None
+            and job.reported_output != job.due_output]
+
+
 ENDED = frozenset({J.DONE, J.FAILED, T.DONE, T.FAILED, T.ABANDONED})
 """Job states whose outcome is final for the scheduler (an abandoned tier job's I/O may still run, but its request
 no longer waits on it): each was entered by a transition that records the step."""

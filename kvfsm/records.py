@@ -55,6 +55,11 @@ class TransferJob:
     landed_segments: int = 0
     reports: dict[int, bool] = field(default_factory=dict)
     """The scheduler's log of which ranks reported the job and whether it succeeded there (empty on a worker)."""
+    due_output: int | None = None
+    """The engine output that must report this load (`inline-load-in-step`): set for a load computed in its own
+    step when the engine reads load errors only in that step's output; None where a later report is fine."""
+    reported_output: int | None = None
+    """The engine output (counted from 1, one per step) whose reports ended the job, on the scheduler."""
 
     @property
     def in_flight(self) -> bool:
@@ -196,6 +201,18 @@ def _has_external_tokens(_: RequestRecord, external_tokens: int = 0, **__: objec
 @REGISTRY.guard("request", "no-external-tokens")
 def _no_external_tokens(_: RequestRecord, external_tokens: int = 0, **__: object) -> bool:
     return external_tokens == 0
+
+
+@REGISTRY.guard("request", "inline-load")
+def _inline_load(_: RequestRecord, inline: bool = False, **__: object) -> bool:
+    """The engine computes the request in the step that loads it (per-layer loads)."""
+    return inline
+
+
+@REGISTRY.guard("request", "async-load")
+def _async_load(_: RequestRecord, inline: bool = False, **__: object) -> bool:
+    """The engine computes the request only once its load is reported."""
+    return not inline
 
 
 @REGISTRY.guard("request", "has-jobs-in-flight")

@@ -39,6 +39,7 @@ class RequestState:
     PREEMPTED: Final = "preempted"
     DRAINING: Final = "draining"
     RELEASED: Final = "released"
+    LOADING_INLINE: Final = "loading-inline"
 
 
 class TierEntryState:

@@ -70,6 +70,15 @@ NOT_GENERATED = {
        f"a cache reset while a {kind} is in flight, then a stall past its deadline: tests/test_tiers_disk.py's fault "
        f"table ({kind}-then-stall) and tests/test_spec_mutants.py's reset-then-stall-{kind} take it"
        for kind in ("fetch", "write-back")},
+    ("request", "loading-inline", "load-failed", "running"):
+        "an inline load that fails under a running request: this draw makes none; tests/test_spec_mutants.py's "
+        "failed_store_and_loads with layer_loads takes it, and tests/test_vllm_inline.py under vLLM",
+    **dict.fromkeys([("request", "loading-inline", "preempt", "preempted"),
+                     ("request", "loading-inline", "finish", "draining"),
+                     ("request", "preempted", "load-done", "preempted"),
+                     ("request", "preempted", "load-failed", "preempted")],
+                    "kvfsm's engine neither preempts nor finishes a request whose inline load is unreported; vLLM's "
+                    "scheduler does, and tests/test_vllm_inline.py takes each under it"),
 }
 """Declared transitions the generated interleavings do not take within COVERAGE_EXAMPLES, each with what it needs."""
 

@@ -54,8 +54,15 @@ EQUIVALENT = {
     "tier-entry #4 (write-failed writing -> empty): drop effect forget-checksum": FORGOTTEN,
     "tier-entry #7 (read-failed reading -> empty): drop effect forget-checksum": FORGOTTEN,
     "tier-entry #8 (evict published -> empty): drop effect forget-checksum": FORGOTTEN,
+    "request #21 (allocate matched -> loading-inline): drop guard has-external-tokens":
+        "allocate matched -> running (no-external-tokens) is tried first: an allocation without a load never gets here",
+    "request #21 (allocate matched -> loading-inline): drop guard inline-load":
+        "allocate matched -> loading (async-load) is tried first and takes every asynchronous load",
 }
 """Mutants no behaviour can tell apart from the spec, each with the reason."""
+
+UNDER_VLLM = ("kvfsm's own engine neither preempts nor finishes a request whose inline load is unreported (vLLM's "
+              "scheduler does): caught under vLLM by tests/test_vllm_inline.py::test_inline_lifecycle_mutant_is_caught")
 
 UNREACHED = {
     "request #15 (job-done matched -> matched): retarget to loading":
@@ -69,6 +76,11 @@ UNREACHED = {
     "transfer-job #10 (fail submitted,flushed-on-preempt -> failed): drop effect record-finish-step":
         "needs a request deferred behind a store that fails; the scenarios' waiter is served by the GPU prefix cache "
         "and 40 interleavings do not draw it",
+    "request #3 (allocate matched -> loading): drop guard async-load": UNDER_VLLM,
+    "request #24 (preempt loading-inline -> preempted): retarget to loading-inline": UNDER_VLLM,
+    "request #25 (finish loading-inline -> draining): retarget to loading-inline": UNDER_VLLM,
+    "request #27 (load-done preempted -> preempted): retarget to draining": UNDER_VLLM,
+    "request #28 (load-failed preempted -> preempted): retarget to draining": UNDER_VLLM,
 }
 """Mutants the loader, the scenarios here and the interleavings do not catch because no run takes the transition
 in the way that shows them: the reason is a gap in the generators, not equivalence."""
@@ -283,6 +295,7 @@ SCENARIOS = (
     Scenario(preempt_abort_and_reset, num_gpu_blocks=24, cpu_blocks=8, per_layer=True, layer_stores=True),
     *(Scenario(reset_before_the_store_goes_out(fault), num_gpu_blocks=24, cpu_blocks=8) for fault in (False, True)),
     Scenario(failed_store_and_loads, num_gpu_blocks=24, cpu_blocks=8),
+    Scenario(failed_store_and_loads, num_gpu_blocks=24, cpu_blocks=8, per_layer=True, layer_loads=True),
     Scenario(finish_with_two_stores, num_gpu_blocks=24, cpu_blocks=16, report_lag=2),
     Scenario(offered_twice, num_gpu_blocks=24, cpu_blocks=8, store_threshold=2),
     *(Scenario(disk_round_trip(fault), num_gpu_blocks=8, cpu_blocks=2, disk_slots=3)

@@ -34,3 +34,16 @@ def test_the_abort_storm_aborts_each_wave_mid_decode() -> None:
     assert len(waves) == sizes["waves"]
     assert {step + sizes["abort_after"]: ids for step, ids in waves.items()} == {s: i for s, i in aborted.items() if i}
     assert sizes["abort_after"] < sizes["decode_tokens"]  # aborted before it could finish
+
+
+def test_returning_prefixes_reach_first_token_sooner_with_layer_loads_for_every_cpu_hit() -> None:
+    """The plumbing of the inline comparison, and the one claim it exists for: in steps, every CPU hit computes
+    earlier with `layer_loads` than with vLLM's connector, with the same tokens."""
+    from kvfsm.integrations.vllm import bench_inline
+
+    rows = {row["run"]: row for row in bench_inline.compare_inline(quick=True)}
+    assert rows.keys() == bench_inline.RUNS.keys()
+    assert rows["kvfsm layer_loads"]["fewest_steps_gained"] >= 1
+    assert rows["kvfsm"]["fewest_steps_gained"] == 0  # asynchronous loads: as vLLM's connector
+    assert all(row["same_tokens"] and row["cpu_hit_blocks"] > 0 for row in rows.values())
+    assert "| returning-prefixes | kvfsm layer_loads |" in bench_inline.markdown(list(rows.values()))

@@ -170,12 +170,6 @@ def test_bad_extra_config_key_fails_at_start_up(model) -> None:
         Driver(vllm_config(model, {"cpu_blok": 3}, 16), FakeWorker())
 
 
-def test_same_step_layer_loads_are_refused_at_start_up(model) -> None:
-    """vLLM may preempt or finish a request whose same-step load is in flight: loads stay asynchronous."""
-    with pytest.raises(InvalidExtraConfig, match="layer_loads"):
-        Driver(vllm_config(model, {"cpu_blocks": 4, "layer_loads": True}, 16), FakeWorker())
-
-
 def test_extra_config_contradicting_vllm_fails_at_start_up(model) -> None:
     with pytest.raises(InvalidExtraConfig, match="gpu_block_size"):
         Driver(vllm_config(model, {"cpu_blocks": 4, "gpu_block_size": 32}, 16), FakeWorker())

@@ -5,7 +5,9 @@ what only tests need. With tensor parallelism (`FakeRanks`) each rank is a fake 
 reach the scheduler through vLLM's own `KVOutputAggregator`, as vLLM's executors deliver them. After every
 scheduling and every output the harness checks the rule the adapter exists to keep: no GPU block read or written by
 an unfinished, unflushed job has left its request; and `SpecChecks` traces every transition against the spec,
-checks kvfsm's named invariants after every step and, once idle, that everything drained.
+checks kvfsm's named invariants after every step and, once idle, that everything drained. With `async_scheduling`
+the driver runs vLLM's `AsyncScheduler` as vLLM's engine core does then: step N+1 is scheduled (and handed to the
+worker) before step N's output is processed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -81,6 +84,8 @@ class StepLog:
     orders: ConnectorMetadata
     first_computed: dict[str, int]
     """Requests scheduled this step for the first time since admission, with their computed tokens before it."""
+    computed: dict[str, int]
+    """Every request scheduled this step, with its computed tokens before it."""
 
 
 class AdapterWorker:
@@ -113,7 +118,8 @@ class AdapterWorker:
         return result
 
     def _forward(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
-        """Layer by layer, as vLLM's attention layers run: wait for the layer's load, write it, save it."""
+        """Layer by layer, as vLLM's attention layers run: wait for the layer's load, write it, save it. A position
+        whose token is not sampled yet (async scheduling) is written as 0."""
         before = computed_before(output)
         for name, cache in self.caches.items():
             self.connector.wait_for_layer_load(name)
@@ -121,7 +127,8 @@ class AdapterWorker:
                 blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[0]
                 tokens = scheduler.requests[req_id].all_token_ids
                 for position in range(before[req_id], before[req_id] + count):
-                    cache[:, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = float(tokens[position] % 251)
+                    token = tokens[position] if position < len(tokens) else 0
+                    cache[:, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = float(token % 251)
             self.connector.save_kv_layer(name, cache, None)  # type: ignore[arg-type]
 
     def block_tokens(self, block_id: int) -> list[int]:
@@ -141,11 +148,15 @@ class Driver:
     """One vLLM scheduler with the kvfsm adapter, stepped by hand against a `FakeWorker` or an `AdapterWorker`."""
 
     def __init__(self, config: VllmConfig, worker: "FakeWorker | FakeRanks | AdapterWorker",
-                 cache: KVCacheConfig | None = None) -> None:
+                 cache: KVCacheConfig | None = None, async_scheduling: bool = False) -> None:
         init_none_hash(sha256)
         self.blocks = config.cache_config.num_gpu_blocks
-        self.scheduler = Scheduler(config, cache or kv_cache_config(self.blocks), StructuredOutputManager(config),
-                                   block_size=BLOCK_SIZE, log_stats=True)
+        kind = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = kind(config, cache or kv_cache_config(self.blocks), StructuredOutputManager(config),
+                              block_size=BLOCK_SIZE, log_stats=True)
+        self.async_scheduling = async_scheduling
+        self._unprocessed: tuple[int, SchedulerOutput, ModelRunnerOutput] | None = None
+        """Under async scheduling: the step run but not yet processed, with its output."""
         self.connector_stats: list[dict[str, Any]] = []
         """The connector-stats payloads vLLM's scheduler put in its stats, step by step (what its loggers get)."""
         self.worker = worker
@@ -185,24 +196,40 @@ class Driver:
         cached = output.scheduled_cached_reqs
         first.update((r, n) for r, n in zip(cached.req_ids, cached.num_computed_tokens) if r in cached.resumed_req_ids)
         result = model_output(self.scheduler, output, self.worker.step(self.step_no, output, self.scheduler))
+        log = StepLog(self.step_no, orders, first, computed_before(output))
+        self.log.append(log)
+        earlier, self._unprocessed = self._unprocessed, (self.step_no, output, result)
+        if earlier is not None:
+            self._process(*earlier)
+        if not self.async_scheduling:
+            self.flush()
+        return log
+
+    def flush(self) -> None:
+        """Process the step run but not processed yet (async scheduling), if any."""
+        earlier, self._unprocessed = self._unprocessed, None
+        if earlier is not None:
+            self._process(*earlier)
+
+    def _process(self, step: int, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
         outputs = self.scheduler.update_from_output(output, result)
         for req_id in sampled_requests(outputs):
-            self.first_token.setdefault(req_id, self.step_no)
+            self.first_token.setdefault(req_id, step)
         self.connector_stats += [engine.scheduler_stats.kv_connector_stats for engine in outputs.values()
                                  if engine.scheduler_stats and engine.scheduler_stats.kv_connector_stats]
         self.check_held()
-        self.checks.after_step(self.step_no)
-        log = StepLog(self.step_no, orders, first)
-        self.log.append(log)
-        return log
+        self.checks.after_step(step)
 
     def run(self, max_steps: int = 50) -> None:
         """Step until the scheduler has nothing left (finished requests' held blocks included), then require the
         adapter drained."""
-        while self.scheduler.has_requests() or self.worker.pending_jobs:
+        while self.scheduler.has_requests() or self.worker.pending_jobs or self._unprocessed is not None:
             if self.step_no >= max_steps:
                 raise AssertionError(f"not idle after {max_steps} steps")
-            self.step()
+            if self.scheduler.has_requests() or self.worker.pending_jobs:
+                self.step()
+            else:
+                self.flush()
         self.checks.after_idle(self.step_no)
 
     def close(self) -> None:
@@ -228,7 +255,11 @@ class Driver:
                                      f"vLLM holds {held}")
 
     def check_not_loading(self, output: SchedulerOutput) -> None:
-        """No request is computed while any rank still loads its blocks (checked before the workers see the step)."""
+        """No request is computed while any rank still loads its blocks (checked before the workers see the step).
+        With `layer_loads` a load is computed on by design, behind each layer's segment: `inline-load-in-step`
+        (checked with the spec's invariants) holds those loads to their own step's output instead."""
+        if self.connector.scheduler_side.kvfsm.config.layer_loads:
+            return
         for job in self.worker.in_flight():
             if job.kind == "load" and job.req_id in output.num_scheduled_tokens:
                 raise ComputedWhileLoading(f"step {self.step_no}: {job.req_id} was scheduled while load job "

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvfsm.connector.metadata import LoadOrder
 from kvfsm.integrations.vllm import KvfsmConnector
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker, model_config, vllm_config
-from vllm_harness import Driver
+from vllm_harness import AdapterWorker, Driver
 
 PREFIX = list(range(100, 100 + 4 * BLOCK_SIZE))
 
@@ -30,9 +30,13 @@ def make_driver(model) -> Iterator:
     """Builds drivers on the tiny model and stops their tracing when the test ends."""
     opened: list[Driver] = []
 
-    def build(worker: FakeWorker | None = None, gpu_blocks: int = 64, cpu_blocks: int = 32, **extra: Any) -> Driver:
-        """`extra`: more of `kv_connector_extra_config`."""
-        d = Driver(vllm_config(model, {"cpu_blocks": cpu_blocks, **extra}, gpu_blocks), worker or FakeWorker())
+    def build(worker: FakeWorker | AdapterWorker | None = None, gpu_blocks: int = 64, cpu_blocks: int = 32,
+              async_scheduling: bool = False, prefix_caching: bool = True, **extra: object) -> Driver:
+        """`extra`: more of `kv_connector_extra_config` (e.g. `layer_loads=True`); an `AdapterWorker` is built on
+        the same configuration when `worker` is the class itself."""
+        config = vllm_config(model, {"cpu_blocks": cpu_blocks, **extra}, gpu_blocks, prefix_caching=prefix_caching)
+        chosen = worker(config) if worker is AdapterWorker else (worker or FakeWorker())
+        d = Driver(config, chosen, async_scheduling=async_scheduling)
         opened.append(d)
         return d
 

@@ -95,6 +95,12 @@ class SchedulerConnector:
         self._prepared: list[TransferJob] = []
         self._load_errors: set[int] = set()
         self._cpu_block_tokens = config.cpu_block_tokens
+        self.outputs = 0
+        """Engine outputs taken by `update_connector_output` so far: step N's output is the N-th, even when the
+        engine schedules step N+1 before it (async scheduling)."""
+        self.load_reports_in_step = False
+        """Set by an engine that reads a failed load's blocks only in the output of the step that computed on them
+        (vLLM): each load computed in its own step is then due in that step's output (`inline-load-in-step`)."""
         self.tiers = TierPlanner(config, tiers, self.manager, config.block_size_factor * gpu_block_bytes,
                                  self._take_job_id, self.ledger) if tiers else None
         """The lower tiers' side of this half (lookup below CPU, fetches, write-backs); None without tiers."""
@@ -195,7 +201,8 @@ class SchedulerConnector:
         self.ledger.due.set(record.req_id, self._cpu_block_tokens)
         match, record.match = record.match, None
         count = num_external_tokens // self.config.gpu_block_size
-        self.ledger.fire_request(record, "allocate", external_tokens=count)
+        inline = self.config.layer_loads
+        self.ledger.fire_request(record, "allocate", external_tokens=count, inline=inline)
         if count == 0:
             return
         assert match is not None  # check_alloc refused more tokens than the lookup offered
@@ -212,6 +219,8 @@ class SchedulerConnector:
                                        for i in range(first_cpu, end_cpu)])
         job = self._new_job("load", request.request_id, record.block_ids[first_gpu:first_gpu + count], slots,
                             hashes, gpu_offset=offset)
+        if inline and self.load_reports_in_step:
+            job.due_output = self.step + 1  # submitted by the next metadata, which is step + 1's
         self._new_loads.append(job)
 
     # --- the step's orders ---------------------------------------------------------------------------------
@@ -289,6 +298,7 @@ class SchedulerConnector:
         """Log each rank's reports (all checked first: one bad report applies none) and finish the jobs every rank
         reported; a job fails if any rank failed it."""
         check_reports(self, output)
+        self.outputs += 1
         self._load_errors = set()
         for rank, job, ok in rank_reports(output, self.ledger.jobs):
             job.reports[rank] = ok
@@ -311,6 +321,7 @@ class SchedulerConnector:
         """The job's end; the spec's couplings move its CPU slots, its GPU fences and its request."""
         self.ledger.fire_job(job, "complete" if ok else "fail", step=self.step)
         seconds = time.perf_counter() - job.submitted_at
+        job.reported_output = self.outputs
         if job.kind == "store":
             if ok and self.tiers is not None:
                 self.tiers.stored(job.hashes)

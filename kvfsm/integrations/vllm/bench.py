@@ -137,10 +137,11 @@ def job_counts(output: SchedulerOutput) -> tuple[int, int, int, int]:
 class Run:
     """One workload through one vLLM scheduler; everything it measured."""
 
-    def __init__(self, workload: Workload, connector: str, model: Any, admission: str = "every-block") -> None:
+    def __init__(self, workload: Workload, connector: str, model: Any, admission: str = "every-block",
+                 layer_loads: bool = False) -> None:
         init_none_hash(sha256)
         name = CONNECTORS[connector]
-        extra = {"cpu_blocks": CPU_BLOCKS} if name == KVFSM_CONNECTOR else {
+        extra = {"cpu_blocks": CPU_BLOCKS, "layer_loads": layer_loads} if name == KVFSM_CONNECTOR else {
             "cpu_bytes_to_use": CPU_BLOCKS * gpu_block_bytes(kv_cache_config(1))}
         extra |= ADMISSION[admission].get(connector, {})
         config = vllm_config(model, extra, workload.gpu_blocks, connector=name,
@@ -148,7 +149,7 @@ class Run:
         self.scheduler = Scheduler(config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config),
                                    block_size=BLOCK_SIZE)
         self.worker = (None if name is None else OffloadingFakeWorker() if connector == "vllm"
-                       else FakeWorker(load_steps=LOAD_STEPS, store_steps=STORE_STEPS))
+                       else FakeWorker(load_steps=1 if layer_loads else LOAD_STEPS, store_steps=STORE_STEPS))
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.deferrals = 0
         if self.scheduler.connector is not None:
@@ -156,6 +157,8 @@ class Run:
         self.step_no = 0
         self.arrived: dict[str, int] = {}
         self.first_token: dict[str, int] = {}
+        self.tokens: dict[str, list[int]] = {}
+        """Each request's output tokens, as vLLM emitted them."""
         self.step_us: list[float] = []
         self.jobs = [0, 0, 0, 0]
         self.preemptions = 0
@@ -193,6 +196,9 @@ class Run:
         end = time.thread_time()
         for req_id in sampled_requests(outputs):
             self.first_token.setdefault(req_id, self.step_no)
+        for engine in outputs.values():
+            for out in engine.outputs:
+                self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         if measured:
             self.step_us.append((scheduled - start + end - updating) * 1e6)
             self.jobs = [a + b for a, b in zip(self.jobs, job_counts(output))]
@@ -214,7 +220,14 @@ def _due_jobs(worker: Any) -> bool:
 
 def run(workload: Workload, connector: str, model: Any, admission: str = "every-block") -> dict[str, Any]:
     """The workload through one connector: warm-up requests to the end, then the measured stream."""
-    bench = Run(workload, connector, model, admission)
+    bench, measured = play(workload, connector, model, admission)
+    return bench.figures(measured)
+
+
+def play(workload: Workload, connector: str, model: Any, admission: str = "every-block",
+         layer_loads: bool = False) -> tuple[Run, set[str]]:
+    """The workload through one connector; the run and the requests it measured."""
+    bench = Run(workload, connector, model, admission, layer_loads)
     for arrival in workload.warm:
         bench.add(arrival)
     while bench.scheduler.has_requests() or _due_jobs(bench.worker):
@@ -228,7 +241,7 @@ def run(workload: Workload, connector: str, model: Any, admission: str = "every-
             bench.add(arrival)
             measured.add(arrival.req_id)
         bench.step(measured=workload.measure_from(bench.scheduler))
-    return bench.figures(measured)
+    return bench, measured
 
 
 def _tokens(seed: int, count: int) -> list[int]:

@@ -50,11 +50,6 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
         config = OffloadConfig(**extra)
     except ValidationError as error:
         raise InvalidExtraConfig(f"kv_connector_extra_config is not a valid kvfsm OffloadConfig:\n{error}") from None
-    if config.layer_loads:
-        raise InvalidExtraConfig(
-            "layer_loads is not supported under vLLM: its scheduler may preempt or finish a request computed in the "
-            "step that loads it while that load is in flight, which kvfsm's request lifecycle does not allow; "
-            "loads stay asynchronous (layer_stores is supported)")
     if any(tier.kind == "disk" for tier in config.lower_tiers):
         raise InvalidExtraConfig("a disk tier's index lives in the worker process, which vLLM's scheduler process "
                                  "cannot look up; use it with kvfsm.Connector (see docs/tiers.md)")

@@ -63,14 +63,15 @@ KVFSM_CONNECTOR = "KvfsmConnector"
 
 def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
                 connector: str | None = KVFSM_CONNECTOR, max_batched_tokens: int = 512,
-                max_seqs: int = 32, tensor_parallel_size: int = 1) -> VllmConfig:
-    """vLLM's configuration with `connector` (kvfsm's, one of vLLM's own by name, or None for none)."""
+                max_seqs: int = 32, tensor_parallel_size: int = 1, prefix_caching: bool = True) -> VllmConfig:
+    """vLLM's configuration with `connector` (kvfsm's, one of vLLM's own by name, or None for none); without
+    `prefix_caching` vLLM's GPU prefix cache is off (every request looks its whole prefix up in the connector)."""
     transfer = None if connector is None else KVTransferConfig(
         kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra,
         kv_connector_module_path="kvfsm.integrations.vllm" if connector == KVFSM_CONNECTOR else None,
         kv_load_failure_policy="recompute")
     config = VllmConfig(
-        model_config=model, cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        model_config=model, cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_batched_tokens, max_num_seqs=max_seqs,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
         kv_transfer_config=transfer, parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size))

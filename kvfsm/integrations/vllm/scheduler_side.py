@@ -6,7 +6,10 @@ Two places where vLLM's protocol differs from kvfsm's, bridged here and nowhere 
   second call is ignored and the repeated lookup answers "nothing to load".
 - vLLM learns which requests finished loading (`finished_recving`) or may free their blocks (`finished_sending`)
   from the workers' output; kvfsm decides both once every worker reported the job, so the scheduler role writes its
-  answer into that output before vLLM reads it (`update_connector_output` runs first).
+  answer into that output before vLLM reads it (`update_connector_output` runs first). With `layer_loads` a CPU hit
+  is a synchronous load: vLLM computes the request in the step that loads it and waits for nothing, so a finished
+  load is news to vLLM only as a failed load's blocks, which the workers name themselves in that step's output
+  (`load_reports_in_step`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
         self.kvfsm = SchedulerConnector(config, gpu_block_bytes(kv_cache_config),
                                         num_gpu_blocks=kv_cache_config.num_blocks)
+        self.kvfsm.load_reports_in_step = True  # vLLM reads invalid blocks only in the output of their step
         self.codec = HashCodec()
         self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage)
         self._matched: dict[str, RequestView] = {}
@@ -89,7 +93,7 @@ class SchedulerSide:
             raise TypeError(f"expected kvfsm worker metadata, got {type(meta).__name__}")
         result = self.kvfsm.update_connector_output(ConnectorOutput(workers=meta.reports if meta else ()))
         self.kvfsm.get_block_ids_with_load_errors()  # the workers reported these blocks to vLLM themselves
-        if result.loaded:
+        if result.loaded and not self.kvfsm.config.layer_loads:  # an inline load's request is running already
             output.finished_recving = set(output.finished_recving or ()) | result.loaded
         if result.released:
             output.finished_sending = set(output.finished_sending or ()) | result.released

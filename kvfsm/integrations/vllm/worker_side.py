@@ -3,7 +3,10 @@
 On a GPU the device is `CudaDevice`; on a CPU-only host it is `SimDevice`, whose streams run only when driven: vLLM's
 forward pass has already run by the time completions are polled, so the simulated streams are run to idle then.
 A failed load's GPU blocks are reported to vLLM (`get_block_ids_with_load_errors`) in the same step as the job, so
-vLLM recomputes them instead of caching what the load never wrote.
+vLLM recomputes them instead of caching what the load never wrote. With `layer_loads` vLLM computes a CPU hit in the
+step that loads it and reads that step's load errors only in that step's output, so the worker waits on the host
+for the step's loads before it reports (`inline-load-in-step`): the compute stream waits on each layer's segment
+anyway, so the wait ends no later than the layer that needs the last segment.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class WorkerSide:
         self._num_blocks = kv_cache_config.num_blocks
         self._scheduler_block_bytes = gpu_block_bytes(kv_cache_config)
         self._loads: dict[int, tuple[int, ...]] = {}
+        self._step_loads: tuple[int, ...] = ()
         self._reports: list[WorkerOutput] = []
         self._invalid: set[int] = set()
 
@@ -66,6 +70,7 @@ class WorkerSide:
             raise TypeError(f"expected kvfsm connector metadata, got {type(meta).__name__}")
         self.kvfsm.bind_connector_metadata(meta.orders)
         self._loads.update((order.job_id, order.gpu_blocks) for order in meta.orders.loads)
+        self._step_loads = tuple(order.job_id for order in meta.orders.loads)
 
     def handle_preemptions(self, meta: object) -> None:
         self.bind(meta)
@@ -87,6 +92,8 @@ class WorkerSide:
         """Collect the jobs that finished since the last poll (once per step, before the two reports below)."""
         if isinstance(self.device, SimDevice):
             self.device.run_until_idle()
+        elif self.config.layer_loads:  # computed on this step: reported in this step's output
+            self.kvfsm.wait(self._step_loads)
         report = self.kvfsm.get_finished()
         for job_id in report.failed:
             self._invalid.update(self._loads.pop(job_id, ()))

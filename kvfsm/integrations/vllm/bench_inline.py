@@ -1,0 +1,106 @@
+"""Returning prefixes under vLLM 0.32's real `Scheduler`: how many steps a CPU hit waits for its first token.
+
+A prefix that comes back from the CPU pool is computed, with vLLM's `OffloadingConnector` (and kvfsm without
+`layer_loads`), only once its asynchronous load was reported: a step after the load went out at best. kvfsm with
+`layer_loads` answers the hit as a synchronous load, and vLLM computes it in the step that loads it, each attention
+layer waiting for its own segment of the load (`wait_for_layer_load`). This bench runs one stream of returning
+prefixes (every measured request a CPU hit: its document was stored in the warm-up and vLLM's GPU prefix cache then
+reset) through the three and compares, request by request, the steps from arrival to first token, and the tokens
+each request got (equal in every run).
+
+Steps, not seconds: the fake worker reports an asynchronous load `LOAD_STEPS` steps after its order (as
+`bench.py` does for both connectors), an inline load in its own step, which is what the adapter's worker does (it
+waits on the host for the step's loads before reporting). On a GPU the load's step is longer by whatever of the
+load its compute does not overlap; the per-layer reload's time against its PCIe floor is measured in
+docs/benchmarks.md's TTFT section. CPU µs per step is the scheduler's own thread time, as in `bench.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from rich.console import Console
+from rich.table import Table
+
+from kvfsm.integrations.vllm.bench import Arrival, Workload, _tokens, play
+from kvfsm.integrations.vllm.rig import model_config
+
+RUNS: dict[str, tuple[str, bool]] = {
+    "vllm": ("vllm", False), "kvfsm": ("kvfsm", False), "kvfsm layer_loads": ("kvfsm", True),
+}
+"""Row name: (connector in `bench.CONNECTORS`, `layer_loads`)."""
+BASELINE = "vllm"
+
+
+def returning_prefixes(documents: int = 96, doc_tokens: int = 2048, per_step: int = 4, seed: int = 0) -> Workload:
+    """`documents` prompts stored in the warm-up; then `per_step` of them come back each step with a new question,
+    each once, so every measured request's prefix is on CPU and nowhere on the GPU."""
+    docs = [_tokens(seed * 100_000 + 20_000 + d, doc_tokens) for d in range(documents)]
+    steps = -(-documents // per_step)
+    stream = [[Arrival(f"q{d}", docs[d] + _tokens(30_000 + d, 24), max_tokens=8)
+               for d in range(step * per_step, min(documents, (step + 1) * per_step))] for step in range(steps)]
+    warm = [Arrival(f"w{d}", doc + [1], max_tokens=1) for d, doc in enumerate(docs)]
+    gpu_blocks = 12 * per_step * (doc_tokens // 16 + 4)  # every request of about 12 steps' arrivals at once
+    return Workload("returning-prefixes", gpu_blocks, steps + 24, lambda step: stream[step] if step < steps else [],
+                    warm=warm, max_batched_tokens=per_step * (doc_tokens + 64))
+
+
+QUICK = {"documents": 12, "doc_tokens": 256, "per_step": 3}
+"""Small sizes: check the plumbing in seconds, not the figures."""
+
+
+def compare_inline(quick: bool = False) -> Iterator[dict[str, Any]]:
+    """One row per run: steps to first token of every CPU hit, the fewest steps gained over vLLM's connector by any
+    one request, whether every request got the same tokens as there, and the scheduler's CPU µs per step."""
+    with tempfile.TemporaryDirectory() as folder:
+        model = model_config(Path(folder) / "tiny-llama")
+        workload = returning_prefixes(**(QUICK if quick else {}))
+        played = {name: play(workload, connector, model, layer_loads=layer_loads) for name, (connector, layer_loads)
+                  in RUNS.items()}
+    base, measured = played[BASELINE]
+    base_ttft = {r: base.first_token[r] - base.arrived[r] for r in measured}
+    for name, (bench, _) in played.items():
+        ttft = {r: bench.first_token[r] - bench.arrived[r] for r in measured}
+        gains = [base_ttft[r] - ttft[r] for r in measured]
+        yield {"workload": workload.name, "run": name, "requests": len(measured),
+               "cpu_hit_blocks": bench.jobs[1], "ttft_steps_mean": statistics.fmean(ttft.values()),
+               "ttft_steps_max": max(ttft.values()), "fewest_steps_gained": min(gains),
+               "same_tokens": all(bench.tokens.get(r) == base.tokens.get(r) for r in measured),
+               "us_per_step": statistics.fmean(bench.step_us), "us_per_step_median": statistics.median(bench.step_us)}
+
+
+COLUMNS = {
+    "workload": "workload", "run": "connector", "requests": "CPU hits", "cpu_hit_blocks": "blocks in",
+    "ttft_steps_mean": "steps to 1st token", "ttft_steps_max": "max", "fewest_steps_gained": "gained on vLLM's (min)",
+    "same_tokens": "same tokens", "us_per_step": "CPU µs/step", "us_per_step_median": "median",
+}
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    return [f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in COLUMNS]
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table as docs/benchmarks.md shows it."""
+    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(out: Path = Path("bench-out"), quick: bool = False) -> list[dict[str, Any]]:
+    """Run, print the table, and write `vllm-inline.json` and `vllm-inline.md` under `out`."""
+    rows = list(compare_inline(quick))
+    table = Table(title="vLLM 0.32 Scheduler, returning prefixes: a CPU hit's steps to first token")
+    for title in COLUMNS.values():
+        table.add_column(title, justify="left" if title in ("workload", "connector") else "right")
+    for row in rows:
+        table.add_row(*_cells(row))
+    Console(width=200).print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vllm-inline.json").write_text(json.dumps({"quick": quick, "rows": rows}, indent=2))
+    (out / "vllm-inline.md").write_text(markdown(rows))
+    return rows
