@@ -1,15 +1,31 @@
-"""The eviction policies on their own: order, ARC's lists and target, and the bounds both must keep."""
+"""The eviction policies: their selection by name or import path, each built-in's order and lists, and the bounds
+every one must keep."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, get_args
 
+import pydantic
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfsm.manager import ArcPolicy, EvictionPolicy, LruPolicy
-from test_manager_properties import IgnoresPins
+from kvfsm.config import EvictionName, OffloadConfig
+from kvfsm.connector import Connector
+from kvfsm.executor.sim import SimDevice
+from kvfsm.manager import (
+    BUILTIN,
+    ArcPolicy,
+    EvictionPolicy,
+    LruPolicy,
+    NotAnEvictionPolicy,
+    OffloadingManager,
+    PolicyViolation,
+    UnknownEvictionPolicy,
+    make_policy,
+)
+from kvfsm.testing.manager_calls import snapshot
+from kvfsm.testing.policy_controls import IgnoresPins
 
 CAPACITY = 4
 
@@ -38,6 +54,77 @@ class NoPromotion(ArcPolicy):
             self.t1.move_to_end(slot)
         else:
             super().touch(slot)
+
+
+class MruPolicy(LruPolicy):
+    """A user's policy, named by import path: the most recent goes first."""
+
+    def victims(self, n: int, evictable: Callable[[int], bool]) -> list[int] | None:
+        chosen = [slot for slot in reversed(self.order) if evictable(slot)][:n]
+        return chosen if len(chosen) == n else None
+
+
+class HalfAPolicy(EvictionPolicy):
+    """Not a policy: it implements only part of the interface."""
+
+    def insert(self, slot: int, block_hash: int) -> None:
+        pass
+
+
+# selection ------------------------------------------------------------------------------------------------
+
+
+def test_the_config_names_exactly_the_built_ins() -> None:
+    assert set(get_args(EvictionName)) == set(BUILTIN)
+
+
+@pytest.mark.parametrize("eviction", [*get_args(EvictionName), "test_manager_policies:MruPolicy", "a.b.c:D"])
+def test_the_config_takes_a_built_in_name_or_an_import_path(eviction: str) -> None:
+    assert OffloadConfig(cpu_blocks=8, eviction=eviction).eviction == eviction
+
+
+@pytest.mark.parametrize("eviction", ["fifo", "LRU", "a.b.c", ":D", "a b:C", "a:b:c"])
+def test_the_config_refuses_any_other_name_saying_what_is_legal(eviction: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match="legal: one of lru, arc, s3-fifo, tinylfu, w-tinylfu or an"):
+        OffloadConfig(cpu_blocks=8, eviction=eviction)
+
+
+def test_a_policy_named_by_import_path_serves_the_pool() -> None:
+    manager = OffloadingManager(4, "test_manager_policies:MruPolicy")
+    assert type(manager.policy) is MruPolicy
+
+
+@pytest.mark.parametrize(("eviction", "error", "why"), [
+    ("no_such_package.policies:Mine", UnknownEvictionPolicy, "cannot be imported: No module named 'no_such_package'"),
+    ("kvfsm.manager:NoSuchPolicy", UnknownEvictionPolicy, "has no attribute 'NoSuchPolicy'"),
+    ("kvfsm.manager:Lookup", NotAnEvictionPolicy, "legal: a subclass of kvfsm.manager.EvictionPolicy"),
+    ("kvfsm.manager:make_policy", NotAnEvictionPolicy, "legal: a subclass of kvfsm.manager.EvictionPolicy"),
+    ("test_manager_policies:HalfAPolicy", NotAnEvictionPolicy, "does not implement __contains__, __len__, clear"),
+])
+def test_the_connector_refuses_what_is_no_policy_before_pinning_a_byte(eviction: str, error: type, why: str) -> None:
+    device = SimDevice()
+    with pytest.raises(error, match=why):
+        Connector(OffloadConfig(cpu_blocks=8, eviction=eviction), device)
+    assert device.host_bytes == 0
+    with pytest.raises(error):
+        make_policy(eviction, 8)
+
+
+def test_the_manager_refuses_a_victim_it_did_not_offer_and_changes_nothing() -> None:
+    manager = OffloadingManager(2, IgnoresPins(2))
+    for key in (1, 2):
+        plan = manager.prepare_store([key], job_id=key)
+        assert plan is not None
+        manager.mark_submitted(plan.slots)
+        manager.complete_store(plan.slots, True)
+    manager.prepare_load([1])  # its slot is the least recent: the one IgnoresPins answers
+    before = snapshot(manager)
+    with pytest.raises(PolicyViolation, match=r"IgnoresPins.victims\(1\) answered \[0\]; legal: 1 distinct slots"):
+        manager.prepare_store([3], job_id=3)
+    assert snapshot(manager) == before
+
+
+# each built-in ----------------------------------------------------------------------------------------------
 
 
 def evict(policy: EvictionPolicy, n: int, evictable: Callable[[int], bool] = lambda _s: True) -> list[int]:
