@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from itertools import chain
+from typing import Iterable
 
 from kvfsm.manager.policies.base import Evictable, EvictionPolicy, take
 from kvfsm.manager.policies.sketch import FrequencySketch
@@ -42,11 +43,16 @@ class TinyLfuPolicy(EvictionPolicy):
         self.sketch = FrequencySketch(capacity)
 
     def insert(self, slot: int, block_hash: int) -> None:
-        self.sketch.add(block_hash)
-        window = self.window
-        window[slot] = block_hash
-        if len(window) > self.window_target:
-            self._admit(*window.popitem(last=False))
+        self.insert_many(((slot, block_hash),))
+
+    def insert_many(self, stored: Iterable[tuple[int, int]]) -> None:
+        stored = list(stored)
+        self.sketch.add_many([block_hash for _, block_hash in stored])
+        window, target, admit = self.window, self.window_target, self._admit
+        for slot, block_hash in stored:
+            window[slot] = block_hash
+            if len(window) > target:
+                admit(*window.popitem(last=False))
 
     def _admit(self, slot: int, block_hash: int) -> None:
         """The window's candidate enters probation, unless main is full and its next victim is counted as often."""
@@ -67,20 +73,27 @@ class TinyLfuPolicy(EvictionPolicy):
             self.doomed[slot] = block_hash
 
     def touch(self, slot: int) -> None:
-        if slot in self.window:
-            self.window.move_to_end(slot)
-            self.sketch.add(self.window[slot])
-        elif slot in self.protected:
-            self.protected.move_to_end(slot)
-            self.sketch.add(self.protected[slot])
-        else:
-            block_hash = self.probation.pop(slot, None)
-            if block_hash is None:
-                block_hash = self.doomed.pop(slot, None)  # hit before its eviction: it earned its place after all
-            if block_hash is None:
-                return  # not held: nothing to refresh
-            self.sketch.add(block_hash)
-            self._protect(slot, block_hash)
+        self.touch_many((slot,))
+
+    def touch_many(self, slots: Iterable[int]) -> None:
+        window, protected, probation, doomed = self.window, self.protected, self.probation, self.doomed
+        hit: list[int] = []
+        for slot in slots:
+            if slot in window:
+                window.move_to_end(slot)
+                hit.append(window[slot])
+            elif slot in protected:
+                protected.move_to_end(slot)
+                hit.append(protected[slot])
+            else:
+                block_hash = probation.pop(slot, None)
+                if block_hash is None:
+                    block_hash = doomed.pop(slot, None)  # hit before its eviction: it earned its place after all
+                if block_hash is None:
+                    continue  # not held: nothing to refresh
+                hit.append(block_hash)
+                self._protect(slot, block_hash)
+        self.sketch.add_many(hit)
 
     def _protect(self, slot: int, block_hash: int) -> None:
         protected = self.protected
