@@ -84,7 +84,7 @@ def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if r["policy"] == BASELINE and r["admission"] == "store-every-block":
             continue
         s = settings.setdefault(f"{r['policy']}, {r['admission']}", {"beats_arc": 0, "worst_points_below_arc": 0.0})
-        delta = (r["hit_rate"] - arc[r["trace"]]) * 100
+        delta = round((r["hit_rate"] - arc[r["trace"]]) * 100, 9)  # points, without float dust at the bound
         s["beats_arc"] += delta > 0
         s["worst_points_below_arc"] = max(s["worst_points_below_arc"], -delta)
     for s in settings.values():
