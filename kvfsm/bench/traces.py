@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from itertools import count
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 
 @dataclass(frozen=True)
@@ -38,47 +38,46 @@ def _zipf_weights(n: int, exponent: float = 1.0) -> list[float]:
     return [1.0 / (rank + 1) ** exponent for rank in range(n)]
 
 
-def chat(seed: int, requests: int) -> Trace:
-    rng, fresh = random.Random(seed), count(1)
-    system = [next(fresh) for _ in range(4)]
-    active: list[tuple[list[int], int]] = []  # (history, turns left)
+def _sessions(rng: random.Random, fresh: Iterator[int], requests: int, concurrent: int,
+              start: Callable[[], tuple[list[int], int]], prompt: tuple[int, int],
+              output: tuple[int, int]) -> tuple[Request, ...]:
+    """`concurrent` sessions at a time, each `start()`ed as (context, turns) and taking turns in random order: a
+    turn appends `prompt` new blocks (a message, a tool's output), looks the whole context up, then appends
+    `output` blocks (the answer) that the next turn's prompt includes."""
+    active: list[tuple[list[int], int]] = []
     out = []
     while len(out) < requests:
-        while len(active) < 24:
-            active.append((list(system), rng.randint(2, 10)))
+        while len(active) < concurrent:
+            active.append(start())
         i = rng.randrange(len(active))
-        history, left = active[i]
-        history.extend(next(fresh) for _ in range(rng.randint(1, 4)))  # the user's message
-        prompt = len(history)
-        history.extend(next(fresh) for _ in range(rng.randint(2, 8)))  # the answer
-        out.append(Request(tuple(history), prompt))
+        context, left = active[i]
+        context.extend(next(fresh) for _ in range(rng.randint(*prompt)))
+        prompt_blocks = len(context)
+        context.extend(next(fresh) for _ in range(rng.randint(*output)))
+        out.append(Request(tuple(context), prompt_blocks))
         if left == 1:
             active.pop(i)
         else:
-            active[i] = (history, left - 1)
-    return Trace("chat", tuple(out), pool_blocks=_pool(out))
+            active[i] = (context, left - 1)
+    return tuple(out)
+
+
+def chat(seed: int, requests: int) -> Trace:
+    """24 conversations at a time over one 4-block system prompt, 2 to 10 turns each."""
+    rng, fresh = random.Random(seed), count(1)
+    system = [next(fresh) for _ in range(4)]
+    out = _sessions(rng, fresh, requests, 24, lambda: (list(system), rng.randint(2, 10)), (1, 4), (2, 8))
+    return Trace("chat", out, pool_blocks=_pool(out))
 
 
 def agents(seed: int, requests: int) -> Trace:
+    """16 agent runs at a time, each on one of 12 system prompts of 48 to 96 blocks (Zipf-popular), 3 to 12 steps."""
     rng, fresh = random.Random(seed), count(1)
     systems = [[next(fresh) for _ in range(rng.randint(48, 96))] for _ in range(12)]
     weights = _zipf_weights(len(systems))
-    runs: list[tuple[list[int], int]] = []
-    out = []
-    while len(out) < requests:
-        while len(runs) < 16:
-            runs.append((list(rng.choices(systems, weights)[0]), rng.randint(3, 12)))
-        i = rng.randrange(len(runs))
-        context, left = runs[i]
-        context.extend(next(fresh) for _ in range(rng.randint(2, 6)))  # the last tool's output
-        prompt = len(context)
-        context.extend(next(fresh) for _ in range(rng.randint(1, 2)))  # the agent's next call
-        out.append(Request(tuple(context), prompt))
-        if left == 1:
-            runs.pop(i)
-        else:
-            runs[i] = (context, left - 1)
-    return Trace("agents", tuple(out), pool_blocks=_pool(out))
+    out = _sessions(rng, fresh, requests, 16, lambda: (list(rng.choices(systems, weights)[0]), rng.randint(3, 12)),
+                    (2, 6), (1, 2))
+    return Trace("agents", out, pool_blocks=_pool(out))
 
 
 def _documents(rng: random.Random, fresh: Iterator[int], n: int, shortest: int, longest: int) -> list[list[int]]:
@@ -91,6 +90,7 @@ def _question(rng: random.Random, fresh: Iterator[int], document: list[int]) -> 
 
 
 def zipf(seed: int, requests: int) -> Trace:
+    """Questions on documents of 8 to 64 blocks, by Zipf popularity; each question and answer is unique."""
     rng, fresh = random.Random(seed), count(1)
     documents = _documents(rng, fresh, max(50, requests // 4), 8, 64)
     weights = _zipf_weights(len(documents))
@@ -99,6 +99,7 @@ def zipf(seed: int, requests: int) -> Trace:
 
 
 def scans(seed: int, requests: int) -> Trace:
+    """A Zipf mix of documents of 8 to 48 blocks, and three requests in ten a one-shot document of 64 to 128."""
     rng, fresh = random.Random(seed), count(1)
     documents = _documents(rng, fresh, max(30, requests // 10), 8, 48)
     weights = _zipf_weights(len(documents))
@@ -116,7 +117,7 @@ POOL_SHARE = 0.06
 """The pool holds this share of the distinct blocks a trace stores: small enough that every policy must choose."""
 
 
-def _pool(requests: list[Request]) -> int:
+def _pool(requests: Sequence[Request]) -> int:
     """`POOL_SHARE` of the distinct blocks the trace stores, at least 256 and at least its longest request."""
     distinct = len({h for r in requests for h in r.hashes})
     return max(256, max(len(r.hashes) for r in requests), int(distinct * POOL_SHARE))
