@@ -4,7 +4,8 @@ A request is the chain of its blocks' prefix hashes (a block's hash stands for i
 share a block exactly when they share everything before it) and how many of them are the prompt: a lookup covers
 the prompt; the blocks after it are the output, stored like the prompt's and part of the next turn's prompt where
 there is one. Block ids are fresh integers for new content and reused for shared content. Each trace also names
-the pool size it is replayed against, `POOL_SHARE` of its distinct blocks, so every policy has to choose.
+the pool size it is replayed against (`POOL_SHARE` of the distinct blocks of its first `WINDOW` requests), so every
+policy has to choose.
 
 - `chat`: multi-turn conversations over one short shared system prompt; each turn re-reads the whole history.
 - `agents`: agent runs sharing a few long system prompts (Zipf-popular), each run a loop of tool steps whose
@@ -90,18 +91,18 @@ def _question(rng: random.Random, fresh: Iterator[int], document: list[int]) -> 
 
 
 def zipf(seed: int, requests: int) -> Trace:
-    """Questions on documents of 8 to 64 blocks, by Zipf popularity; each question and answer is unique."""
+    """Questions on 300 documents of 8 to 64 blocks, by Zipf popularity; each question and answer is unique."""
     rng, fresh = random.Random(seed), count(1)
-    documents = _documents(rng, fresh, max(50, requests // 4), 8, 64)
+    documents = _documents(rng, fresh, 300, 8, 64)
     weights = _zipf_weights(len(documents))
     out = [_question(rng, fresh, rng.choices(documents, weights)[0]) for _ in range(requests)]
     return Trace("zipf", tuple(out), pool_blocks=_pool(out))
 
 
 def scans(seed: int, requests: int) -> Trace:
-    """A Zipf mix of documents of 8 to 48 blocks, and three requests in ten a one-shot document of 64 to 128."""
+    """A Zipf mix of 120 documents of 8 to 48 blocks, and three requests in ten a one-shot document of 64 to 128."""
     rng, fresh = random.Random(seed), count(1)
-    documents = _documents(rng, fresh, max(30, requests // 10), 8, 48)
+    documents = _documents(rng, fresh, 120, 8, 48)
     weights = _zipf_weights(len(documents))
     out = []
     for _ in range(requests):
@@ -114,12 +115,14 @@ def scans(seed: int, requests: int) -> Trace:
 
 
 POOL_SHARE = 0.06
-"""The pool holds this share of the distinct blocks a trace stores: small enough that every policy must choose."""
+WINDOW = 1000
+"""The pool holds `POOL_SHARE` of the distinct blocks of a trace's first `WINDOW` requests: small enough that every
+policy must choose, and the same whatever the trace's length (a longer replay only steadies the figures)."""
 
 
 def _pool(requests: Sequence[Request]) -> int:
-    """`POOL_SHARE` of the distinct blocks the trace stores, at least 256 and at least its longest request."""
-    distinct = len({h for r in requests for h in r.hashes})
+    """At least 256 slots and at least the longest request."""
+    distinct = len({h for r in requests[:WINDOW] for h in r.hashes})
     return max(256, max(len(r.hashes) for r in requests), int(distinct * POOL_SHARE))
 
 

@@ -17,6 +17,7 @@ answers where the hand would stop, pass after pass, without moving it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Iterable
 
 from kvfsm.manager.policies.base import Evictable, EvictionPolicy
 
@@ -39,21 +40,31 @@ class S3FifoPolicy(EvictionPolicy):
         self.ghosts: OrderedDict[int, None] = OrderedDict()  # hashes demoted from small, oldest first
 
     def insert(self, slot: int, block_hash: int) -> None:
-        if block_hash in self.ghosts:
-            del self.ghosts[block_hash]
-            self.main[slot] = block_hash
-            self.count[slot] = 0
-        else:
-            self.small[slot] = block_hash
+        self.insert_many(((slot, block_hash),))
+
+    def insert_many(self, stored: Iterable[tuple[int, int]]) -> None:
+        ghosts, small, main, count = self.ghosts, self.small, self.main, self.count
+        for slot, block_hash in stored:
+            if block_hash in ghosts:
+                del ghosts[block_hash]
+                main[slot] = block_hash
+                count[slot] = 0
+            else:
+                small[slot] = block_hash
 
     def touch(self, slot: int) -> None:
-        count = self.count.get(slot)
-        if count is not None:
-            if count < MAX_COUNT:
-                self.count[slot] = count + 1
-        elif slot in self.small:
-            self.main[slot] = self.small.pop(slot)
-            self.count[slot] = 0
+        self.touch_many((slot,))
+
+    def touch_many(self, slots: Iterable[int]) -> None:
+        small, main, count = self.small, self.main, self.count
+        for slot in slots:
+            hits = count.get(slot)
+            if hits is not None:
+                if hits < MAX_COUNT:
+                    count[slot] = hits + 1
+            elif slot in small:
+                main[slot] = small.pop(slot)
+                count[slot] = 0
 
     def remove(self, slot: int) -> None:
         if slot in self.small:

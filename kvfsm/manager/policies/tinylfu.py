@@ -48,11 +48,12 @@ class TinyLfuPolicy(EvictionPolicy):
     def insert_many(self, stored: Iterable[tuple[int, int]]) -> None:
         stored = list(stored)
         self.sketch.add_many([block_hash for _, block_hash in stored])
-        window, target, admit = self.window, self.window_target, self._admit
-        for slot, block_hash in stored:
-            window[slot] = block_hash
-            if len(window) > target:
-                admit(*window.popitem(last=False))
+        window = self.window
+        window.update(stored)
+        if len(window) > self.window_target:
+            pop, admit = window.popitem, self._admit
+            for _ in range(len(window) - self.window_target):
+                admit(*pop(last=False))
 
     def _admit(self, slot: int, block_hash: int) -> None:
         """The window's candidate enters probation, unless main is full and its next victim is counted as often."""
@@ -65,8 +66,7 @@ class TinyLfuPolicy(EvictionPolicy):
             self.doomed[slot] = block_hash
             return
         rival = next(iter(rival_part))
-        estimate = self.sketch.estimate
-        if estimate(block_hash) > estimate(rival_part[rival]):
+        if self.sketch.more_often(block_hash, rival_part[rival]):
             self.doomed[rival] = rival_part.pop(rival)
             probation[slot] = block_hash
         else:
