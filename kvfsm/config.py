@@ -18,6 +18,9 @@ Mechanism = Literal["auto", "copy-per-block", "staged-gather", "fused-gather", "
 WriteBack = Literal["eager", "on-evict"]
 """eager: a block is written back as soon as its store completed. on-evict: the blocks next in line for CPU
 eviction are written back before they are evicted, so the tier receives what the CPU pool is about to lose."""
+AdmissionRule = Literal["every-block", "prompt-only"]
+"""every-block: each completed block is offered to the pool. prompt-only: only blocks made wholly of prompt tokens (the
+tokens a request holds at its first lookup) are; decode blocks are skipped, as vLLM's `offload_prompt_only` does."""
 
 
 EvictionName = Literal["lru", "arc", "s3-fifo", "tinylfu", "w-tinylfu"]
@@ -114,6 +117,14 @@ class OffloadConfig(BaseModel):
     eviction: str = "lru"
     """A built-in policy's name (`EvictionName`) or a user's policy as `package.module:ClassName`; the connector
     imports and checks a path when it starts (`kvfsm.manager.policies.factory`)."""
+    admission: AdmissionRule = "every-block"
+    """Which completed blocks are offered for storing; the others are skipped (`skip-store`, counted by reason)."""
+    store_threshold: PositiveInt = 1
+    """A block the pool does not hold is stored only from its `store_threshold`-th offer on (each request offers a
+    block once); earlier offers are skipped. 1 stores at the first offer. Like vLLM's `store_threshold`."""
+    store_offers_tracked: PositiveInt = 65536
+    """With `store_threshold` above 1: how many blocks' offer counts are kept (least recently offered forgotten
+    first), so the counts stay bounded however many distinct blocks pass."""
     mechanism: Mechanism = "auto"
     staging_bytes: PositiveInt | None = None
     """Size of each device staging slot of the gathering mechanisms (two per direction): a step's stores go out as

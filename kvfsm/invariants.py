@@ -216,6 +216,20 @@ def one_kind_of_job(world: World) -> list[str]:
     return found
 
 
+@REGISTRY.invariant("skipped-not-stored")
+def skipped_not_stored(world: World) -> list[str]:
+    found = []
+    for job in world.jobs.values():
+        request = world.requests.get(job.req_id) if job.kind == "store" else None
+        if request is None or not request.skipped:
+            continue
+        carried = [h for h in job.hashes if h in request.skipped]
+        if carried:
+            found.append(f"store job {job.job_id} of request {job.req_id} carries {len(carried)} block(s) admission "
+                         f"skipped ({request.skipped[carried[0]]}), e.g. {carried[0]:#x}")
+    return found
+
+
 ENDED = frozenset({J.DONE, J.FAILED, T.DONE, T.FAILED, T.ABANDONED})
 """Job states whose outcome is final for the scheduler (an abandoned tier job's I/O may still run, but its request
 no longer waits on it): each was entered by a transition that records the step."""

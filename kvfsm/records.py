@@ -80,6 +80,13 @@ class RequestRecord:
     stored_cpu_blocks: int = 0
     match: tuple[int, int] | None = None
     """(first GPU block, GPU blocks offered) by the last lookup, until the engine allocates."""
+    prompt_cpu_blocks: int = 0
+    """Whole CPU blocks of the tokens the request held at its first lookup: what `prompt-only` admission stores."""
+    offered_cpu_blocks: int = 0
+    """Leading CPU blocks offered to admission so far; unlike `stored_cpu_blocks` it survives a preemption, so a
+    resumed request does not offer them again."""
+    skipped: dict[int, str] = field(default_factory=dict)
+    """CPU-block hashes admission skipped for this request, with the reason (`record-skipped-blocks`)."""
 
     @property
     def jobs_in_flight(self) -> list[TransferJob]:
@@ -207,6 +214,12 @@ def _mark_load_error(request: RequestRecord, cause: TransferJob | None = None, *
     request.failed_blocks = cause.gpu_blocks if cause is not None else request.failed_blocks
 
 
+@REGISTRY.effect("request", "record-skipped-blocks")
+def _record_skipped_blocks(request: RequestRecord, hashes: Sequence[int] = (), reason: str = "", **_: object) -> None:
+    """The blocks admission skipped stay skipped for this request: none of its stores may carry them."""
+    request.skipped.update(dict.fromkeys(hashes, reason))
+
+
 @REGISTRY.relation("request", "flushable-stores")
 def _flushable_stores(request: RequestRecord) -> list[int]:
     """Its stores a preemption or abort must submit now and wait for: the pending and the submitted ones."""
@@ -291,10 +304,19 @@ class TierJob:
     state: str = "created"
     finished_step: int | None = None
     failed_keys: tuple[int, ...] = ()
+    reports: dict[int, Any] = field(default_factory=dict)
+    """Each rank's `TierReport` of its end, logged by the scheduler until every rank reported (empty elsewhere)."""
+    released: set[int] = field(default_factory=set)
+    """Ranks that reported it held at its deadline and since released it: their I/O for it returned."""
 
     @property
     def in_flight(self) -> bool:
         return self.state in IN_FLIGHT_TIER_JOB_STATES
+
+    @property
+    def holding(self) -> set[int]:
+        """Ranks whose I/O for it may still touch its CPU slots: they reported it held and have not released it."""
+        return {rank for rank, report in self.reports.items() if report.held} - self.released
 
     @property
     def nbytes(self) -> int:
@@ -325,3 +347,31 @@ def _forget_checksum(entry: TierEntry, **_: object) -> None:
 @REGISTRY.effect("tier-job", "record-tier-finish-step")
 def _record_tier_finish_step(job: TierJob, step: int | None = None, **_: object) -> None:
     job.finished_step = step
+
+
+# couplings of tier-job: selectors by the job's kind, so one transition serves both kinds and a write-back's end never
+# names a fetch's trigger (nor the reverse)
+
+
+@REGISTRY.relation("tier-job", "write-back-slots")
+def _write_back_slots(job: TierJob) -> tuple[int, ...]:
+    return job.cpu_slots if job.kind == "write-back" else ()
+
+
+@REGISTRY.relation("tier-job", "fetch-slots")
+def _fetch_slots(job: TierJob) -> tuple[int, ...]:
+    return job.cpu_slots if job.kind == "fetch" else ()
+
+
+@REGISTRY.relation("tier-job", "landed-fetch-slots")
+def _landed_fetch_slots(job: TierJob) -> tuple[int, ...]:
+    """A failed fetch's slots whose keys it read and verified: their bytes are good, they become loadable."""
+    lost = set(job.failed_keys)
+    return tuple(s for k, s in zip(job.keys, _fetch_slots(job)) if k not in lost)
+
+
+@REGISTRY.relation("tier-job", "lost-fetch-slots")
+def _lost_fetch_slots(job: TierJob) -> tuple[int, ...]:
+    """A failed fetch's slots whose keys it lost (`failed_keys`): freed and forgotten, so a lookup misses them."""
+    lost = set(job.failed_keys)
+    return tuple(s for k, s in zip(job.keys, _fetch_slots(job)) if k in lost)

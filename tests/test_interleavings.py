@@ -35,6 +35,10 @@ SESSION_11_DRAW = (": the draws of recent commits made one; this one, reshuffled
                    "went (session 11), does not")
 
 NOT_GENERATED = {
+    ("request", "running", "skip-store", "running"):
+        "kvfsm's own draws store every block at its first offer (the reference engine hashes prompt blocks alone, so "
+        "only a store threshold makes it skip: the skip-not-applied mutant's hunt draws one); "
+        "tests/test_connector_admission.py and test_spec_mutants.py's offered_twice scenario take it",
     ("request", "loading", "job-done", "loading"): "needs a flushed store reported while its request loads",
     ("request", "draining", "job-done", "draining"):
         "needs one of an aborted request's jobs reported while another is still in flight; met by some of the 600 "
@@ -62,6 +66,10 @@ NOT_GENERATED = {
         "a stall while a fetch from disk is in flight: return_from_disk's stall fault makes one, which this "
         "derandomized draw does not pick with a key only on disk; the explorer's disk-stall workload takes it in "
         "every schedule, tests/test_tiers_disk.py in its fault table",
+    **{("cpu-block", "orphaned", f"abandon-{kind}", "orphaned"):
+       f"a cache reset while a {kind} is in flight, then a stall past its deadline: tests/test_tiers_disk.py's fault "
+       f"table ({kind}-then-stall) and tests/test_spec_mutants.py's reset-then-stall-{kind} take it"
+       for kind in ("fetch", "write-back")},
 }
 """Declared transitions the generated interleavings do not take within COVERAGE_EXAMPLES, each with what it needs."""
 

@@ -73,6 +73,15 @@ UNREACHED = {
 """Mutants the loader, the scenarios here and the interleavings do not catch because no run takes the transition
 in the way that shows them: the reason is a gap in the generators, not equivalence."""
 
+CAUGHT_ELSEWHERE = {
+    "request #21 (skip-store running -> running): drop effect record-skipped-blocks":
+        "without the record a resumed request offers its skipped blocks again and stores them: it spends bandwidth "
+        "but breaks no safety rule the battery checks (the invariant reads that record); "
+        "tests/test_connector_admission.py's resumed request catches it",
+}
+"""Mutants the battery cannot see because what they break is a cost, not a safety rule, each with the test that
+catches it."""
+
 INTERLEAVING_EXAMPLES = 40
 
 PREFIX = tuple(range(10, 22))
@@ -204,20 +213,32 @@ def finish_with_two_stores(h: Harness) -> None:
     h.drain()
 
 
+def offered_twice(h: Harness) -> None:
+    """With a store threshold of 2: a prefix skipped at its first offer, stored at its second (the GPU forgot it
+    meanwhile), then reloaded by a third request."""
+    for extra in (1, 2, 3):
+        h.engine.reset_prefix_cache()
+        h.add_request(PREFIX + (extra,), 2)
+        h.drain()
+
+
 def disk_round_trip(fault: str | None) -> Callable[[Harness], None]:
     """A prefix written back to a 3-slot disk, pushed out of the 2-slot CPU pool and fetched back; with the disk
-    stalling past the write-back's or the fetch's deadline, failing the write or the read, or the CPU cache reset
-    while the fetch is in flight; then a third prefix makes the full disk evict."""
+    stalling past the write-back's or the fetch's deadline (after a CPU cache reset orphaned its slots, or not),
+    failing the write or the read, or the CPU cache reset while the fetch is in flight; then a third prefix makes
+    the full disk evict."""
     def drive(h: Harness) -> None:
         if fault == "write-io-error":  # A's write-back meets it
             h.tier_faults.inject(fault)
         for prompt in (A + (1,), B + (2,)):
             h.engine.reset_prefix_cache()
             h.add_request(prompt, 1)
-            if fault == "stall-write-back" and prompt[0] == A[0]:
-                while not h.connector.scheduler.tiers.jobs:  # type: ignore[union-attr]
+            if fault in ("stall-write-back", "reset-then-stall-write-back") and prompt[0] == A[0]:
+                while not h.connector.scheduler.tier_jobs:
                     h.engine.step()
                     h.device.run_until_idle()
+                if fault == "reset-then-stall-write-back":
+                    h.connector.reset_cache()
                 h.tier_faults.inject("stall")
                 h.engine.step()
             h.drain()
@@ -226,7 +247,9 @@ def disk_round_trip(fault: str | None) -> Callable[[Harness], None]:
             h.tier_faults.inject(fault)
         h.add_request(A + (3,), 1)
         h.engine.step()
-        if fault == "stall-fetch":
+        if fault == "reset-then-stall-fetch":
+            h.connector.reset_cache()
+        if fault in ("stall-fetch", "reset-then-stall-fetch"):
             h.tier_faults.inject("stall")
             h.engine.step()
         if fault == "reset-during-fetch":
@@ -240,6 +263,19 @@ def disk_round_trip(fault: str | None) -> Callable[[Harness], None]:
     return drive
 
 
+def partly_failed_fetch(h: Harness) -> None:
+    """A fetch of two keys from a disk with room for both prefixes, whose second read fails: the block it did read
+    becomes loadable and is loaded, the other is recomputed."""
+    for prompt in (A + (1,), B + (2,)):
+        h.engine.reset_prefix_cache()
+        h.add_request(prompt, 1)
+        h.drain()
+    h.engine.reset_prefix_cache()
+    h.tier_faults.inject("read-io-error")
+    h.add_request(A + (3,), 1)
+    h.drain()
+
+
 SCENARIOS = (
     Scenario(store_and_reload, num_gpu_blocks=24, cpu_blocks=8),
     Scenario(preempt_abort_and_reset, num_gpu_blocks=24, cpu_blocks=8, report_lag=1),
@@ -248,9 +284,11 @@ SCENARIOS = (
     *(Scenario(reset_before_the_store_goes_out(fault), num_gpu_blocks=24, cpu_blocks=8) for fault in (False, True)),
     Scenario(failed_store_and_loads, num_gpu_blocks=24, cpu_blocks=8),
     Scenario(finish_with_two_stores, num_gpu_blocks=24, cpu_blocks=16, report_lag=2),
+    Scenario(offered_twice, num_gpu_blocks=24, cpu_blocks=8, store_threshold=2),
     *(Scenario(disk_round_trip(fault), num_gpu_blocks=8, cpu_blocks=2, disk_slots=3)
       for fault in (None, "write-io-error", "read-io-error", "stall-fetch", "stall-write-back",
-                    "reset-during-fetch")),
+                    "reset-during-fetch", "reset-then-stall-fetch", "reset-then-stall-write-back")),
+    Scenario(partly_failed_fetch, num_gpu_blocks=8, cpu_blocks=2, disk_slots=4),
 )
 
 
@@ -285,7 +323,7 @@ def test_the_shipped_spec_passes_the_battery(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_spec_mutant_is_caught(name: str, tmp_path: Path) -> None:
-    listed = name in EQUIVALENT or name in UNREACHED
+    listed = name in EQUIVALENT or name in UNREACHED or name in CAUGHT_ELSEWHERE
     finding = caught(MUTANTS[name], tmp_path, hunt=not listed)  # a listed survivor must still pass the scenarios
     if listed:
         assert finding is None, f"listed as surviving, yet caught: {finding}"
@@ -294,4 +332,4 @@ def test_spec_mutant_is_caught(name: str, tmp_path: Path) -> None:
 
 
 def test_every_listed_survivor_is_a_mutant_made_here() -> None:
-    assert set(EQUIVALENT) | set(UNREACHED) <= set(MUTANTS)
+    assert set(EQUIVALENT) | set(UNREACHED) | set(CAUGHT_ELSEWHERE) <= set(MUTANTS)

@@ -13,13 +13,16 @@ import pytest
 
 from kvfsm.bindings import default_spec
 from kvfsm.config import DiskTierConfig, OffloadConfig, WriteBack
-from kvfsm.connector.metadata import TierOrder, TierReport
+from kvfsm.connector.ledger import Ledger
+from kvfsm.connector.metadata import ConnectorOutput, TierOrder, TierReport, WorkerOutput
 from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.connector.tier_runner import TierRunner, UnknownTier
+from kvfsm.connector.validation import UnknownJob
 from kvfsm.executor.pool import HostPool
 from kvfsm.executor.sim import SimDevice
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
+from kvfsm.records import TierJob
 from kvfsm.testing.harness import Harness
 from kvfsm.tiers.disk import DiskTier
 from kvfsm.tiers.io import ManualIo
@@ -55,6 +58,10 @@ def planner(h: Harness) -> TierPlanner:
     return tiers
 
 
+def tier_jobs(h: Harness) -> dict[int, TierJob]:
+    return h.connector.scheduler.tier_jobs
+
+
 def write_back_in_flight(h: Harness) -> tuple[int, ...]:
     """Serve a prompt, the device settling but the disk's I/O held, until its write-back is ordered and submitted;
     the keys it writes."""
@@ -62,7 +69,7 @@ def write_back_in_flight(h: Harness) -> tuple[int, ...]:
     for _ in range(10):
         h.engine.step()
         h.device.run_until_idle()
-        jobs = [j for j in planner(h).jobs.values() if j.kind == "write-back" and j.in_flight]
+        jobs = [j for j in tier_jobs(h).values() if j.kind == "write-back" and j.in_flight]
         if jobs and h.io.queue:
             return jobs[0].keys
     raise AssertionError("no write-back was submitted")
@@ -88,7 +95,7 @@ def test_a_write_back_that_fails_counts_only_the_blocks_it_wrote(h: Harness) -> 
 
 
 def test_a_write_back_abandoned_at_its_deadline_frees_its_slots_once_its_write_returns(h: Harness) -> None:
-    planner(h).keep_history = False  # as in production: a released job is forgotten
+    h.connector.scheduler.ledger.keep_history = False  # as in production: a released job is forgotten
     write_back_in_flight(h)
     h.tier_faults.inject("stall")  # the disk hangs past the write's deadline
     h.engine.step()
@@ -96,44 +103,66 @@ def test_a_write_back_abandoned_at_its_deadline_frees_its_slots_once_its_write_r
     h.drain()  # the write returns: the job is released, its slots freed
     usage = h.connector.scheduler.manager.usage()
     assert usage.get("writing-back", 0) == 0 and usage.get("orphaned", 0) == 0
-    assert planner(h).jobs == {} and planner(h).idle
+    assert tier_jobs(h) == {} and planner(h).idle
     assert h.final_violations() == []
 
 
-def refusal(h: Harness, worker: int, report: TierReport) -> str:
-    with pytest.raises(KeyError) as refused:
-        planner(h).report(worker, report, step=0)
-    return str(refused.value.args[0])
+def refusal(h: Harness, *reports: TierReport) -> str:
+    """What refuses these reports of worker 0, all in one output; nothing of the output was applied."""
+    before = {job_id: (job.state, dict(job.reports)) for job_id, job in tier_jobs(h).items()}
+    with pytest.raises(UnknownJob) as refused:
+        h.connector.scheduler.update_connector_output(ConnectorOutput(workers=(WorkerOutput(tiers=reports),)))
+    assert {job_id: (job.state, dict(job.reports)) for job_id, job in tier_jobs(h).items()} == before
+    return str(refused.value).removeprefix("update_connector_output: ").split(";")[0]
 
 
 def test_a_report_of_a_tier_job_not_in_flight_is_refused_naming_worker_and_job(h: Harness) -> None:
-    assert refusal(h, 0, TierReport(job_id=999)) == \
-        "worker 0 reported tier job 999, which is not in flight for it"
+    assert refusal(h, TierReport(job_id=999)) == "worker 0 reported tier job 999, which is not in flight for it"
     write_back_in_flight(h)
     h.drain()
-    done = max(planner(h).jobs)
-    assert refusal(h, 0, TierReport(job_id=done)) == \
-        f"worker 0 reported tier job {done}, which is not in flight for it"
+    done = max(tier_jobs(h))
+    assert refusal(h, TierReport(job_id=done)) == f"worker 0 reported tier job {done}, which is not in flight for it"
+
+
+def test_a_tier_job_reported_twice_in_one_output_is_refused_and_neither_report_applied(h: Harness) -> None:
+    write_back_in_flight(h)
+    job = max(tier_jobs(h))
+    assert refusal(h, TierReport(job_id=job), TierReport(job_id=job)) == \
+        f"worker 0 reported tier job {job}, which is not in flight for it"
+    h.drain()
+    assert h.final_violations() == []
 
 
 def test_a_release_of_a_tier_job_the_worker_does_not_hold_is_refused_naming_worker_and_job(h: Harness) -> None:
     write_back_in_flight(h)
-    job = max(planner(h).jobs)
-    assert refusal(h, 0, TierReport(job_id=job, release=True)) == \
+    job = max(tier_jobs(h))
+    assert refusal(h, TierReport(job_id=job, release=True)) == \
         f"worker 0 released tier job {job}, which it does not hold"
-    assert refusal(h, 0, TierReport(job_id=999, release=True)) == \
+    assert refusal(h, TierReport(job_id=999, release=True)) == \
         "worker 0 released tier job 999, which it does not hold"
+    assert refusal(h, TierReport(job_id=job, held=True), TierReport(job_id=job, release=True),
+                   TierReport(job_id=job, release=True)) == f"worker 0 released tier job {job}, which it does not hold"
     h.drain()
     assert h.final_violations() == []
+
+
+def test_a_tier_job_reported_held_and_released_in_one_output_frees_its_slots(h: Harness) -> None:
+    write_back_in_flight(h)
+    job = tier_jobs(h)[max(tier_jobs(h))]
+    h.connector.scheduler.update_connector_output(ConnectorOutput(workers=(WorkerOutput(tiers=(
+        TierReport(job_id=job.job_id, held=True), TierReport(job_id=job.job_id, release=True))),)))
+    assert job.state == "failed"
+    assert [h.connector.scheduler.manager.blocks[s].state for s in job.cpu_slots] == ["free"] * len(job.cpu_slots)
 
 
 def test_a_tier_job_that_ended_blocks_no_cpu_slot(h: Harness) -> None:
     """A request that meets one of its slots busy later must not wait for a job that is over."""
     write_back_in_flight(h)
-    job = next(j for j in planner(h).jobs.values() if j.in_flight)
-    assert planner(h).blockers(job.cpu_slots) == {job.job_id}
+    job = next(j for j in tier_jobs(h).values() if j.in_flight)
+    ledger = h.connector.scheduler.ledger
+    assert ledger.tier_blockers(job.cpu_slots) == {job.job_id}
     h.drain()
-    assert planner(h).blockers(job.cpu_slots) == set()
+    assert ledger.tier_blockers(job.cpu_slots) == set()
 
 
 def test_an_order_for_a_tier_the_worker_did_not_open_is_refused_naming_it(h: Harness) -> None:
@@ -233,10 +262,10 @@ class Below:
                                                  for name, policy in zip(names, writebacks)))
         machines = MachineSet(default_spec())
         self.io = ManualIo()
-        self.tiers = {name: DiskTier(name, path, 4 * BLOCK, BLOCK, self.io) for name in names}
+        self.tiers = {name: DiskTier(name, path, 4 * BLOCK, BLOCK, self.io, machines=machines) for name in names}
         self.manager = OffloadingManager(cpu_blocks, "lru", machines, events=False)
         self.planner = TierPlanner(config, tuple(self.tiers.values()), self.manager, BLOCK, count(100).__next__,
-                                   machines)
+                                   Ledger(machines, self.manager))
         self.runner = TierRunner(tuple(self.tiers.values()), HostPool(SimDevice(), cpu_blocks, BLOCK))
         self._jobs = count(1000)
 

@@ -4,6 +4,8 @@ meets in service ending as a miss or a failed fetch the engine recomputes, with 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,17 +17,20 @@ from kvfsm.config import DiskTierConfig, OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.sim import SimDevice
+from kvfsm.machines import default_machines
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.tier_faults import FAULTS
 from kvfsm.tiers.base import LowerTier, TierFailure, TierMisuse
-from kvfsm.tiers.disk import DiskTier, DiskTierError
-from kvfsm.tiers.io import ManualIo
+from kvfsm.tiers.disk import DiskIo, DiskTier, DiskTierError
+from kvfsm.tiers.entries import TierEntries
+from kvfsm.tiers.io import ManualIo, io_threads
 
 BLOCK = 64
 
 
-def _tier(path: Path, slots: int = 2) -> DiskTier:
-    return DiskTier("disk", path, slots * BLOCK, BLOCK, ManualIo())
+def _tier(path: Path, slots: int = 2, **options: object) -> DiskTier:
+    return DiskTier("disk", path, slots * BLOCK, BLOCK, options.pop("io", ManualIo()),  # type: ignore[arg-type]
+                    machines=default_machines(), **options)  # type: ignore[arg-type]
 
 
 def _block(value: int) -> memoryview:
@@ -109,8 +114,70 @@ def test_misuse_raises_before_anything_changes(tmp_path: Path) -> None:
 
 def test_a_disk_that_cannot_hold_the_tier_is_a_clear_error_at_start(tmp_path: Path) -> None:
     with pytest.raises(DiskTierError, match="cannot preallocate"):
-        DiskTier("disk", tmp_path, 1 << 62, BLOCK, ManualIo())
+        DiskTier("disk", tmp_path, 1 << 62, BLOCK, ManualIo(), machines=default_machines())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tier_without_the_connectors_machines_is_refused_at_construction(tmp_path: Path) -> None:
+    """No global machine set to fall back on: entries moved by a machine nobody observes would escape the checks."""
+    with pytest.raises(TypeError, match="MachineSet"):
+        TierEntries("disk", None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="machines"):
+        DiskTier("disk", tmp_path, 2 * BLOCK, BLOCK, ManualIo())  # type: ignore[call-arg]
+    assert list(tmp_path.iterdir()) == []
+
+
+class _BuggyWrite(DiskIo):
+    """A write that raises an error no disk produces (a bug in the I/O code), for the key at one offset."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    def write(self, fd: int, data: memoryview, offset: int) -> None:
+        if offset == self.offset:
+            raise RuntimeError("a bug in the write path")
+        super().write(fd, data, offset)
+
+
+def test_a_bug_in_the_io_surfaces_only_after_every_finished_job_settled(tmp_path: Path) -> None:
+    tier = _tier(tmp_path, slots=3, disk_io=_BuggyWrite(offset=0))
+    tier.submit_write(1, [7], [_block(3)])  # slot 0: the bug
+    tier.submit_write(2, [8], [_block(4)])
+    tier._io.run_all()  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="a bug in the write path"):
+        tier.poll()
+    assert tier.entries.get(7) is None and tier.entries.get(8).state == "published"  # type: ignore[union-attr]
+    assert not tier.busy, "a job was left half settled"
+    assert {c.job_id: dict(c.failed) for c in tier.poll()} == {1: {7: TierFailure.io_error}, 2: {}}
+    assert tier.poll() == []
+    tier.close()
+
+
+class _HungWrite(DiskIo):
+    """A write that does not return until the test lets it (a hung disk)."""
+
+    def __init__(self) -> None:
+        self.returns = threading.Event()
+
+    def write(self, fd: int, data: memoryview, offset: int) -> None:
+        self.returns.wait()
+        super().write(fd, data, offset)
+
+
+def test_closing_a_tier_waits_for_hung_io_no_longer_than_its_deadline(tmp_path: Path) -> None:
+    hung = _HungWrite()
+    tier = _tier(tmp_path, disk_io=hung, io=io_threads(1, "disk"), io_timeout_s=0.2)
+    tier.submit_write(1, [7], [_block(3)])
+    rescue = threading.Timer(5.0, hung.returns.set)  # a close that waits on the disk fails the test, not hangs it
+    rescue.start()
+    started = time.monotonic()
+    tier.close()
+    assert time.monotonic() - started < 2.0, "close waited on the hung disk"
+    rescue.cancel()
+    assert tier.file.exists(), "the file was released under a write still running"
+    hung.returns.set()
+    tier._closing.join(10)  # type: ignore[union-attr]
+    assert not tier.file.exists(), "the file was not released once the write returned"
 
 
 @pytest.mark.parametrize("bad", [
@@ -221,7 +288,8 @@ def test_write_backs_in_flight_stay_within_their_byte_bound() -> None:
         for _ in range(40):
             h.engine.step()
             h.settle()
-            peak = max(peak, sum(j.nbytes for j in tiers.jobs.values() if j.kind == "write-back" and j.in_flight))
+            peak = max(peak, sum(j.nbytes for j in h.connector.scheduler.tier_jobs.values()
+                                 if j.kind == "write-back" and j.in_flight))
         assert 0 < peak <= tiers.bound and tiers.stats.blocks_written_back["disk"] == 4
         assert tiers.stats.writebacks_held > 0, "no candidate ever waited for the bound"
         assert h.final_violations() == []
@@ -250,12 +318,12 @@ def _edges_of_a_returning_prefix(fault: str | None, reset: str | None) -> set[tu
         if fault in WRITE_FAULTS:
             h.tier_faults.inject(fault)
         h.add_request(A + (1,), 1)
-        while not h.connector.scheduler.tiers.jobs:  # type: ignore[union-attr]
+        while not h.connector.scheduler.tier_jobs:
             h.engine.step()
             h.device.run_until_idle()  # the device, not the disk: the write-back's write has not run
-        if reset == "write-back":
+        if reset in ("write-back", "write-back-then-stall"):
             h.connector.reset_cache()
-        if reset == "stall-write-back":  # the disk hangs past the write-back's deadline
+        if reset in ("stall-write-back", "write-back-then-stall"):  # the disk hangs past the write-back's deadline
             h.tier_faults.inject("stall")
             h.engine.step()
         _serve(h, A + (1,))
@@ -266,8 +334,10 @@ def _edges_of_a_returning_prefix(fault: str | None, reset: str | None) -> set[tu
             h.tier_faults.inject(fault)
         h.add_request(A + (3,), 1)
         h.engine.step()
-        if fault == "stall":
-            h.tier_faults.inject(fault)
+        if reset == "fetch-then-stall":  # its slots orphaned by the reset before the fetch is abandoned
+            h.connector.reset_cache()
+        if fault == "stall" or reset == "fetch-then-stall":
+            h.tier_faults.inject("stall")
             h.engine.step()
         if reset == "fetch":
             h.connector.reset_cache()
@@ -286,7 +356,7 @@ ONLY_A_SHARED_STORE_TAKES = {("tier-entry", "empty", "adopt", "published")}
 def test_the_tier_scenarios_take_every_transition_of_the_tier_lifecycles() -> None:
     taken: set[tuple[str, str, str, str]] = set()
     for fault in (None, "tier-evicts", *FAULTS):
-        for reset in (None, "fetch", "write-back", "stall-write-back"):
+        for reset in (None, "fetch", "write-back", "stall-write-back", "fetch-then-stall", "write-back-then-stall"):
             taken |= _edges_of_a_returning_prefix(fault, reset)
     missing = _declared_tier_edges() - taken - ONLY_A_SHARED_STORE_TAKES
     assert not missing, f"tier transitions no scenario takes: {sorted(missing)}"

@@ -14,11 +14,23 @@ from kvfsm.integrations.vllm import bench  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 
-def test_the_zipf_workload_runs_through_no_connector_vllms_and_kvfsms() -> None:
+def test_the_zipf_workload_runs_through_no_connector_then_vllms_and_kvfsms_under_each_admission_setting() -> None:
     rows = list(bench.compare(["zipf-prefixes"], quick=True))
-    assert [row["connector"] for row in rows] == list(bench.CONNECTORS)
-    by_connector = {row["connector"]: row for row in rows}
-    assert by_connector["none"]["loads"] == 0
-    assert by_connector["vllm"]["loads"] > 0 and by_connector["kvfsm"]["loads"] > 0
+    assert [(row["connector"], row["admission"]) for row in rows] == [
+        ("none", "-"), *((c, a) for a in bench.ADMISSION for c in ("vllm", "kvfsm"))]
+    by_run = {(row["connector"], row["admission"]): row for row in rows}
+    assert by_run[("none", "-")]["loads"] == 0
+    assert by_run[("vllm", "every-block")]["loads"] > 0 and by_run[("kvfsm", "every-block")]["loads"] > 0
     assert all(row["first_tokens"] > 0 and row["steps"] > 0 for row in rows)
-    assert "| zipf-prefixes | kvfsm |" in bench.markdown(rows)
+    assert "| zipf-prefixes | kvfsm | prompt-only |" in bench.markdown(rows)
+
+
+def test_the_abort_storm_aborts_each_wave_mid_decode() -> None:
+    sizes = bench.QUICK_SIZES["abort-storm"]
+    workload = bench.abort_storm(**sizes)
+    arrived = {step: [a.req_id for a in workload.arrivals(step)] for step in range(workload.steps)}
+    aborted = {step: workload.aborts(step) for step in range(workload.steps)}
+    waves = {step: ids for step, ids in arrived.items() if ids}
+    assert len(waves) == sizes["waves"]
+    assert {step + sizes["abort_after"]: ids for step, ids in waves.items()} == {s: i for s, i in aborted.items() if i}
+    assert sizes["abort_after"] < sizes["decode_tokens"]  # aborted before it could finish

@@ -6,18 +6,16 @@ recorded by the class `KvfsmConnector.build_prom_metrics` returns, on a private 
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 
 pytest.importorskip("vllm")
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
 
-from kvfsm.integrations.vllm import KvfsmConnector, telemetry  # noqa: E402
+from kvfsm.integrations.vllm import telemetry  # noqa: E402
 from kvfsm.integrations.vllm.rig import FakeWorker  # noqa: E402
 from vllm_harness import Driver  # noqa: E402
-from vllm_support import PREFIX, make_driver, model, store_prefix  # noqa: E402,F401
+from vllm_support import PREFIX, make_driver, model, scraped, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
@@ -26,13 +24,7 @@ def scraped_after_a_reload(d: Driver) -> CollectorRegistry:
     store_prefix(d)
     d.add("reader", PREFIX + [1, 2, 3])
     d.run()
-    registry = CollectorRegistry()
-    types = {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
-    metrics = KvfsmConnector.build_prom_metrics(d.scheduler.vllm_config, types, ["model_name", "engine"],
-                                                {0: ["tiny", "0"]})
-    for payload in d.connector_stats:
-        metrics.observe(payload, engine_idx=0)
-    return registry
+    return scraped(d)
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:

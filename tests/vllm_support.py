@@ -6,11 +6,14 @@ Imported only by `test_vllm_*.py` files, after they skip themselves when vLLM is
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from functools import partial
+from typing import Any, Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvfsm.connector.metadata import LoadOrder
+from kvfsm.integrations.vllm import KvfsmConnector
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker, model_config, vllm_config
 from vllm_harness import Driver
 
@@ -27,8 +30,9 @@ def make_driver(model) -> Iterator:
     """Builds drivers on the tiny model and stops their tracing when the test ends."""
     opened: list[Driver] = []
 
-    def build(worker: FakeWorker | None = None, gpu_blocks: int = 64, cpu_blocks: int = 32) -> Driver:
-        d = Driver(vllm_config(model, {"cpu_blocks": cpu_blocks}, gpu_blocks), worker or FakeWorker())
+    def build(worker: FakeWorker | None = None, gpu_blocks: int = 64, cpu_blocks: int = 32, **extra: Any) -> Driver:
+        """`extra`: more of `kv_connector_extra_config`."""
+        d = Driver(vllm_config(model, {"cpu_blocks": cpu_blocks, **extra}, gpu_blocks), worker or FakeWorker())
         opened.append(d)
         return d
 
@@ -46,3 +50,15 @@ def store_prefix(d: Driver, prompt: list[int] = PREFIX + [1, 2, 3], req_id: str 
 
 def loads_of(d: Driver, req_id: str) -> list[LoadOrder]:
     return [order for log in d.log for order in log.orders.loads if order.req_id == req_id]
+
+
+def scraped(d: Driver) -> CollectorRegistry:
+    """A private registry holding kvfsm's vLLM metrics after they observed every stats payload of `d`'s run (engine 0
+    of model `tiny`), as vLLM's loggers would record them."""
+    registry = CollectorRegistry()
+    types = {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    metrics = KvfsmConnector.build_prom_metrics(d.scheduler.vllm_config, types, ["model_name", "engine"],
+                                                {0: ["tiny", "0"]})
+    for payload in d.connector_stats:
+        metrics.observe(payload, engine_idx=0)
+    return registry

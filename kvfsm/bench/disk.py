@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvfsm.machines import default_machines
 from kvfsm.tiers.disk import DiskTier
 from kvfsm.tiers.io import io_threads
 
@@ -76,7 +77,8 @@ def _drain(tier: DiskTier) -> int:
 def _through_tier(directory: Path, pool: np.ndarray, block_bytes: int, threads: int) -> tuple[float, float, int]:
     """Seconds to write the pool's blocks through the tier (fdatasync included) and to fetch them back cold."""
     blocks = len(pool) // block_bytes
-    tier = DiskTier("bench", directory, blocks * block_bytes, block_bytes, io_threads(threads, "bench"))
+    tier = DiskTier("bench", directory, blocks * block_bytes, block_bytes, io_threads(threads, "bench"),
+                    machines=default_machines())
     views = [memoryview(pool[i * block_bytes:(i + 1) * block_bytes]) for i in range(blocks)]
     jobs = [range(first, min(first + KEYS_PER_JOB, blocks)) for first in range(0, blocks, KEYS_PER_JOB)]
     try:

@@ -68,14 +68,11 @@ class ConnectorWorld:
 
     @property
     def reported_failed(self) -> set[int]:
-        tiers = self.scheduler.tiers
-        failed = self.scheduler.reported_failed
-        return failed | tiers.reported_failed if tiers is not None else failed
+        return self.scheduler.reported_failed
 
     @property
     def tier_jobs(self) -> Mapping[int, TierJob]:
-        tiers = self.scheduler.tiers
-        return tiers.jobs if tiers is not None else {}
+        return self.scheduler.tier_jobs
 
     @property
     def writeback_bound(self) -> int:

@@ -2,10 +2,15 @@
 
 The spec declares how lifecycles move each other (`couplings:` in `spec/*.yaml`): a store's completion
 makes its CPU slots ready, unfences the GPU blocks it read and tells its request; a preemption flushes the request's
-stores.
+stores; a write-back's or a fetch's end (a tier job's) moves its CPU slots.
 The machines carry those couplings out as effects that call `Ledger.couple`, which fires the named trigger on the
-related objects of one table, in one batch, through that table's machine. What the scheduler half writes by hand
-is only planning: which slots a store takes, which blocks a load reads.
+related objects of one table, in one batch, through that table's machine. What the scheduler half and the tier
+planner write by hand is only planning: which slots a store or a fetch takes, which blocks a load reads or a
+write-back copies down.
+
+Transfer jobs and tier jobs share one id space and one history policy (`keep_history`): with it, every job of the run
+stays and the failed ones are noted reported (the invariants read them); without it, a job is forgotten as it ends,
+so nothing the ledger keeps grows with the number of jobs.
 
 The indexes beside the tables (the catalogue and free list inside the pool, the jobs each request has in flight,
 the stores to flush, what the step tells the engine) are updated here from the transition that was taken, never
@@ -22,10 +27,11 @@ from kvfsm.connector.fences import GpuFences
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
-from kvfsm.records import RequestRecord, TransferJob
-from kvfsm.states import RequestState, TransferJobState
+from kvfsm.records import RequestRecord, TierJob, TransferJob
+from kvfsm.states import RequestState, TierJobState, TransferJobState
 
 JOB_ENDS = frozenset({TransferJobState.DONE, TransferJobState.FAILED})
+TIER_JOB_ENDS = frozenset({TierJobState.DONE, TierJobState.FAILED})
 ENDS_OF_JOBS = frozenset({"job-done", "load-done", "load-failed"})
 """Request triggers a job's end fires: a release they cause is news to the engine, unlike one by finish/abort."""
 
@@ -43,13 +49,17 @@ class StepResult:
 
 
 class Ledger:
-    """Every CPU block, GPU fence, transfer job and request of one connector, and their machines."""
+    """Every CPU block, GPU fence, transfer job, tier job and request of one connector, and their machines."""
 
     def __init__(self, machines: MachineSet, pool: OffloadingManager, keep_history: bool = False,
                  num_gpu_blocks: int = 0) -> None:
         self.fences = GpuFences(machines["gpu-block"], num_gpu_blocks)
         self.jobs: dict[int, TransferJob] = {}
         """Jobs in flight (every job of the run with `keep_history`)."""
+        self.tier_jobs: dict[int, TierJob] = {}
+        """Write-backs and fetches in flight, abandoned ones included (every one of the run with `keep_history`)."""
+        self._tier_slots: dict[int, int] = {}
+        """The tier job in flight on each CPU slot it moves: whom a lookup that meets the slot busy waits for."""
         self.tracked: dict[str, RequestRecord] = {}
         """Requests not yet released: the ones an engine may name."""
         self.requests: dict[str, RequestRecord] = {} if keep_history else self.tracked
@@ -59,12 +69,13 @@ class Ledger:
         not in them, so that a step reads every request's in one C-level pass."""
         self.deferrals: dict[str, Deferral] = {}
         self.reported_failed: set[int] = set()
-        """Failed jobs reported to the engine; kept with the history it is checked against, else not at all."""
+        """Failed jobs (transfer and tier) reported to the scheduler; kept with the history it is checked against,
+        else not at all."""
         self.keep_history = keep_history
         self.result = StepResult()
         self.flushed: list[TransferJob] = []
         """Stores flushed since the last metadata: the workers submit and wait for them before blocks are reused."""
-        self._job, self._request = machines["transfer-job"], machines["request"]
+        self._job, self._tier_job, self._request = machines["transfer-job"], machines["tier-job"], machines["request"]
         self._tables: dict[str, Callable[..., None]] = {
             "cpu-block": pool.fire,
             "gpu-block": self.fences.fire,
@@ -79,6 +90,16 @@ class Ledger:
 
     def fire_request(self, record: RequestRecord, trigger: str, **context: Any) -> str:
         return self._fire_request(record, trigger, ledger=self, **context)
+
+    def fire_tier_job(self, job: TierJob, trigger: str, **context: Any) -> str:
+        """Move a write-back or a fetch; the spec's couplings move its CPU slots."""
+        dest = self._tier_job.fire(job, trigger, ledger=self, **context)
+        if dest in TIER_JOB_ENDS:
+            for slot in job.cpu_slots:
+                if self._tier_slots.get(slot) == job.job_id:
+                    del self._tier_slots[slot]
+            self._retire(self.tier_jobs, job.job_id, dest == TierJobState.FAILED)
+        return dest
 
     def couple(self, lifecycle: str, trigger: str, keys: Iterable[Any], **context: Any) -> None:
         """What a coupling effect calls: fire `trigger` on the `lifecycle` objects named by `keys`."""
@@ -99,11 +120,15 @@ class Ledger:
             self.flushed.append(job)
         elif dest in JOB_ENDS:
             del record.jobs[job.job_id]
-            if self.keep_history:
-                if dest == TransferJobState.FAILED:
-                    self.reported_failed.add(job.job_id)
-            else:
-                del self.jobs[job.job_id]
+            self._retire(self.jobs, job.job_id, dest == TransferJobState.FAILED)
+
+    def _retire(self, table: dict[int, Any], job_id: int, failed: bool) -> None:
+        """The one history policy for a job that ended: kept, a failure noted reported, with `keep_history`; else
+        forgotten, nothing of it left."""
+        if not self.keep_history:
+            del table[job_id]
+        elif failed:
+            self.reported_failed.add(job_id)
 
     def _fire_request(self, record: RequestRecord, trigger: str, **context: Any) -> str:
         dest = self._request.fire(record, trigger, **context)
@@ -131,6 +156,15 @@ class Ledger:
     def add_job(self, job: TransferJob) -> None:
         self.jobs[job.job_id] = job
         self.requests[job.req_id].jobs[job.job_id] = job
+
+    def add_tier_job(self, job: TierJob) -> None:
+        self.tier_jobs[job.job_id] = job
+        for slot in job.cpu_slots:
+            self._tier_slots[slot] = job.job_id
+
+    def tier_blockers(self, slots: Iterable[int]) -> set[int]:
+        """Tier jobs in flight on these CPU slots: what a request that met them busy waits for."""
+        return {self._tier_slots[s] for s in slots if s in self._tier_slots}
 
     def take_flushed(self) -> tuple[int, ...]:
         flushed, self.flushed = self.flushed, []

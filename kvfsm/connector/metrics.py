@@ -53,6 +53,10 @@ COUNTERS: tuple[CounterFamily, ...] = (
                   (({}, "deferrals"),)),
     CounterFamily("kvfsm_store_refusals", "Stores not ordered because no CPU block could be freed for them.",
                   (({}, "store_refusals"),)),
+    CounterFamily("kvfsm_store_skipped", "CPU blocks admission did not store, by reason: prompt-only (past the "
+                  "request's prompt) or threshold (offered fewer than store_threshold times).",
+                  (({"reason": "prompt-only"}, "blocks_skipped_prompt_only"),
+                   ({"reason": "threshold"}, "blocks_skipped_threshold"))),
     CounterFamily("kvfsm_blocks", "Blocks moved by jobs that completed, by direction (CPU blocks for stores, "
                   "GPU blocks for loads).", (({"direction": "store"}, "blocks_stored"),
                                              ({"direction": "load"}, "blocks_loaded"))),

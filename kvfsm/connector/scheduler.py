@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 
 from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
+from kvfsm.connector.admission import Admission
 from kvfsm.connector.due import StoreDue
 from kvfsm.connector.ledger import Ledger, StepResult
 from kvfsm.connector.metadata import (
@@ -34,7 +35,6 @@ from kvfsm.connector.ranks import every_rank_verdict, rank_reports
 from kvfsm.connector.stats import ConnectorStats
 from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.connector.validation import (
-    UnknownJob,
     UnknownRequest,
     check_alloc,
     check_finished,
@@ -46,7 +46,7 @@ from kvfsm.connector.validation import (
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
-from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TransferJob
+from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TierJob, TransferJob
 from kvfsm.states import CpuBlockState, RequestState, TransferJobState
 from kvfsm.tiers.base import LowerTier
 
@@ -66,7 +66,8 @@ class RequestView(Protocol):
         """Hash chain over the request's full GPU blocks (block i's hash covers tokens [0, (i+1)·block_size))."""
 
     @property
-    def num_tokens(self) -> int: ...
+    def num_tokens(self) -> int:
+        """Tokens the request holds; at its first lookup, its prompt (what `prompt-only` admission stores)."""
 
 
 class SchedulerConnector:
@@ -87,6 +88,7 @@ class SchedulerConnector:
                                          events=config.kv_events)
         self.ledger = Ledger(self.machines, self.manager, keep_history, num_gpu_blocks or 0)
         self.stats = ConnectorStats()
+        self.admission = Admission(config)
         self.step = 0
         self._next_job = 0
         self._new_loads: list[TransferJob] = []
@@ -94,7 +96,7 @@ class SchedulerConnector:
         self._load_errors: set[int] = set()
         self._cpu_block_tokens = config.cpu_block_tokens
         self.tiers = TierPlanner(config, tiers, self.manager, config.block_size_factor * gpu_block_bytes,
-                                 self._take_job_id, self.machines, keep_history) if tiers else None
+                                 self._take_job_id, self.ledger) if tiers else None
         """The lower tiers' side of this half (lookup below CPU, fetches, write-backs); None without tiers."""
 
     # --- the ledger's tables, as the spec's invariants read them -------------------------------------------
@@ -102,6 +104,11 @@ class SchedulerConnector:
     @property
     def jobs(self) -> dict[int, TransferJob]:
         return self.ledger.jobs
+
+    @property
+    def tier_jobs(self) -> dict[int, TierJob]:
+        """Write-backs and fetches, on the same ledger and under the same history policy as `jobs`."""
+        return self.ledger.tier_jobs
 
     @property
     def requests(self) -> dict[str, RequestRecord]:
@@ -201,7 +208,7 @@ class SchedulerConnector:
         self.manager.touch(hashes)
         if self.tiers is not None:
             end, size = first_gpu + count, self.config.gpu_block_size
-            self.tiers.loaded(hashes, [size * (min(end, (i + 1) * k) - max(first_gpu, i * k))
+            self.tiers.loaded(slots, [size * (min(end, (i + 1) * k) - max(first_gpu, i * k))
                                        for i in range(first_cpu, end_cpu)])
         job = self._new_job("load", request.request_id, record.block_ids[first_gpu:first_gpu + count], slots,
                             hashes, gpu_offset=offset)
@@ -252,13 +259,19 @@ class SchedulerConnector:
         self.ledger.due.set(record.req_id, (record.stored_cpu_blocks + 1) * self._cpu_block_tokens)
         if full_cpu <= start:
             return None
-        plan = self.manager.prepare_store(cpu_hashes[start:full_cpu], self._next_job)
+        verdict = self.admission.offer(record, start, cpu_hashes[start:full_cpu], self.manager.catalogue)
+        for reason, skipped in verdict.skipped.items():
+            self.ledger.fire_request(record, "skip-store", hashes=skipped, reason=reason)
+            self.stats.record_skipped(reason, len(skipped))
+        if not verdict.admitted:
+            return None
+        plan = self.manager.prepare_store(verdict.admitted, self._next_job)
         if plan is None:
             self.stats.store_refusals += 1
             return None
         if not plan.hashes:
             return None
-        if len(plan.hashes) == full_cpu - start:  # the pool held none of them: the blocks are one run
+        if len(plan.hashes) == full_cpu - start:  # the pool held none of them, none skipped: the blocks are one run
             gpu_blocks = tuple(block_ids[start * k:full_cpu * k])
         else:
             wanted = set(plan.hashes)
@@ -283,8 +296,6 @@ class SchedulerConnector:
             if verdict is not None:
                 self._finish(job, verdict)
         for worker in output.workers:
-            if worker.tiers and self.tiers is None:
-                raise UnknownJob(f"worker {worker.worker} reported tier jobs, but no lower tier is configured")
             for report in worker.tiers:
                 self.tiers.report(worker.worker, report, self.step)  # type: ignore[union-attr]
         result = self.ledger.take_result()
@@ -342,8 +353,7 @@ class SchedulerConnector:
             block = blocks[slot]
             jobs.add(block.writer_job if block.state in _WRITING else block.reader_job)
         jobs.discard(None)
-        if self.tiers is not None:
-            jobs |= self.tiers.blockers(busy_slots)  # a write-back reading a slot
+        jobs |= self.ledger.tier_blockers(busy_slots)  # a write-back reading a slot
         return frozenset(jobs)  # type: ignore[arg-type]
 
     def _take_job_id(self) -> int:
@@ -370,7 +380,8 @@ class SchedulerConnector:
     def _track(self, request: RequestView) -> RequestRecord:
         record = self.ledger.tracked.get(request.request_id)
         if record is None:
-            record = RequestRecord(request.request_id)
+            record = RequestRecord(request.request_id,
+                                   prompt_cpu_blocks=request.num_tokens // self._cpu_block_tokens)
             self.ledger.track(record)
         record.view = request
         return record

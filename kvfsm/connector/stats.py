@@ -23,6 +23,10 @@ class TransferHistogram:
         self.sums[bucket] += seconds
 
 
+SKIPPED_BY_REASON = {"prompt-only": "blocks_skipped_prompt_only", "threshold": "blocks_skipped_threshold"}
+"""The counter of the blocks admission skipped for each reason (`kvfsm.connector.admission.REASONS`)."""
+
+
 @dataclass
 class ConnectorStats:
     lookups: int = 0
@@ -33,6 +37,10 @@ class ConnectorStats:
     deferrals: int = 0
     store_refusals: int = 0
     """Stores not ordered because no CPU slot could be freed (the request simply is not offloaded)."""
+    blocks_skipped_prompt_only: int = 0
+    """CPU blocks admission skipped because they lie past their request's prompt (`admission="prompt-only"`)."""
+    blocks_skipped_threshold: int = 0
+    """CPU blocks admission skipped because they were offered fewer than `store_threshold` times."""
     blocks_stored: int = 0
     blocks_loaded: int = 0
     bytes_stored: int = 0
@@ -47,6 +55,11 @@ class ConnectorStats:
         default_factory=lambda: {"store": TransferHistogram(), "load": TransferHistogram()}, repr=False,
         compare=False)
     """Each job's time in flight, by direction, as a histogram."""
+
+    def record_skipped(self, reason: str, cpu_blocks: int) -> None:
+        """`cpu_blocks` skipped by admission for `reason` (a key of `SKIPPED_BY_REASON`)."""
+        name = SKIPPED_BY_REASON[reason]
+        setattr(self, name, getattr(self, name) + cpu_blocks)
 
     def record_store(self, cpu_blocks: int, ok: bool, cpu_block_bytes: int, seconds: float) -> None:
         self.store_seconds += seconds

@@ -13,22 +13,30 @@ Write-back: each tier's `writeback` policy picks CPU blocks to copy down, `eager
 its store completed) or `on-evict` (the blocks the CPU eviction policy will give up next); either way the blocks
 are pinned `writing-back` until the write ended, and the bytes of write-backs in flight stay within
 `OffloadConfig.writeback_max_bytes_in_flight` (a candidate that does not fit waits for a later step).
+
+Bookkeeping is not here: the jobs live on the connector's `Ledger` beside the transfer jobs (one table per kind, one
+history policy), their ranks' reports are aggregated as a transfer job's are (`kvfsm.connector.ranks`), and what a
+job's end does to its CPU slots is declared as couplings in `tier-job.yaml`, which the ledger fires. What this module
+remembers between steps is planning only, each bounded by the CPU pool whatever the number of jobs: the eager
+write-back queue, the keys whose write-back failed, the write-backs in flight at a cache reset, and which fetch
+brought each CPU slot's block (for the per-tier statistics).
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvfsm.config import OffloadConfig
+from kvfsm.connector.ledger import Ledger
 from kvfsm.connector.metadata import TierOrder, TierReport
-from kvfsm.machines import MachineSet
+from kvfsm.connector.ranks import every_rank_tier_outcome
 from kvfsm.manager import OffloadingManager
-from kvfsm.tiers.base import LowerTier
 from kvfsm.records import TierJob
 from kvfsm.states import CpuBlockState as Cpu
 from kvfsm.states import TierEntryState, TierJobState
+from kvfsm.tiers.base import LowerTier
 
 
 @dataclass
@@ -45,29 +53,25 @@ class TierStats:
 
 class TierPlanner:
     def __init__(self, config: OffloadConfig, tiers: Sequence[LowerTier], manager: OffloadingManager,
-                 block_bytes: int, new_job_id: Callable[[], int], machines: MachineSet,
-                 keep_history: bool = False) -> None:
+                 block_bytes: int, new_job_id: Callable[[], int], ledger: Ledger) -> None:
         self.tiers = tuple(tiers)
         self.manager = manager
+        self.ledger = ledger
         self.block_bytes = block_bytes
         self.bound = config.writeback_max_bytes_in_flight
         self.num_workers = config.num_workers
         self.policies = {tier.tier_name: tier.writeback for tier in config.lower_tiers}
         self.lookahead = {tier.tier_name: tier.evict_lookahead_blocks for tier in config.lower_tiers}
-        self.keep_history = keep_history
         self.stats = TierStats()
-        self.jobs: dict[int, TierJob] = {}
-        self.reported_failed: set[int] = set()
-        self.slot_jobs: dict[int, int] = {}
+        self.gave_up_bound = manager.capacity * len(self.tiers)
+        """How many (tier, key) pairs whose write-back failed are remembered: a key is a candidate only while its block
+        is in the CPU pool, so a pool's worth per tier is all the rule needs; the oldest beyond it is tried again."""
         self._new_job_id = new_job_id
-        self._machine = machines["tier-job"]
         self._created: list[TierJob] = []
         self._eager: deque[int] = deque()
-        self._origin: dict[int, str] = {}  # hash -> tier a fetch brought it from, until loaded
-        self._reports: dict[int, dict[int, TierReport]] = defaultdict(dict)
-        self._holding: dict[int, set[int]] = {}  # abandoned job -> workers whose I/O for it may still run
+        self._origin: dict[int, tuple[int, str]] = {}  # CPU slot -> (fetch job, tier) that filled it, until loaded
         self._stale: set[int] = set()  # write-backs in flight at a cache reset: their keys are dropped when they end
-        self._gave_up: set[tuple[str, int]] = set()  # (tier, key) whose write-back failed: not retried till reset
+        self._gave_up: OrderedDict[tuple[str, int], None] = OrderedDict()  # (tier, key) whose write-back failed
 
     # --- lookup ----------------------------------------------------------------------------------------------
 
@@ -86,21 +90,19 @@ class TierPlanner:
             if plan is None or not plan.hashes:
                 break
             job = self._new_job(job_id, "fetch", tier.name, plan.hashes, plan.slots, step)
-            self._origin.update((h, tier.name) for h in plan.hashes)
+            self._origin.update((slot, (job_id, tier.name)) for slot in plan.slots)
             blockers.append(job.job_id)
             start += count
         return frozenset(blockers)
 
-    def blockers(self, slots: Sequence[int]) -> set[int]:
-        """Tier jobs in flight on these CPU slots: what a request that met them busy waits for."""
-        return {self.slot_jobs[s] for s in slots if s in self.slot_jobs}
-
-    def loaded(self, hashes: Sequence[int], tokens: Sequence[int]) -> None:
-        """A load of these CPU blocks (`tokens[i]` tokens from block i) was ordered: credit the tier each came from."""
-        for block_hash, count in zip(hashes, tokens):
-            origin = self._origin.pop(block_hash, None)
-            if origin is not None:
-                self.stats.tokens_loaded_from[origin] += count
+    def loaded(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
+        """A load of these CPU slots (`tokens[i]` tokens from slot i) was ordered: credit the tier a fetch brought each
+        from, if the block the slot holds is still the one that fetch wrote (no store or fetch claimed it since)."""
+        blocks = self.manager.blocks
+        for slot, count in zip(slots, tokens):
+            origin = self._origin.pop(slot, None)
+            if origin is not None and blocks[slot].writer_job == origin[0]:
+                self.stats.tokens_loaded_from[origin[1]] += count
 
     # --- write-back ------------------------------------------------------------------------------------------
 
@@ -110,7 +112,8 @@ class TierPlanner:
             self._eager.extend(hashes)
 
     def _plan_write_backs(self, step: int) -> None:
-        budget = self.bound - sum(j.nbytes for j in self.jobs.values() if j.kind == "write-back" and j.in_flight)
+        budget = self.bound - sum(j.nbytes for j in self.ledger.tier_jobs.values()
+                                  if j.kind == "write-back" and j.in_flight)
         room = budget // self.block_bytes
         eager = self._eager_candidates() if "eager" in self.policies.values() else []
         blocks = self.manager.blocks
@@ -170,102 +173,75 @@ class TierPlanner:
         self._plan_write_backs(step)
         created, self._created = self._created, []
         for job in created:
-            self._machine.fire(job, "submit")
+            self.ledger.fire_tier_job(job, "submit")
         return tuple(TierOrder.model_construct(job_id=j.job_id, kind=j.kind, tier=j.tier, keys=j.keys,
                                                cpu_slots=j.cpu_slots) for j in created)
 
     def report(self, worker: int, report: TierReport, step: int) -> None:
-        """One worker's end of a tier job; the job ends when every worker reported it (failed keys unioned). A job
-        some worker reported `held` is abandoned instead, and released once each of those workers released it."""
-        job = self.jobs.get(report.job_id)
+        """One worker's report of a tier job (`validation.check_reports` accepted it). The job ends once every worker
+        reported it, failing the keys any of them failed; a job some worker reported `held` is abandoned instead,
+        and released once each of those workers released it."""
+        job = self.ledger.tier_jobs[report.job_id]
         if report.release:
-            holding = self._holding.get(report.job_id, set())
-            if job is None or worker not in holding:
-                raise KeyError(f"worker {worker} released tier job {report.job_id}, which it does not hold")
-            holding.discard(worker)
-            if not holding:
-                del self._holding[report.job_id]
-                self._release(job)
-            return
-        if job is None or job.state != TierJobState.SUBMITTED or worker in self._reports.get(report.job_id, {}):
-            raise KeyError(f"worker {worker} reported tier job {report.job_id}, which is not in flight for it")
-        reports = self._reports[report.job_id]
-        reports[worker] = report
-        if len(reports) == self.num_workers:
-            del self._reports[report.job_id]
-            failed = dict(pair for r in reports.values() for pair in r.failed)
-            held = {w for w, r in reports.items() if r.held}
-            if held:
-                self._holding[job.job_id] = held
-                self._abandon(job, failed, step)
-            else:
-                self._finish(job, failed, step)
+            job.released.add(worker)
+        else:
+            job.reports[worker] = report
+            outcome = every_rank_tier_outcome(job, self.num_workers)
+            if outcome is None:
+                return
+            if not outcome.held:
+                self._finish(job, outcome.failed, step)
+                return
+            self._abandon(job, outcome.failed, step)
+        if job.state == TierJobState.ABANDONED and not job.holding:
+            self.ledger.fire_tier_job(job, "release")  # its slots are free: the spec's couplings free them
+            self._ended(job)
 
     def _abandon(self, job: TierJob, failed: dict[int, str], step: int) -> None:
         """Failed at the deadline, I/O still running: nobody waits for it (its slots leave the catalogue), but the
         slots stay held, orphaned, until its release."""
         job.failed_keys = job.keys
-        self._machine.fire(job, "abandon", step=step)
+        self.ledger.fire_tier_job(job, "abandon", step=step)
         self.stats.failures.update(failed.values())
-        self.reported_failed.add(job.job_id)
-        if job.kind == "fetch":
-            blocks = self.manager.blocks
-            self.manager.abandon_fetch([s for s in job.cpu_slots if blocks[s].state == Cpu.FETCHING])
-            for key in job.keys:
-                self._origin.pop(key, None)
-        else:
-            blocks = self.manager.blocks
-            self.manager.abandon_write_back([s for s in job.cpu_slots if blocks[s].state == Cpu.WRITING_BACK])
-            self._gave_up.update((job.tier, key) for key in job.keys)
-
-    def _release(self, job: TierJob) -> None:
-        """The abandoned job's I/O returned: its orphaned slots are free."""
-        self._machine.fire(job, "release")
-        self._unmap(job)
-        if job.kind == "fetch":
-            self.manager.complete_fetch(job.cpu_slots, False)
-        else:
-            self.manager.complete_write_back(job.cpu_slots)
-        if not self.keep_history:
-            del self.jobs[job.job_id]
+        if job.kind == "write-back":
+            self._give_up(job.tier, job.keys)
 
     def _finish(self, job: TierJob, failed: dict[int, str], step: int) -> None:
         job.failed_keys = tuple(k for k in job.keys if k in failed)
-        self._machine.fire(job, "fail" if failed else "complete", step=step)
+        self.ledger.fire_tier_job(job, "fail" if failed else "complete", step=step)
         self.stats.failures.update(failed.values())
-        self._unmap(job)
-        if failed:
-            self.reported_failed.add(job.job_id)
         if job.kind == "write-back":
-            self.manager.complete_write_back(job.cpu_slots)
             self.stats.blocks_written_back[job.tier] += len(job.keys) - len(failed)
-            self._gave_up.update((job.tier, key) for key in failed)
-            if job.job_id in self._stale:
-                self._stale.discard(job.job_id)
-                self._tier(job.tier).discard(job.keys)
+            self._give_up(job.tier, failed)
         else:
-            ok = [s for k, s in zip(job.keys, job.cpu_slots) if k not in failed]
-            self.manager.complete_fetch(ok, True)
-            self.manager.complete_fetch([s for k, s in zip(job.keys, job.cpu_slots) if k in failed], False)
-            for key in failed:
-                self._origin.pop(key, None)
-            self.stats.blocks_fetched[job.tier] += len(ok)
-        if not self.keep_history:
-            del self.jobs[job.job_id]
+            self.stats.blocks_fetched[job.tier] += len(job.keys) - len(failed)
+        self._ended(job)
+
+    def _ended(self, job: TierJob) -> None:
+        """A write-back in flight at a cache reset ended (either way): what it wrote is from before the reset."""
+        if job.job_id in self._stale:
+            self._stale.discard(job.job_id)
+            self._tier(job.tier).discard(job.keys)
+
+    def _give_up(self, tier: str, keys: Sequence[int]) -> None:
+        """Not written back to `tier` again (until a cache reset, or until `gave_up_bound` newer ones push it out)."""
+        for key in keys:
+            self._gave_up[(tier, key)] = None
+        while len(self._gave_up) > self.gave_up_bound:
+            self._gave_up.popitem(last=False)
 
     def reset(self) -> None:
         """A cache reset: drop what the lower tiers publish; keys of write-backs in flight are dropped when they end."""
         for tier in self.tiers:
             tier.discard([e.key for e in tier.entries if e.state == TierEntryState.PUBLISHED])
-        self._stale = {j.job_id for j in self.jobs.values() if j.kind == "write-back" and j.in_flight}
+        self._stale = {j.job_id for j in self.ledger.tier_jobs.values() if j.kind == "write-back" and j.in_flight}
         self._eager.clear()
-        self._origin.clear()
         self._gave_up.clear()
 
     @property
     def idle(self) -> bool:
         """Nothing in flight and no eager write-back waiting to be ordered."""
-        return not self._eager and not any(j.in_flight for j in self.jobs.values())
+        return not self._eager and not any(j.in_flight for j in self.ledger.tier_jobs.values())
 
     # --- helpers ---------------------------------------------------------------------------------------------
 
@@ -273,16 +249,9 @@ class TierPlanner:
                  step: int) -> TierJob:
         job = TierJob(job_id=job_id, kind=kind, tier=tier, keys=tuple(keys),  # type: ignore[arg-type]
                       cpu_slots=tuple(slots), block_bytes=self.block_bytes, ordered_step=step)
-        self.jobs[job_id] = job
+        self.ledger.add_tier_job(job)
         self._created.append(job)
-        for slot in job.cpu_slots:
-            self.slot_jobs[slot] = job_id
         return job
-
-    def _unmap(self, job: TierJob) -> None:
-        for slot in job.cpu_slots:
-            if self.slot_jobs.get(slot) == job.job_id:
-                del self.slot_jobs[slot]
 
     def _tier(self, name: str) -> LowerTier:
         return next(t for t in self.tiers if t.name == name)

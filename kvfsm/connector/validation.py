@@ -21,6 +21,7 @@ from kvfsm.connector.due import StoreDue
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.manager import policy_class
+from kvfsm.states import TierJobState
 
 DEVICE_METHODS = ("tensor_device", "new_event", "record", "wait", "query", "synchronize", "enqueue", "pin_host",
                   "unpin_host")
@@ -34,6 +35,8 @@ class SchedulerHalf(Protocol):
     num_gpu_blocks: int | None
     machines: Any
     jobs: Mapping[int, Any]
+    tier_jobs: Mapping[int, Any]
+    tiers: Any
     requests: Mapping[str, Any]
     tracked: Mapping[str, Any]
     due: StoreDue
@@ -315,7 +318,8 @@ def check_step(sched: SchedulerHalf, output: SchedulerOutput) -> list[tuple[Any,
 
 def check_reports(sched: SchedulerHalf, output: ConnectorOutput) -> None:
     """`update_connector_output`: each report from a worker rank that exists, about a job in flight for it,
-    once. All are checked before any job completes, so a bad report cannot leave half a step applied."""
+    once; each tier job's release from a worker that reported it held, once. All are checked before any job
+    completes, so a bad report cannot leave half a step applied."""
     call = "update_connector_output"
     _instance(call, "output", output, ConnectorOutput)
     workers = sched.config.num_workers
@@ -330,6 +334,33 @@ def check_reports(sched: SchedulerHalf, output: ConnectorOutput) -> None:
                 raise UnknownJob(f"{call}: worker {report.worker} reported job {job_id}, which is not in flight "
                                  "for it; legal: each job in flight, once per worker")
             seen.add((report.worker, job_id))
+        if report.tiers and sched.tiers is None:
+            raise UnknownJob(f"{call}: worker {report.worker} reported tier jobs, but no lower tier is configured")
+    _check_tier_reports(call, sched, output)
+
+
+def _check_tier_reports(call: str, sched: SchedulerHalf, output: ConnectorOutput) -> None:
+    """A tier job's end once per worker while it is submitted; its release once per worker that reported it held
+    (in an earlier output or earlier in this one)."""
+    ended: dict[tuple[int, int], bool] = {}  # (worker, job) reported in this output -> held
+    released: set[tuple[int, int]] = set()
+    for report in output.workers:
+        worker = report.worker
+        for tier in report.tiers:
+            job = sched.tier_jobs.get(tier.job_id)
+            key = (worker, tier.job_id)
+            if tier.release:
+                logged = job.reports.get(worker) if job is not None else None
+                held = ended.get(key, logged is not None and logged.held)
+                if not held or key in released or worker in job.released:  # type: ignore[union-attr]
+                    raise UnknownJob(f"{call}: worker {worker} released tier job {tier.job_id}, which it does not "
+                                     "hold; legal: a tier job it reported held, released once")
+                released.add(key)
+            else:
+                if job is None or job.state != TierJobState.SUBMITTED or worker in job.reports or key in ended:
+                    raise UnknownJob(f"{call}: worker {worker} reported tier job {tier.job_id}, which is not in "
+                                     "flight for it; legal: each tier job in flight, once per worker")
+                ended[key] = tier.held
 
 
 def check_finished(sched: SchedulerHalf, request_id: object, aborted: object) -> None:

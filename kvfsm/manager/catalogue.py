@@ -38,8 +38,14 @@ _COUPLED: dict[str, tuple[str, tuple[bool, ...]]] = {
     "store-done": ("complete_store", (True,)),
     "store-failed": ("complete_store", (False,)),
     "unpin": ("complete_load", ()),
+    "written-back": ("complete_write_back", ()),
+    "fetch-done": ("complete_fetch", (True,)),
+    "fetch-failed": ("complete_fetch", (False,)),
+    "abandon-fetch": ("abandon_fetch", ()),
+    "abandon-write-back": ("abandon_write_back", ()),
 }
-"""cpu-block triggers a coupling may fire, and the method that fires each with its index updates."""
+"""cpu-block triggers a coupling may fire (a transfer job's or a tier job's), and the method that fires each with its
+index updates."""
 
 
 class ManagerError(RuntimeError):
@@ -232,7 +238,8 @@ class OffloadingManager:
 
     def abandon_fetch(self, slots: Sequence[int]) -> None:
         """A fetch failed at its deadline while its read may still land: its slots leave the catalogue as orphaned,
-        held (never free, loadable or reused) until `complete_fetch` frees them once the read returned."""
+        held (never free, loadable or reused) until `complete_fetch` frees them once the read returned (slots a cache
+        reset orphaned already stay so)."""
         self._abandon(slots, "abandon-fetch")
 
     def abandon_write_back(self, slots: Sequence[int]) -> None:
@@ -242,14 +249,14 @@ class OffloadingManager:
 
     def _abandon(self, slots: Sequence[int], trigger: str) -> None:
         picked = self._picked(slots, trigger)
-        hashes = [b.block_hash for b in picked]  # read before the trigger forgets them
+        dropped = [(b.slot, b.block_hash) for b in picked if b.block_hash is not None]  # orphaned ones name none
         self._machine.fire_many(picked, trigger)
-        for slot, block_hash in zip(slots, hashes):
+        for slot, block_hash in dropped:
             del self.catalogue[block_hash]  # type: ignore[arg-type]
             if slot in self.policy:
                 self.policy.remove(slot)
-        if hashes and trigger == "abandon-write-back" and self._keep_events:
-            self._events.append(BlockRemoved(tuple(hashes)))  # type: ignore[arg-type]
+        if dropped and trigger == "abandon-write-back" and self._keep_events:
+            self._events.append(BlockRemoved(tuple(h for _, h in dropped)))  # type: ignore[arg-type]
 
     def pin_for_write_back(self, slots: Sequence[int]) -> None:
         """Pin ready blocks while a write-back reads them: not evicted, rewritten or loaded until it ends."""

@@ -10,6 +10,12 @@ memory it was handed, so its answer is reported only once it returned (a dead ma
 seconds). Either way the client then refuses new calls for `retry_after_s` instead of queueing behind the store,
 and refuses calls beyond `max_pending` with `StoreBusy`.
 
+Threads: `connect`, `register` and `close` run on the caller's thread at start-up and shut-down; `write_back`,
+`fetch` and `remove` are submitted from the tier's thread (the worker's) and run on the I/O executor, in order,
+followed at `close` by the teardown that unregisters memory and drops the store handle; `contains` is submitted
+from the scheduler's thread and runs on the client's own lookup thread. The back-off and backlog counters are the
+only state both sides write (the backlog under a lock).
+
 Zero-copy: payloads and trailers are handed over as numpy views of host memory; each is registered with Mooncake
 the first time it is seen (`register` registers a whole buffer up front, which covers every view into it;
 `kvfsm.mooncake.host_memory` keeps which ranges are registered).
@@ -26,12 +32,13 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt
 
+from kvfsm.io_executor import IoExecutor
 from kvfsm.mooncake import value
 from kvfsm.mooncake.errors import (
     ChecksumMismatch, StoreBusy, StoreCode, StoreTimeout, StoreUnavailable, TierFault, fault_of,
 )
 from kvfsm.mooncake.host_memory import Registrations, address
-from kvfsm.mooncake.io_thread import CancellableCall, IoExecutor, IoThread, Pending
+from kvfsm.mooncake.io_thread import CancellableCall, IoThread, Pending
 from kvfsm.mooncake.local import LOOPBACK, MasterAddress, port_accepts
 
 log = logging.getLogger(__name__)
@@ -70,6 +77,8 @@ class MooncakeClient:
         """Lookups never touch memory the engine owns, so they run on a thread of their own, answering the
         scheduler's bounded wait even when `io` is a queue a test runs by hand."""
         self._refuse_until = 0.0
+        self._closing = False
+        """`close` began: new calls are refused, while those queued before it still run on the store."""
         self._backlog = 0
         self._lock = threading.Lock()
         self._registered = Registrations()
@@ -111,13 +120,18 @@ class MooncakeClient:
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Unregister and close once every call settled; False (and the client kept open, its memory still
-        registered) if calls are still running after `timeout_s`: that memory must then outlive the process."""
-        store, self._store = self._store, None
+        registered) if calls are still running after `timeout_s`: that memory must then outlive the process.
+
+        New calls are refused from here on, but the store handle is dropped only by the teardown, which runs on the
+        I/O executor after every call queued before it: those calls still find the store they were submitted to."""
+        store = None if self._closing else self._store  # a second close has nothing more to tear down
+        self._closing = True
         if store is not None:
             def teardown() -> None:
                 for start in self._registered.starts():
                     store.unregister_buffer(start)
                 store.close()
+                self._store = None
 
             done = self._io.submit(teardown)
             if not isinstance(self._io, IoThread):
@@ -134,7 +148,7 @@ class MooncakeClient:
 
     @property
     def connected(self) -> bool:
-        return self._store is not None
+        return self._store is not None and not self._closing
 
     @property
     def backlog(self) -> int:
@@ -151,7 +165,7 @@ class MooncakeClient:
     def _submit(self, fn: Callable[[], T], fallback: Callable[[TierFault], T],
                 executor: IoExecutor | None = None) -> Pending[T]:
         now = time.monotonic()
-        if self._store is None:
+        if not self.connected:
             return Pending.answered(fallback(StoreUnavailable("the Mooncake client is not connected")))
         if now < self._refuse_until:
             return Pending.answered(fallback(StoreUnavailable("the store was unreachable or slow moments ago")))

@@ -13,19 +13,14 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Generic, Protocol, TypeVar
+from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
 
-class IoExecutor(Protocol):
-    def submit(self, fn: Callable[[], T], /) -> Future[T]: ...
-
-    def shutdown(self, wait: bool = True) -> None: ...
-
-
 class IoThread:
-    """One daemon thread running calls in submission order (daemon: a hung call never holds up process exit)."""
+    """One daemon thread running calls in submission order (daemon: a hung call never holds up process exit); an
+    `kvfsm.io_executor.IoExecutor`."""
 
     def __init__(self, name: str = "kvfsm-mooncake-io") -> None:
         self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | None] = queue.SimpleQueue()
@@ -94,9 +89,10 @@ class Pending(Generic[T]):
         return cls(future, None, 0.0, lambda: None, result)
 
     @property
-    def overdue(self) -> bool:
-        """Its deadline passed while the call was running: it may still touch its memory until it returns."""
-        return self._late and not self.settled
+    def deadline(self) -> float:
+        """When a call still queued is cancelled, and one still running is reported late (it may still touch its
+        memory until it returns)."""
+        return self._deadline
 
     @property
     def settled(self) -> bool:

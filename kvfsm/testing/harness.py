@@ -51,7 +51,8 @@ class Submitted:
 class Harness:
     """`device` is one device, or one per tensor-parallel rank (each with its own worker half and faults).
     `staging_blocks` sizes the staging slots in GPU blocks, so a step's stores go out as a pipeline of several
-    chunks (as a real cache's do) instead of one."""
+    chunks (as a real cache's do) instead of one. `keep_history=False` runs the connector as in production, keeping
+    no ended job or released request: then only what it retains may be checked, not the invariants that read them."""
 
     def __init__(self, device: Device | Sequence[Device], num_gpu_blocks: int, cpu_blocks: int,
                  block_size_factor: int = 1,
@@ -61,7 +62,8 @@ class Harness:
                  disk_slots: int = 0, writeback: Literal["eager", "on-evict"] = "eager",
                  writeback_bound_blocks: int = 2, report_lag: int = 0, mooncake_master: str | None = None,
                  mooncake_options: dict[str, object] | None = None, tier_threads: bool = False,
-                 staging_blocks: int | None = None, eviction: str = "lru") -> None:
+                 staging_blocks: int | None = None, store_threshold: int = 1,
+                 keep_history: bool = True, eviction: str = "lru") -> None:
         self.devices = list(device) if isinstance(device, Sequence) else [device]
         self.device = self.devices[0]
         self.shape = shape
@@ -81,11 +83,12 @@ class Harness:
                                layer_stores=layer_stores, lower_tiers=tiers,
                                writeback_max_bytes_in_flight=writeback_bound_blocks * cpu_block_bytes,
                                num_workers=len(self.devices), eviction=eviction,
-                               staging_bytes=staging_blocks * shape.gpu_block_bytes if staging_blocks else None)
+                               staging_bytes=staging_blocks * shape.gpu_block_bytes if staging_blocks else None,
+                               store_threshold=store_threshold)
         self.io = ManualIo()
         """The tiers' I/O queue: tests choose when each read or write runs, as they choose device streams (unless
         `tier_threads`: the tiers' own threads, as in production)."""
-        self.connector = Connector(config, self.devices, keep_history=True,
+        self.connector = Connector(config, self.devices, keep_history=keep_history,
                                    machines=MachineSet(default_spec(), backend=backend),
                                    tier_io=None if tier_threads else (lambda _: self.io))
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,

@@ -29,7 +29,7 @@ COPYING = frozenset({TransferJobState.SUBMITTED})
 
 STEP_DRIVEN: frozenset[Trigger] = frozenset({
     ("request", "lookup"), ("request", "allocate"), ("request", "load-done"), ("request", "load-failed"),
-    ("request", "finish"), ("request", "job-done"),
+    ("request", "finish"), ("request", "job-done"), ("request", "skip-store"),
     ("transfer-job", "prepare"), ("transfer-job", "submit"), ("transfer-job", "flush"),
     ("transfer-job", "complete"), ("transfer-job", "land-segment"),
     ("cpu-block", "allocate"), ("cpu-block", "submit"), ("cpu-block", "store-done"), ("cpu-block", "store-failed"),
@@ -201,6 +201,7 @@ class OffloadInterleavings(RuleBasedStateMachine):
                                disk_slots=6 if tier == "disk" else 0, writeback=writeback,
                                report_lag=report_lag,
                                staging_blocks=staging_blocks,
+                               store_threshold=needs.store_threshold if needs is not None else 1,
                                mooncake_master=shared_master() if tier == "mooncake" else None)
         if tier != "none":  # warm the tier: each prefix stored, written back, and pushed out of CPU by the next
             for prefix in PREFIXES:

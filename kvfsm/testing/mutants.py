@@ -8,14 +8,15 @@ every mutant; a mutant that survives means the checks are too weak.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Container, Sequence
 
 from kvfsm.connector import Connector, SchedulerConnector
+from kvfsm.connector.admission import Verdict
 from kvfsm.engine.engine import Engine
 from kvfsm.executor.device import StreamName
 from kvfsm.manager.catalogue import Lookup
 from kvfsm.states import CpuBlockState, TransferJobState
-from kvfsm.records import TransferJob
+from kvfsm.records import RequestRecord, TransferJob
 from kvfsm.testing.copy_faults import Direction
 from kvfsm.testing.mooncake_store import MOONCAKE_MUTANTS
 from kvfsm.testing.tier_mutants import TIER_MUTANTS
@@ -35,6 +36,9 @@ class Mutant:
     """Whether the bug needs stores started by `save_kv_layer`."""
     tier: str | None = None
     """The lower tier (`disk`, `mooncake`) whose rule it breaks: it only shows with that tier configured."""
+    store_threshold: int = 1
+    """The store threshold the bug needs: only admission that skips blocks shows a skip not applied (the reference
+    engine hashes prompt blocks alone, so a threshold is what makes it skip)."""
     fails_part_way: Direction | None = None
     """The copies whose failure part-way through their pipeline the bug needs: the interleavings' hunt for it makes
     every such copy fail after its first piece, stores sent in one-block chunks."""
@@ -64,6 +68,18 @@ def _flush_waits_only_for(connector: Connector, choose: Callable[[], Callable[[i
             worker.wait = wait  # type: ignore[method-assign]
 
     worker.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
+
+
+def _skip_not_applied(engine: Engine, connector: Connector) -> None:
+    """Admission's skips are recorded and counted, but the store takes every block offered anyway."""
+    admission = connector.scheduler.admission
+    offer = admission.offer
+
+    def offer_all(record: RequestRecord, start: int, hashes: Sequence[int], held: Container[int]) -> Verdict:
+        verdict = offer(record, start, hashes, held)
+        return Verdict(tuple(hashes), verdict.skipped)
+
+    admission.offer = offer_all  # type: ignore[method-assign]
 
 
 def _flush_waits_pending_only(engine: Engine, connector: Connector) -> None:
@@ -224,6 +240,8 @@ MUTANTS: dict[str, Mutant] = {
                fails_part_way="store"),
         Mutant("fail-without-end-event", "load-before-use (a load that failed part-way is recomputed while a layer "
                "it had sent still writes the blocks)", _fail_without_end_event, fails_part_way="load"),
+        Mutant("skip-not-applied", "skipped-not-stored (blocks offered fewer times than the store threshold "
+               "stored while the skipped-store counter says they were not)", _skip_not_applied, store_threshold=2),
         Mutant("no-load-dedup", "single-load (vLLM 29087)", _no_load_dedup),
         Mutant("no-write-after-read-wait", "load-after-readers (vLLM 47282)", _no_write_after_read_wait),
         Mutant("no-fence", "fence (finished request's blocks reused mid-store)", _no_fence),

@@ -58,7 +58,7 @@ class TierFaults:
         self.clock = FakeClock()
         if disk is not None:
             disk._disk = self.io
-            disk._clock = self.clock
+            disk._jobs.clock = self.clock
 
     def inject(self, fault: str, choice: int = 0) -> None:
         """Arm or apply one of `FAULTS`; a no-op without a disk tier or without a published key to hit."""

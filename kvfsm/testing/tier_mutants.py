@@ -6,7 +6,7 @@ Each patches one running engine + connector (instance attributes only), like `kv
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine
@@ -78,6 +78,7 @@ def unpinned_write_back(engine: Engine, connector: Connector) -> None:
     manager = connector.scheduler.manager
     manager.pin_for_write_back = lambda slots: None  # type: ignore[method-assign]
     manager.complete_write_back = lambda slots: None  # type: ignore[method-assign]
+    manager.abandon_write_back = lambda slots: None  # type: ignore[method-assign]
 
 
 def fetch_ready_early(engine: Engine, connector: Connector) -> None:
@@ -104,18 +105,20 @@ def failed_fetch_loads(engine: Engine, connector: Connector) -> None:
 
 def free_at_deadline(engine: Engine, connector: Connector) -> None:
     """A fetch failed at its deadline frees its CPU slots at once, though its read may still land in them."""
-    manager, planner = connector.scheduler.manager, _planner(connector)
-    manager.abandon_fetch = lambda slots: manager.complete_fetch(slots, False)  # type: ignore[method-assign]
-    release = planner._release
+    ledger = connector.scheduler.ledger
+    couple = ledger.couple
+    freed: set[int] = set()
 
-    def release_held_write_backs_only(job: object) -> None:
-        if getattr(job, "kind") == "fetch":
-            planner._machine.fire(job, "release")  # type: ignore[arg-type]
-            planner._unmap(job)  # type: ignore[arg-type]
+    def couple_freeing_at_deadline(lifecycle: str, trigger: str, keys: Iterable[Any], cause: Any = None,
+                                   **context: Any) -> None:
+        if trigger == "abandon-fetch" and cause.kind == "fetch":  # freed now, as if its read had failed
+            freed.add(cause.job_id)
+            trigger = "fetch-failed"
+        elif trigger == "fetch-failed" and cause.job_id in freed:  # its release: nothing left held to free
             return
-        release(job)  # type: ignore[arg-type]
+        couple(lifecycle, trigger, keys, cause=cause, **context)
 
-    planner._release = release_held_write_backs_only  # type: ignore[method-assign]
+    ledger.couple = couple_freeing_at_deadline  # type: ignore[method-assign]
 
 
 def unbounded_write_back(engine: Engine, connector: Connector) -> None:

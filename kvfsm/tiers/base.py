@@ -11,22 +11,38 @@ framework:
 
 A fault is never an exception out of these methods: disk full, an I/O error, a checksum mismatch or a key gone
 since the lookup end as a key listed in `TierCompletion.failed`, which the scheduler turns into a miss (the engine
-recomputes). Only misuse (a job id submitted twice, a view of the wrong size) raises, before anything changes.
+recomputes). Only misuse (a job id submitted twice, a view of the wrong size) raises, before anything changes; and a
+bug (an error no I/O produces) raises from `poll`, but only once every finished job has settled (see `TierJobs`).
+
+What every tier shares beyond the interface lives here too, so a tier writes only what is its own (a disk its slot
+file and offsets, Mooncake its keys, values and client): `TierJobs` keeps the jobs in flight, their deadline and the
+poll loop that settles them into `TierCompletion`s, including the held/release protocol of a job past its deadline.
+
+Threads: the tier's thread (the worker's, which owns the CPU pool) calls `submit_write`, `submit_read`, `poll`,
+`reads_in_flight`, `discard` and `close`; the scheduler's thread calls `lookup` (in-process, the same thread in the
+reference engine). I/O threads (an `kvfsm.io_executor.IoExecutor`) only run the calls a job submitted, which move
+bytes and compute checksums and settle their futures; `TierJobs` and the `tier-entry` records are read and written
+on the tier's thread alone, in `submit_*` and `poll`.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Callable, Iterable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 from kvfsm.config import OffloadConfig
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.executor.pool import HostPool
+from kvfsm.records import TierEntry
 from kvfsm.tiers.entries import TierEntries
 
-T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+IoKind = Literal["write", "read"]
 
 
 class TierFailure(str, Enum):
@@ -84,31 +100,9 @@ class TierSite:
     """The CPU pool every view handed to the tier points into."""
 
 
-class IoExecutor(Protocol):
-    """Where a tier runs its blocking I/O: a `concurrent.futures.ThreadPoolExecutor` in production, a manual queue
-    (`kvfsm.tiers.io.ManualIo`) in tests, so generated interleavings choose when each read or write happens."""
-
-    def submit(self, fn: Callable[[], T], /) -> Future[T]: ...
-
-    def shutdown(self, wait: bool = True) -> None: ...
-
-
 class TierMisuse(ValueError):
     """A tier was called with arguments no correct caller passes (a job id twice, mismatched lengths, a view of the
     wrong size); nothing was changed."""
-
-
-def check_job(tier: str, jobs_in_flight: Mapping[int, object], block_bytes: int, job_id: int,
-              keys: Sequence[int], views: Sequence[memoryview]) -> None:
-    """Refuse a job a tier cannot take as asked (a misuse, not a fault): a reused job id, keys that do not match
-    the blocks one to one, or blocks of another size. Every tier's submit calls it before touching anything."""
-    if job_id in jobs_in_flight:
-        raise TierMisuse(f"{tier}: job {job_id} is already in flight")
-    if len(keys) != len(views) or len(set(keys)) != len(keys):
-        raise TierMisuse(f"{tier}: job {job_id} names {len(keys)} keys (distinct?) for {len(views)} blocks")
-    wrong = [v.nbytes for v in views if v.nbytes != block_bytes]
-    if wrong:
-        raise TierMisuse(f"{tier}: blocks of {wrong} bytes, expected {block_bytes}")
 
 
 @runtime_checkable
@@ -155,3 +149,142 @@ class LowerTier(Protocol):
 
     def close(self) -> None:
         """Wait for the I/O in flight, then release files, connections and registrations; idempotent."""
+
+
+# --- what every tier shares: its jobs in flight, their deadline, the poll loop ------------------------------
+
+
+class JobCalls(Protocol):
+    """The I/O one job started: one answer per entry of the job, once every call of it returned (or will never
+    run). An answer is the call's value (a write's checksum) or the exception it ended with."""
+
+    @property
+    def deadline(self) -> float:
+        """When the job counts as hung if its calls have not all returned (on the clock of its `TierJobs`)."""
+
+    def poll(self, now: float) -> Sequence[object] | None:
+        """Each entry's answer, in the job's entry order; None while a call may still touch the job's buffers."""
+
+
+class FutureCalls:
+    """`JobCalls` of a tier that submits one executor call per entry (the disk tier)."""
+
+    def __init__(self, futures: Sequence[Future], deadline: float) -> None:
+        self._futures = list(futures)
+        self.deadline = deadline
+
+    def poll(self, now: float) -> list[object] | None:
+        if not all(future.done() for future in self._futures):
+            return None
+        return [future.exception() or future.result() for future in self._futures]
+
+
+@dataclass
+class IoJob:
+    """One job a tier took: the entries its calls move, the keys that failed before any call, and whether it was
+    reported at its deadline already."""
+
+    kind: IoKind
+    entries: list[TierEntry]
+    calls: JobCalls
+    failed: dict[int, TierFailure] = field(default_factory=dict)
+    held: bool = False
+    """Reported failed (`timeout`) at its deadline while its calls still run; released once they all returned."""
+
+
+Reason = Callable[[BaseException], TierFailure | None]
+"""A tier's reading of an error its I/O ended with: the failure it means, or None for an error no I/O produces (a
+bug, which must not pass as a miss)."""
+
+Settled = Callable[[IoKind, TierEntry, TierFailure | None], None]
+"""What a tier does of its own once an entry's call settled (a disk frees a failed key's slot)."""
+
+
+def _nothing_more(kind: IoKind, entry: TierEntry, failure: TierFailure | None) -> None:
+    """The `Settled` of a tier with nothing of its own to do once an entry settled."""
+
+
+@dataclass
+class TierJobs:
+    """A tier's jobs in flight, their deadline and the poll loop every tier shares.
+
+    `poll` turns each job whose calls all returned into one `TierCompletion`, firing each entry's `tier-entry`
+    transition (publish or forget a write, unpin or drop a read), the head of a prefix last so that it is the most
+    recently used. A job still running at its deadline is reported once with `held=True` (every key not moved failed
+    `timeout`) and once more, with `release=True`, when its calls returned. Used from the tier's thread only.
+    """
+
+    label: str
+    """How messages name the tier (`disk tier 'disk'`)."""
+    entries: TierEntries
+    block_bytes: int
+    reason: Reason
+    settled: Settled = _nothing_more
+    clock: Callable[[], float] = time.monotonic
+    """What deadlines are measured on (tests pass a clock that moves only when they say the I/O hung)."""
+    _jobs: dict[int, IoJob] = field(default_factory=dict, init=False)
+    _unreported: list[TierCompletion] = field(default_factory=list, init=False)
+    """Completions settled by a `poll` that then raised a bug: the next `poll` reports them."""
+
+    def check(self, job_id: int, keys: Sequence[int], views: Sequence[memoryview]) -> None:
+        """Refuse a job the tier cannot take as asked (a misuse, not a fault): a reused job id, keys that do not
+        match the blocks one to one, or blocks of another size. Every submit calls it before touching anything."""
+        if job_id in self._jobs:
+            raise TierMisuse(f"{self.label}: job {job_id} is already in flight")
+        if len(keys) != len(views) or len(set(keys)) != len(keys):
+            raise TierMisuse(f"{self.label}: job {job_id} names {len(keys)} keys (distinct?) for {len(views)} blocks")
+        wrong = [v.nbytes for v in views if v.nbytes != self.block_bytes]
+        if wrong:
+            raise TierMisuse(f"{self.label}: blocks of {wrong} bytes, expected {self.block_bytes}")
+
+    def start(self, job_id: int, job: IoJob) -> None:
+        self._jobs[job_id] = job
+
+    @property
+    def busy(self) -> bool:
+        """Some job was submitted and not yet reported by `poll`."""
+        return bool(self._jobs)
+
+    def reads_in_flight(self) -> list[int]:
+        return [entry.key for job in self._jobs.values() if job.kind == "read" for entry in job.entries]
+
+    def poll(self) -> list[TierCompletion]:
+        """Settle every job that ended or passed its deadline, in submission order. An answer no I/O produces (a
+        bug) fails its key `io-error` like a fault would, and is raised once every job settled; the completions of
+        that poll are reported by the next one."""
+        finished, self._unreported = self._unreported, []
+        bugs: list[BaseException] = []
+        now = self.clock()
+        for job_id, job in list(self._jobs.items()):
+            try:
+                answers = job.calls.poll(now)
+            except Exception as error:  # noqa: BLE001 - a call that raised out of its future: every key failed
+                answers = [error] * len(job.entries)
+            if answers is None:
+                if not job.held and now >= job.calls.deadline:  # hung I/O: fail it now, keep its buffers
+                    job.held = True
+                    log.warning("%s: %s job %d: still running past its deadline", self.label, job.kind, job_id)
+                    finished.append(TierCompletion.timed_out(job_id, (e.key for e in job.entries), job.failed))
+                continue
+            del self._jobs[job_id]
+            for entry, answer in reversed(list(zip(job.entries, answers, strict=True))):
+                self._settle(job, entry, answer, bugs)
+            finished.append(TierCompletion.ended(job_id, job.held, job.failed))
+        if bugs:
+            self._unreported = finished
+            raise bugs[0] if len(bugs) == 1 else ExceptionGroup(f"{self.label}: errors no I/O produces", bugs)
+        return finished
+
+    def _settle(self, job: IoJob, entry: TierEntry, answer: object, bugs: list[BaseException]) -> None:
+        if not isinstance(answer, BaseException):
+            self.entries.settle(job.kind, entry, checksum=answer)  # type: ignore[arg-type]
+            self.settled(job.kind, entry, None)
+            return
+        failure = self.reason(answer)
+        if failure is None:
+            bugs.append(answer)
+            failure = TierFailure.io_error
+        log.warning("%s: %s of key %#x: %s: %s", self.label, job.kind, entry.key, type(answer).__name__, answer)
+        job.failed[entry.key] = failure
+        self.entries.settle(job.kind, entry, failed=True)
+        self.settled(job.kind, entry, failure)

@@ -11,24 +11,36 @@ Why these choices:
   only in memory, so nothing a previous process wrote (or half wrote) can be served.
 - Its own eviction: a write that finds no free slot evicts the least recently used published key; reading keys
   are pinned. A write with nothing evictable fails with `full`, which costs only the write-back.
+- Jobs, their deadline (`io_timeout_s` on the tier's clock) and the poll loop are `kvfsm.tiers.base.TierJobs`'s;
+  this module keeps only the slots, their offsets and a checksum per slot.
+
+Threads: the worker's thread calls every `LowerTier` method (the reference engine's scheduler looks up on the same
+thread); the executor's threads run `_write` and `_read` only, which touch the file and the CPU slot they were handed
+and nothing of the index. `close` hands the executor's shut-down and the file's release to a thread of its own and
+waits for it at most `io_timeout_s`: a disk hung past the deadline never hangs the caller, and the file descriptor
+is closed only after the last call returned, so a late write never lands in a file that reused its number.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
+import threading
 import time
 import zlib
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from kvfsm.io_executor import IoExecutor
 from kvfsm.machines import MachineSet
-from kvfsm.tiers.base import IoExecutor, TierCompletion, TierFailure, check_job
-from kvfsm.tiers.entries import TierEntries
 from kvfsm.records import TierEntry
+from kvfsm.tiers.base import FutureCalls, IoJob, IoKind, TierCompletion, TierFailure, TierJobs
+from kvfsm.tiers.entries import TierEntries
+
+log = logging.getLogger(__name__)
 
 
 class DiskTierError(RuntimeError):
@@ -51,23 +63,15 @@ class DiskIo:
         return os.preadv(fd, [into], offset)
 
 
-@dataclass
-class _Job:
-    kind: str  # "write" or "read"
-    deadline: float
-    parts: list[tuple[TierEntry, Future]] = field(default_factory=list)
-    failed: dict[int, TierFailure] = field(default_factory=dict)
-    held: bool = False  # reported failed at its deadline; its buffers are released when its I/O returns
-
-
-def _reason(error: BaseException) -> TierFailure:
+def _reason(error: BaseException) -> TierFailure | None:
+    """The failure an I/O error means; None for any other error (not an I/O outcome: a bug)."""
     if isinstance(error, CorruptBlock):
         return TierFailure.corrupt
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return TierFailure.full
     if isinstance(error, OSError):
         return TierFailure.io_error
-    raise error  # not an I/O outcome: a bug, which must not pass as a miss
+    return None
 
 
 class DiskTier:
@@ -75,22 +79,24 @@ class DiskTier:
 
     def __init__(self, name: str, path: Path, capacity_bytes: int, block_bytes: int, io: IoExecutor,
                  worker: int = 0, disk_io: DiskIo | None = None, keep_lookups: bool = False,
-                 io_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 machines: MachineSet | None = None) -> None:
+                 io_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic, *,
+                 machines: MachineSet) -> None:
+        """`machines`: the connector's machine set, which fires this tier's `tier-entry` transitions."""
         self.name = name
         self.block_bytes = block_bytes
         self.num_slots = capacity_bytes // block_bytes
         if self.num_slots == 0:
             raise DiskTierError(f"disk tier {name!r}: capacity_bytes={capacity_bytes} holds no block of {block_bytes}")
-        self.entries = TierEntries(name, keep_lookups=keep_lookups, machines=machines)
+        self.entries = TierEntries(name, machines, keep_lookups=keep_lookups)
         self.file = Path(path) / f"kvfsm-{name}-{worker}.slots"
         self._io = io
         self._disk = disk_io or DiskIo()
         self._free: list[int] = []  # slots given back (a stack)
         self._never_used = 0  # slots from here on were never handed out
-        self._jobs: dict[int, _Job] = {}
+        self._jobs = TierJobs(f"disk tier {name!r}", self.entries, block_bytes, _reason, self._settled, clock)
         self.io_timeout_s = io_timeout_s
-        self._clock = clock
+        self._closing: threading.Thread | None = None
+        """The thread releasing the file, once `close` began."""
         self._fd = self._open()
 
     def _open(self) -> int:
@@ -117,50 +123,36 @@ class DiskTier:
         return self.entries.lookup(keys)
 
     def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview]) -> None:
-        check_job(f"disk tier {self.name!r}", self._jobs, self.block_bytes, job_id, keys, sources)
-        job = self._jobs[job_id] = _Job("write", self._clock() + self.io_timeout_s)
+        self._jobs.check(job_id, keys, sources)
+        entries, futures, failed = [], [], {}
         for key, source in zip(keys, sources):
             if self.entries.get(key) is not None:
                 continue  # published or being written already: nothing to move
             slot = self._take_slot()
             if slot is None:
-                job.failed[key] = TierFailure.full
+                failed[key] = TierFailure.full
                 continue
             entry = self.entries.reserve(key, slot)
             assert entry is not None
-            job.parts.append((entry, self._io.submit(lambda s=slot, b=source: self._write(s, b))))
+            entries.append(entry)
+            futures.append(self._io.submit(lambda s=slot, b=source: self._write(s, b)))
+        self._start(job_id, "write", entries, futures, failed)
 
     def submit_read(self, job_id: int, keys: Sequence[int], destinations: Sequence[memoryview]) -> None:
-        check_job(f"disk tier {self.name!r}", self._jobs, self.block_bytes, job_id, keys, destinations)
-        job = self._jobs[job_id] = _Job("read", self._clock() + self.io_timeout_s)
+        self._jobs.check(job_id, keys, destinations)
+        entries, futures, failed = [], [], {}
         for key, destination in reversed(list(zip(keys, destinations))):  # the head pinned last: most recent
             entry = self.entries.pin(key)
             if entry is None:
-                job.failed[key] = TierFailure.missing
+                failed[key] = TierFailure.missing
                 continue
-            job.parts.insert(0, (entry, self._io.submit(
-                lambda s=entry.slot, b=destination, c=entry.checksum: self._read(s, b, c))))
+            entries.insert(0, entry)
+            futures.insert(0, self._io.submit(
+                lambda s=entry.slot, b=destination, c=entry.checksum: self._read(s, b, c)))
+        self._start(job_id, "read", entries, futures, failed)
 
     def poll(self) -> list[TierCompletion]:
-        finished = []
-        now = self._clock()
-        for job_id, job in list(self._jobs.items()):
-            if not all(future.done() for _, future in job.parts):
-                if not job.held and now >= job.deadline:  # a hung disk: fail it now, keep its buffers
-                    job.held = True
-                    finished.append(TierCompletion.timed_out(job_id, (entry.key for entry, _ in job.parts), job.failed))
-                continue
-            del self._jobs[job_id]
-            for entry, future in reversed(job.parts):  # a prefix's head settles last: most recently used
-                error = future.exception()
-                if error is None:
-                    self.entries.settle(job.kind, entry, checksum=future.result())
-                else:
-                    job.failed[entry.key] = _reason(error)
-                    self.entries.settle(job.kind, entry, failed=True)
-                    self._free.append(entry.slot)  # type: ignore[arg-type]
-            finished.append(TierCompletion.ended(job_id, job.held, job.failed))
-        return finished
+        return self._jobs.poll()
 
     def discard(self, keys: Sequence[int]) -> None:
         for key in keys:
@@ -169,12 +161,23 @@ class DiskTier:
                 self._free.append(entry.slot)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        if self._fd < 0:
+        """Let the I/O in flight return, then close and remove the slot file; wait for that at most `io_timeout_s`
+        (a hung disk's calls finish the release whenever they return)."""
+        if self._closing is not None:
             return
-        self._io.shutdown(wait=True)
-        os.close(self._fd)
-        self._fd = -1
-        self.file.unlink(missing_ok=True)
+
+        def release() -> None:
+            self._io.shutdown(wait=True)  # queued calls still run, on the file they were submitted for
+            os.close(self._fd)
+            self._fd = -1
+            self.file.unlink(missing_ok=True)
+
+        self._closing = threading.Thread(target=release, name=f"kvfsm-{self.name}-close", daemon=True)
+        self._closing.start()
+        self._closing.join(self.io_timeout_s)
+        if self._closing.is_alive():
+            log.error("disk tier %r: I/O still running %ss after close; its file is released when it returns",
+                      self.name, self.io_timeout_s)
 
     # --- inspection ------------------------------------------------------------------------------------------
 
@@ -188,13 +191,21 @@ class DiskTier:
     @property
     def busy(self) -> bool:
         """Some job was submitted and not yet reported by `poll`."""
-        return bool(self._jobs)
+        return self._jobs.busy
 
     def reads_in_flight(self) -> list[int]:
-        return [entry.key for job in self._jobs.values() if job.kind == "read" for entry, _ in job.parts]
+        return self._jobs.reads_in_flight()
 
     # --- helpers ---------------------------------------------------------------------------------------------
 
+    def _start(self, job_id: int, kind: IoKind, entries: list[TierEntry], futures: list[Future],
+               failed: dict[int, TierFailure]) -> None:
+        deadline = self._jobs.clock() + self.io_timeout_s
+        self._jobs.start(job_id, IoJob(kind, entries, FutureCalls(futures, deadline), failed))
+
+    def _settled(self, kind: IoKind, entry: TierEntry, failure: TierFailure | None) -> None:
+        if failure is not None:  # the key is gone from the index: its slot is free again
+            self._free.append(entry.slot)  # type: ignore[arg-type]
 
     def _take_slot(self) -> int | None:
         if self._free:

@@ -4,6 +4,12 @@ Shared by every `LowerTier` implementation: it owns the records, the order in wh
 (the tier's own eviction picks the least recent that is not being read) and, for the `lookup-published` check, the
 state of every key a lookup counted when it counted it. An entry that returns to `empty` is forgotten: the index
 follows the transition the spec took, so a spec that left the entry elsewhere keeps it where checks see it.
+
+The machine set is always the caller's (the connector's, handed down through `kvfsm.tiers.factory.open_tiers`), never
+a global one: an observer of the connector's machines (a trace, a check) then sees every tier transition, and a tier
+built without one is refused at construction instead of moving its entries where nobody watches.
+
+Threads: used only from its tier's thread (`lookup` from the scheduler's, which in-process is the same thread).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator, Sequence
 
-from kvfsm.machines import LifecycleMachine, MachineSet, default_machines
+from kvfsm.machines import LifecycleMachine, MachineSet
 from kvfsm.records import TierEntry
 from kvfsm.states import TierEntryState
 
@@ -19,12 +25,14 @@ PUBLISHED, EMPTY = TierEntryState.PUBLISHED, TierEntryState.EMPTY
 
 
 class TierEntries:
-    def __init__(self, tier: str, keep_lookups: bool = False, machines: MachineSet | None = None) -> None:
-        """`machines`: the connector's machine set (so its observers trace this tier too); a lone one if None."""
+    def __init__(self, tier: str, machines: MachineSet, keep_lookups: bool = False) -> None:
+        """`machines`: the connector's machine set, so its observers trace this tier too."""
+        if not isinstance(machines, MachineSet):
+            raise TypeError(f"tier {tier!r}: its entries need the connector's MachineSet, got {machines!r}")
         self.tier = tier
         self.by_key: dict[int, TierEntry] = {}
         self._recency: OrderedDict[int, None] = OrderedDict()  # published keys, least recently used first
-        self._machine: LifecycleMachine = (machines or default_machines())["tier-entry"]
+        self._machine: LifecycleMachine = machines["tier-entry"]
         self.keep_lookups = keep_lookups
         self.lookups: list[tuple[int, str]] = []
         """(key, state when counted) for every key a lookup counted, kept only when `keep_lookups` (tests)."""

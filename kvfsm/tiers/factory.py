@@ -1,22 +1,27 @@
-"""Open the lower tiers an `OffloadConfig` names: one factory per tier kind, chosen by the config's `kind`."""
+"""Open the lower tiers an `OffloadConfig` names: one factory per tier kind, chosen by the config's `kind`.
+
+Called once, on the worker's thread when it registers its KV caches, with the connector's machine set, which every
+tier's entries fire on (there is no global set to fall back on).
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from kvfsm.config import DiskTierConfig, LowerTierConfig, MooncakeTierConfig
+from kvfsm.io_executor import IoExecutor
 from kvfsm.machines import MachineSet
-from kvfsm.tiers.base import IoExecutor, LowerTier, TierSite
+from kvfsm.tiers.base import LowerTier, TierSite
 from kvfsm.tiers.disk import DiskTier
 from kvfsm.tiers.io import io_threads
 
 IoFactory = Callable[[LowerTierConfig], IoExecutor]
-TierFactory = Callable[[LowerTierConfig, TierSite, IoExecutor | None, bool, MachineSet | None], LowerTier]
+TierFactory = Callable[[LowerTierConfig, TierSite, IoExecutor | None, bool, MachineSet], LowerTier]
 """(tier config, site, executor override or None, keep lookups, the connector's machines) -> an open tier."""
 
 
 def _open_disk(config: LowerTierConfig, site: TierSite, io: IoExecutor | None, keep_lookups: bool,
-               machines: MachineSet | None) -> LowerTier:
+               machines: MachineSet) -> LowerTier:
     assert isinstance(config, DiskTierConfig)
     return DiskTier(config.tier_name, config.path, config.capacity_bytes, site.block_bytes,
                     io or io_threads(config.io_threads, config.tier_name), worker=site.worker,
@@ -24,7 +29,7 @@ def _open_disk(config: LowerTierConfig, site: TierSite, io: IoExecutor | None, k
 
 
 def _open_mooncake(config: LowerTierConfig, site: TierSite, io: IoExecutor | None, keep_lookups: bool,
-                   machines: MachineSet | None) -> LowerTier:
+                   machines: MachineSet) -> LowerTier:
     from kvfsm.tiers.mooncake import open_mooncake  # Mooncake is optional: loaded only when configured
 
     assert isinstance(config, MooncakeTierConfig)
@@ -35,8 +40,8 @@ TIER_FACTORIES: dict[str, TierFactory] = {"disk": _open_disk, "mooncake": _open_
 """Tier kind -> factory. A new tier kind registers here and adds its config class to `LowerTierConfig`."""
 
 
-def open_tiers(site: TierSite, io: IoFactory | None = None, keep_lookups: bool = False,
-               machines: MachineSet | None = None) -> tuple[LowerTier, ...]:
+def open_tiers(site: TierSite, io: IoFactory | None, keep_lookups: bool,
+               machines: MachineSet) -> tuple[LowerTier, ...]:
     """Open every configured tier, in lookup order; if one fails to open, those opened are closed again."""
     opened: list[LowerTier] = []
     try:

@@ -1,4 +1,5 @@
-"""Executors for a tier's blocking I/O: threads in production, a queue the test chooses from in tests."""
+"""Executors for a tier's blocking I/O (`kvfsm.io_executor.IoExecutor`): threads in production, a queue the test
+chooses from in tests. `ManualIo` runs an operation on whichever thread calls `run_one`, `run_all` or `shutdown`."""
 
 from __future__ import annotations
 

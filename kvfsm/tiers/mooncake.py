@@ -15,12 +15,17 @@ How it differs from the disk tier, and why:
   when it returns, since until then it may still touch the CPU slot. After a failure the client refuses calls at
   once for a while, so a dead or slow master costs misses, never a blocked engine step.
 - `discard` forgets keys locally; it never removes them from the shared store, where other engines may use them.
+- Jobs and the poll loop are `kvfsm.tiers.base.TierJobs`'s, as for every tier; a job's deadline is its client
+  call's (`Pending.deadline`). This module keeps only the keys, the values' trailers and the client.
+
+Threads: the worker's thread submits, polls, discards and closes; the scheduler's thread looks up (its store query
+runs on the client's lookup thread and is waited for at most `lookup_timeout_s`); the client's I/O executor runs
+every write-back and fetch, which touch the CPU slots and trailers they were handed and nothing of the index.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -28,16 +33,17 @@ import torch
 
 from kvfsm.config import MooncakeTierConfig
 from kvfsm.executor.layouts import KVCaches
+from kvfsm.io_executor import IoExecutor
 from kvfsm.machines import MachineSet
 from kvfsm.mooncake import value
-from kvfsm.mooncake.client import ClientSettings, MooncakeClient
+from kvfsm.mooncake.client import ClientSettings, KeyResult, MooncakeClient
 from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreFull, StoreTimeout, TierFault
 from kvfsm.mooncake.io_thread import Pending
 from kvfsm.mooncake.keys import KvNamespace, object_key
 from kvfsm.mooncake.local import MasterAddress
 from kvfsm.records import TierEntry
 from kvfsm.states import TierEntryState as Entry
-from kvfsm.tiers.base import IoExecutor, TierCompletion, TierFailure, TierSite, check_job
+from kvfsm.tiers.base import IoJob, IoKind, TierCompletion, TierFailure, TierJobs, TierSite
 from kvfsm.tiers.entries import TierEntries
 
 log = logging.getLogger(__name__)
@@ -45,8 +51,10 @@ log = logging.getLogger(__name__)
 TRAILERS_PER_CHUNK = 1024
 
 
-def failure_of(fault: TierFault) -> TierFailure:
-    """The tier-level reason for a named Mooncake fault."""
+def failure_of(fault: BaseException) -> TierFailure | None:
+    """The tier-level reason for a named Mooncake fault; None for any other error (not a store outcome: a bug)."""
+    if not isinstance(fault, TierFault):
+        return None
     if isinstance(fault, KeyMissing):
         return TierFailure.missing
     if isinstance(fault, ChecksumMismatch):
@@ -79,25 +87,16 @@ class TrailerArena:
         return self._of_address[start]
 
 
-@dataclass
-class _Job:
-    kind: str  # "write" or "read"
-    entries: list[TierEntry]
-    pending: Pending[list[int | TierFault]] | None
-    failed: dict[int, TierFailure] = field(default_factory=dict)
-    held: bool = False
-    """Reported failed (`timeout`) at its deadline while its call still runs; released when the call returns."""
-
-
 class MooncakeTier:
     """A `LowerTier` on a Mooncake Store shared with other engines."""
 
     def __init__(self, name: str, client: MooncakeClient, namespace: KvNamespace, block_bytes: int,
                  tenant: str | None = None, lookup_timeout_s: float = 0.05, keep_lookups: bool = False,
-                 pool: np.ndarray | None = None, machines: MachineSet | None = None) -> None:
+                 pool: np.ndarray | None = None, *, machines: MachineSet) -> None:
+        """`machines`: the connector's machine set, which fires this tier's `tier-entry` transitions."""
         self.name = name
         self.block_bytes = block_bytes
-        self.entries = TierEntries(name, keep_lookups=keep_lookups, machines=machines)
+        self.entries = TierEntries(name, machines, keep_lookups=keep_lookups)
         self.client = client
         self.namespace = namespace
         self.tenant = tenant
@@ -105,7 +104,7 @@ class MooncakeTier:
         self._trailers = TrailerArena()
         self._pool_units = [] if pool is None else [pool]
         """Registered whole with the first call, so every slot view handed in later is covered."""
-        self._jobs: dict[int, _Job] = {}
+        self._jobs = TierJobs(f"mooncake tier {name!r}", self.entries, block_bytes, failure_of, self._settled)
         self._shunned: set[int] = set()
         """Keys whose stored value failed its check: not adopted again until this tier writes them itself (their
         removal from the store is requested, but other engines may race it)."""
@@ -122,55 +121,29 @@ class MooncakeTier:
         return self.entries.lookup(keys)
 
     def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview]) -> None:
-        check_job(f"mooncake tier {self.name!r}", self._jobs, self.block_bytes, job_id, keys, sources)
+        self._jobs.check(job_id, keys, sources)
         entries, payloads = [], []
         for key, view in zip(keys, sources):
             entry = self.entries.reserve(key)
             if entry is not None:  # a key published or being written already counts as moved
                 entries.append(entry)
                 payloads.append(np.frombuffer(view, dtype=np.uint8))
-        self._jobs[job_id] = _Job("write", entries, self._submit("write", entries, payloads))
+        self._jobs.start(job_id, IoJob("write", entries, self._submit("write", entries, payloads)))
 
     def submit_read(self, job_id: int, keys: Sequence[int], destinations: Sequence[memoryview]) -> None:
-        check_job(f"mooncake tier {self.name!r}", self._jobs, self.block_bytes, job_id, keys, destinations)
-        job = _Job("read", [], None)
-        payloads = []
+        self._jobs.check(job_id, keys, destinations)
+        entries, payloads, failed = [], [], {}
         for key, view in zip(keys, destinations):
             entry = self.entries.pin(key)
             if entry is None:
-                job.failed[key] = TierFailure.missing
+                failed[key] = TierFailure.missing
                 continue
-            job.entries.append(entry)
+            entries.append(entry)
             payloads.append(np.frombuffer(view, dtype=np.uint8))
-        job.pending = self._submit("read", job.entries, payloads)
-        self._jobs[job_id] = job
+        self._jobs.start(job_id, IoJob("read", entries, self._submit("read", entries, payloads), failed))
 
     def poll(self) -> list[TierCompletion]:
-        finished = []
-        for job_id, job in list(self._jobs.items()):
-            results = job.pending.poll() if job.pending is not None else []
-            if results is None:
-                if job.pending is not None and job.pending.overdue and not job.held:
-                    job.held = True  # the engine recomputes now; the slots stay held until the call returns
-                    log.warning("mooncake tier %s: %s job %d: StoreTimeout: still running past its deadline",
-                                self.name, job.kind, job_id)
-                    finished.append(TierCompletion.timed_out(job_id, (entry.key for entry in job.entries), job.failed))
-                continue
-            del self._jobs[job_id]
-            for entry, result in zip(job.entries, results, strict=True):
-                if isinstance(result, TierFault):
-                    log.warning("mooncake tier %s: %s of key %#x: %s: %s", self.name, job.kind, entry.key,
-                                type(result).__name__, result)
-                    job.failed[entry.key] = failure_of(result)
-                    self.entries.settle(job.kind, entry, failed=True)
-                    if isinstance(result, ChecksumMismatch):
-                        self._shun(entry.key)
-                else:
-                    self.entries.settle(job.kind, entry, checksum=result)
-                    if job.kind == "write":
-                        self._shunned.discard(entry.key)  # written by this tier itself: adoptable again
-            finished.append(TierCompletion.ended(job_id, job.held, job.failed))
-        return finished
+        return self._jobs.poll()
 
     def discard(self, keys: Sequence[int]) -> None:
         """Forget `keys` here; the shared store keeps them for the other engines."""
@@ -189,10 +162,10 @@ class MooncakeTier:
 
     @property
     def busy(self) -> bool:
-        return bool(self._jobs)
+        return self._jobs.busy
 
     def reads_in_flight(self) -> list[int]:
-        return [entry.key for job in self._jobs.values() if job.kind == "read" for entry in job.entries]
+        return self._jobs.reads_in_flight()
 
     # --- helpers ---------------------------------------------------------------------------------------------
 
@@ -223,10 +196,9 @@ class MooncakeTier:
             elif self.entries.get(key).state != Entry.PUBLISHED:  # type: ignore[union-attr]
                 return
 
-    def _submit(self, kind: str, entries: list[TierEntry], payloads: list[np.ndarray]
-                ) -> Pending[list[int | TierFault]] | None:
+    def _submit(self, kind: IoKind, entries: list[TierEntry], payloads: list[np.ndarray]) -> Pending[list[KeyResult]]:
         if not entries:
-            return None
+            return Pending.answered([])
         keys = [self.store_key(entry.key) for entry in entries]
         pairs = [self._trailers.trailer_for(payload) for payload in payloads]
         trailers = [t for t, _ in pairs]
@@ -235,9 +207,12 @@ class MooncakeTier:
             return self.client.write_back(keys, payloads, trailers, units=units)
         return self.client.fetch(keys, payloads, trailers, units=units)
 
-    def _shun(self, key: int) -> None:
-        self._shunned.add(key)
-        self.client.remove([self.store_key(key)])
+    def _settled(self, kind: IoKind, entry: TierEntry, failure: TierFailure | None) -> None:
+        if failure is TierFailure.corrupt:  # the stored value failed its check: never adopt it again
+            self._shunned.add(entry.key)
+            self.client.remove([self.store_key(entry.key)])
+        elif failure is None and kind == "write":
+            self._shunned.discard(entry.key)  # written by this tier itself: adoptable again
 
 
 def layout_of(caches: KVCaches) -> str:
@@ -249,7 +224,7 @@ def layout_of(caches: KVCaches) -> str:
 
 
 def open_mooncake(config: MooncakeTierConfig, site: TierSite, io: IoExecutor | None, keep_lookups: bool,
-                  machines: MachineSet | None = None) -> MooncakeTier:
+                  machines: MachineSet) -> MooncakeTier:
     """Connect to the configured master (bounded by the client's connect timeout), register the CPU pool for
     zero-copy calls, and open the tier. A master that cannot be reached is `StoreUnavailable` here, at start-up,
     where a wrong address is best reported."""

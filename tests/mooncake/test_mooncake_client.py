@@ -16,6 +16,7 @@ from kvfsm.mooncake.errors import (  # noqa: E402
 from kvfsm.mooncake.host_memory import SlotRegion  # noqa: E402
 from kvfsm.mooncake.io_thread import Pending  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress, free_loopback_port  # noqa: E402
+from kvfsm.tiers.io import ManualIo  # noqa: E402
 
 SLOT = 64 << 10
 WAIT_S = 10.0
@@ -87,6 +88,22 @@ def test_a_missing_key_is_key_missing(mooncake, connect, request) -> None:
     client = connect(mooncake)
     [result] = faults(read(client, registered(client), [request.node.name], [0]))
     assert isinstance(result, KeyMissing)
+
+
+def test_calls_queued_before_close_still_run_on_the_store_and_later_ones_are_refused(mooncake, connect,
+                                                                                    request) -> None:
+    io = ManualIo()  # the calls stay queued until close runs them
+    client = MooncakeClient(ClientSettings(master=mooncake.address), io=io)
+    client.connect()
+    source = SlotRegion(torch.full((2 * SLOT,), 5, dtype=torch.uint8), SLOT)
+    queued = write(client, source, [request.node.name], [0])
+    assert io.queue and client.close()
+    assert moved(queued), "a call queued before close found no store"
+    [refused] = faults(write(client, source, [request.node.name], [1]))
+    assert isinstance(refused, StoreUnavailable) and not client.connected
+    reader = connect(mooncake)
+    target = registered(reader)
+    assert moved(read(reader, target, [request.node.name], [0])) and (target.payload(0) == 5).all()
 
 
 @pytest.mark.parametrize("corruption", ["flipped byte", "other length", "other key's value"])

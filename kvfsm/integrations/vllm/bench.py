@@ -1,18 +1,20 @@
 """kvfsm's connector beside vLLM's own `OffloadingConnector`, through vLLM 0.32's real `Scheduler` on the CPU.
 
-One request stream per workload runs three times — no connector, vLLM's `OffloadingConnector`, kvfsm's
-`KvfsmConnector` — with a fake worker that completes every transfer job a fixed number of steps after it was
+One request stream per workload runs through no connector, then through vLLM's `OffloadingConnector` and kvfsm's
+`KvfsmConnector` under each admission setting (`ADMISSION`: which completed blocks each stores) — with a fake worker that completes every transfer job a fixed number of steps after it was
 ordered (flushed stores at once), the same for both connectors. Per step it times what the connector adds to vLLM's
 critical path, `schedule()` + `update_from_output()` (GC on), in CPU time of the scheduler's thread (vLLM's scheduler
 is one Python thread: on a core of its own that is its wall time, and on a shared machine other processes do not
 inflate it), and counts load and store jobs, blocks moved,
 deferrals (lookups answered "ask again") and the steps from each request's arrival to its first token. Both pools
-hold 65536 blocks; vLLM's connector is told to store decode blocks too (`offload_prompt_only: false`; its default
-stores prompts only), so both do the same work.
+hold 65536 blocks. The admission settings match each connector's to the other's: `every-block` (vLLM told
+`offload_prompt_only: false`, kvfsm's default), `prompt-only` (vLLM's default, kvfsm's `admission="prompt-only"`) and
+`threshold-2` (both prompt-only, a block stored at its second offer: vLLM's and kvfsm's `store_threshold: 2`).
 
 Workloads: `steady-decode` (256 running requests of 2k-token prompts, the decode steps after every prefill ended),
 `zipf-prefixes` (arrivals whose prompt heads come from a Zipf-popular set of documents already on CPU, with a GPU
-too small to keep them all), `preemption-burst` (long decodes on a GPU that runs out, with stores in flight).
+too small to keep them all), `preemption-burst` (long decodes on a GPU that runs out, with stores in flight),
+`abort-storm` (waves of arrivals, each request aborted mid-decode, with stores in flight).
 
 Run `python -m kvfsm.bench vllm` (or `python -m kvfsm.integrations.vllm.bench`) in a venv with vLLM 0.32.
 """
@@ -41,7 +43,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvfsm.integrations.vllm.config import gpu_block_bytes
@@ -57,6 +59,13 @@ from kvfsm.integrations.vllm.rig import (
 )
 
 CONNECTORS: dict[str, str | None] = {"none": None, "vllm": "OffloadingConnector", "kvfsm": KVFSM_CONNECTOR}
+ADMISSION: dict[str, dict[str, dict[str, Any]]] = {
+    "every-block": {"vllm": {"offload_prompt_only": False}, "kvfsm": {}},
+    "prompt-only": {"vllm": {}, "kvfsm": {"admission": "prompt-only"}},
+    "threshold-2": {"vllm": {"store_threshold": 2}, "kvfsm": {"admission": "prompt-only", "store_threshold": 2}},
+}
+"""Per admission setting, what each connector's `kv_connector_extra_config` adds to be told it (vLLM's connector
+stores prompt blocks only unless told `offload_prompt_only: false`)."""
 LOAD_STEPS, STORE_STEPS = 2, 2
 CPU_BLOCKS = 65536
 
@@ -79,6 +88,8 @@ class Workload:
     warm: list[Arrival] = field(default_factory=list)
     """Requests run to the end first (their blocks reach the CPU pool), then vLLM's GPU prefix cache is reset."""
     measure_from: Callable[[Scheduler], bool] = lambda scheduler: True
+    aborts: Callable[[int], list[str]] = lambda step: []
+    """Requests aborted before that step (those already finished are ignored)."""
     max_seqs: int = 256
     max_batched_tokens: int = 8192
 
@@ -126,12 +137,12 @@ def job_counts(output: SchedulerOutput) -> tuple[int, int, int, int]:
 class Run:
     """One workload through one vLLM scheduler; everything it measured."""
 
-    def __init__(self, workload: Workload, connector: str, model: Any) -> None:
+    def __init__(self, workload: Workload, connector: str, model: Any, admission: str = "every-block") -> None:
         init_none_hash(sha256)
         name = CONNECTORS[connector]
         extra = {"cpu_blocks": CPU_BLOCKS} if name == KVFSM_CONNECTOR else {
-            "cpu_bytes_to_use": CPU_BLOCKS * gpu_block_bytes(kv_cache_config(1)),
-            "offload_prompt_only": False}  # kvfsm stores every completed block: the same work for both
+            "cpu_bytes_to_use": CPU_BLOCKS * gpu_block_bytes(kv_cache_config(1))}
+        extra |= ADMISSION[admission].get(connector, {})
         config = vllm_config(model, extra, workload.gpu_blocks, connector=name,
                              max_batched_tokens=workload.max_batched_tokens, max_seqs=workload.max_seqs)
         self.scheduler = Scheduler(config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config),
@@ -165,6 +176,11 @@ class Run:
                                            block_hasher=self.hasher))
         self.arrived[arrival.req_id] = self.step_no
 
+    def abort(self, req_ids: list[str]) -> None:
+        live = [r for r in req_ids if r in self.scheduler.requests]
+        if live:
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+
     def step(self, measured: bool) -> None:
         self.step_no += 1
         start = time.thread_time()
@@ -196,9 +212,9 @@ def _due_jobs(worker: Any) -> bool:
     return bool(getattr(worker, "due", None) or getattr(worker, "pending", None))
 
 
-def run(workload: Workload, connector: str, model: Any) -> dict[str, Any]:
+def run(workload: Workload, connector: str, model: Any, admission: str = "every-block") -> dict[str, Any]:
     """The workload through one connector: warm-up requests to the end, then the measured stream."""
-    bench = Run(workload, connector, model)
+    bench = Run(workload, connector, model, admission)
     for arrival in workload.warm:
         bench.add(arrival)
     while bench.scheduler.has_requests() or _due_jobs(bench.worker):
@@ -207,6 +223,7 @@ def run(workload: Workload, connector: str, model: Any) -> dict[str, Any]:
     measured: set[str] = set()
     gc.collect()
     for step in range(workload.steps):
+        bench.abort(workload.aborts(step))
         for arrival in workload.arrivals(step):
             bench.add(arrival)
             measured.add(arrival.req_id)
@@ -249,26 +266,54 @@ def preemption_burst(requests: int = 48, prompt_tokens: int = 512, decode_tokens
                     max_seqs=requests, max_batched_tokens=4096)
 
 
+def abort_storm(waves: int = 12, per_wave: int = 8, prompt_tokens: int = 512, decode_tokens: int = 256,
+                abort_after: int = 40, wave_steps: int = 16) -> Workload:
+    """Every `wave_steps` steps `per_wave` requests arrive; each is aborted `abort_after` steps after it arrived,
+    mid-decode, its stores still in flight."""
+    def wave(step: int) -> int | None:
+        return step // wave_steps if step % wave_steps == 0 and step // wave_steps < waves else None
+
+    def arrivals(step: int) -> list[Arrival]:
+        w = wave(step)
+        return [] if w is None else [Arrival(f"a{w}-{i}", _tokens(70_000 + w * per_wave + i, prompt_tokens),
+                                             max_tokens=decode_tokens) for i in range(per_wave)]
+
+    def aborts(step: int) -> list[str]:
+        w = wave(step - abort_after) if step >= abort_after else None
+        return [] if w is None else [f"a{w}-{i}" for i in range(per_wave)]
+
+    gpu_blocks = 2 * per_wave * (prompt_tokens + decode_tokens) // BLOCK_SIZE
+    return Workload("abort-storm", gpu_blocks, waves * wave_steps + abort_after + 8, arrivals, aborts=aborts,
+                    max_seqs=4 * per_wave, max_batched_tokens=4096)
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "steady-decode": steady_decode, "zipf-prefixes": zipf_prefixes, "preemption-burst": preemption_burst,
+    "abort-storm": abort_storm,
 }
 QUICK_SIZES: dict[str, dict[str, int]] = {
     "steady-decode": {"requests": 16, "prompt_tokens": 256, "steps": 20},
     "zipf-prefixes": {"documents": 8, "doc_tokens": 256, "per_step": 2, "steps": 10},
     "preemption-burst": {"requests": 8, "prompt_tokens": 128, "decode_tokens": 64},
+    "abort-storm": {"waves": 3, "per_wave": 4, "prompt_tokens": 128, "decode_tokens": 64, "abort_after": 8,
+                    "wave_steps": 4},
 }
 """Small sizes: check the plumbing in seconds, not the figures."""
 
 
-def compare(names: list[str] | None = None, quick: bool = False) -> Iterator[dict[str, Any]]:
-    """Every workload through the three connectors; one row per workload and connector."""
+def compare(names: list[str] | None = None, quick: bool = False,
+            admission: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    """Every workload through no connector, then through vLLM's and kvfsm's under each admission setting; one row
+    per workload, setting and connector."""
     with tempfile.TemporaryDirectory() as folder:
         model = model_config(Path(folder) / "tiny-llama")
         for name in names or list(WORKLOADS):
             workload = WORKLOADS[name](**(QUICK_SIZES[name] if quick else {}))
+            runs = [("none", "-"), *((c, a) for a in admission or list(ADMISSION) for c in ("vllm", "kvfsm"))]
             baseline: dict[str, Any] = {}
-            for connector in CONNECTORS:
-                row = {"workload": name, "connector": connector, **run(workload, connector, model)}
+            for connector, setting in runs:
+                row = {"workload": name, "connector": connector, "admission": setting,
+                       **run(workload, connector, model, "every-block" if setting == "-" else setting)}
                 baseline = baseline or row
                 row["added_us_per_step"] = row["us_per_step"] - baseline["us_per_step"]
                 row["added_us_per_step_median"] = row["us_per_step_median"] - baseline["us_per_step_median"]
@@ -276,7 +321,7 @@ def compare(names: list[str] | None = None, quick: bool = False) -> Iterator[dic
 
 
 COLUMNS = {
-    "workload": "workload", "connector": "connector", "steps": "steps", "us_per_step": "CPU µs/step",
+    "workload": "workload", "connector": "connector", "admission": "admission", "steps": "steps", "us_per_step": "CPU µs/step",
     "added_us_per_step": "added", "us_per_step_median": "median", "added_us_per_step_median": "added (median)",
     "loads": "loads", "blocks_loaded": "blocks in", "stores": "stores", "blocks_stored": "blocks out",
     "deferrals": "deferrals", "preemptions": "preempted", "ttft_steps_mean": "steps to 1st token",
@@ -287,7 +332,7 @@ COLUMNS = {
 def table(rows: list[dict[str, Any]]) -> Table:
     out = Table(title="vLLM 0.32 Scheduler: no connector / OffloadingConnector / KvfsmConnector (fake worker)")
     for title in COLUMNS.values():
-        out.add_column(title, justify="left" if title in ("workload", "connector") else "right")
+        out.add_column(title, justify="left" if title in ("workload", "connector", "admission") else "right")
     for row in rows:
         out.add_row(*(f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in COLUMNS))
     return out

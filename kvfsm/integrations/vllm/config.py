@@ -2,6 +2,7 @@
 
 Settings vLLM already decides (tokens per block, how many workers report each job, whether KV-cache events are
 published) are taken from vLLM; a user who also sets them must agree with it, or start-up fails naming both values.
+vLLM's own connector's `offload_prompt_only` is read as kvfsm's `admission`.
 vLLM drains the connector's KV-cache events every step and publishes them only under `--kv-events-config
 '{"enable_kv_cache_events": true}'`, so kvfsm records them (`kv_events`) exactly then. Every worker of the engine
 reports each job: vLLM's `KVOutputAggregator` counts `parallel_config.world_size` of them (tensor x pipeline x
@@ -40,6 +41,7 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
         "num_workers": vllm_config.parallel_config.world_size,
         "kv_events": events is not None and events.enable_kv_cache_events,
     }
+    _read_offload_prompt_only(extra)
     for key, value in from_engine.items():
         if key in extra and extra[key] != value:
             raise InvalidExtraConfig(f"kv_connector_extra_config sets {key}={extra[key]!r}, but vLLM runs with {value}")
@@ -57,6 +59,21 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
         raise InvalidExtraConfig("a disk tier's index lives in the worker process, which vLLM's scheduler process "
                                  "cannot look up; use it with kvfsm.Connector (see docs/tiers.md)")
     return config
+
+
+def _read_offload_prompt_only(extra: dict[str, Any]) -> None:
+    """vLLM's own connector's `offload_prompt_only` (a bool) read as kvfsm's `admission`, so one setting tells both;
+    a contradicting `admission` beside it is refused. (`store_threshold` has the same name and meaning in both.)"""
+    if "offload_prompt_only" not in extra:
+        return
+    prompt_only = extra.pop("offload_prompt_only")
+    if not isinstance(prompt_only, bool):
+        raise InvalidExtraConfig(f"kv_connector_extra_config sets offload_prompt_only={prompt_only!r}; legal: true "
+                                 "or false (read as kvfsm's admission)")
+    admission = "prompt-only" if prompt_only else "every-block"
+    if extra.setdefault("admission", admission) != admission:
+        raise InvalidExtraConfig(f"kv_connector_extra_config sets offload_prompt_only={prompt_only} and "
+                                 f"admission={extra['admission']!r}; they contradict (give one)")
 
 
 def gpu_block_bytes(kv_cache_config: "KVCacheConfig") -> int:

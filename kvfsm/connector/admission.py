@@ -1,0 +1,82 @@
+"""Admission: which of a request's newly completed CPU blocks are offered to the pool, and which are skipped.
+
+Every block stored costs PCIe bandwidth that loads and the next step's stores compete for, and host memory that
+evicts blocks someone may hit. Two rules skip the blocks least likely to pay that back: `prompt-only` skips decode
+blocks (a request's own generated tokens, which no other request shares), and `store_threshold` skips a block
+until enough requests offered it to suggest it will be hit again. A skip is decided once per request and block
+and is final for that request: the scheduler fires the request's `skip-store` transition with the skipped blocks
+(spec/request.yaml), and no store of that request ever carries them (`skipped-not-stored`).
+
+This module decides; it moves no lifecycle itself.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Container, Sequence
+
+from kvfsm.config import OffloadConfig
+from kvfsm.records import RequestRecord
+
+PROMPT_ONLY, THRESHOLD = "prompt-only", "threshold"
+REASONS = (PROMPT_ONLY, THRESHOLD)
+"""Why a block was skipped: past its request's prompt, or offered fewer times than `store_threshold`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What an offer decided: the hashes to hand to the pool, in order, and those skipped now, by reason."""
+
+    admitted: Sequence[int]
+    skipped: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+class Admission:
+    """The admission rules of one scheduler half, with the offer counts `store_threshold` needs (bounded)."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.prompt_only = config.admission == PROMPT_ONLY
+        self.threshold = config.store_threshold
+        self.tracked = config.store_offers_tracked
+        self.offers: OrderedDict[int, int] = OrderedDict()
+        """Per block hash, how many requests offered it; the least recently offered is forgotten past `tracked`."""
+        self.admits_all = not self.prompt_only and self.threshold == 1
+        """No rule can skip: an offer is every candidate, with no work per block."""
+
+    def offer(self, record: RequestRecord, start: int, hashes: Sequence[int], held: Container[int]) -> Verdict:
+        """The request offers its CPU blocks `start, start + 1, ...` (`hashes`); `held`: the hashes the pool holds.
+
+        A block this request offered before (it was preempted and recomputes) is not counted again: one that was
+        admitted stays admitted, one that was skipped stays skipped."""
+        first_new = max(record.offered_cpu_blocks - start, 0)
+        record.offered_cpu_blocks = max(record.offered_cpu_blocks, start + len(hashes))
+        if self.admits_all:
+            return Verdict(hashes)
+        skipped = record.skipped
+        prompt_end = record.prompt_cpu_blocks - start if self.prompt_only else len(hashes)
+        admitted: list[int] = []
+        past_prompt: list[int] = []
+        too_few: list[int] = []
+        for index, block_hash in enumerate(hashes):
+            if block_hash in skipped:
+                continue
+            if index < first_new:
+                admitted.append(block_hash)
+            elif index >= prompt_end:
+                past_prompt.append(block_hash)
+            elif self.threshold > 1 and self._count(block_hash) < self.threshold and block_hash not in held:
+                too_few.append(block_hash)
+            else:
+                admitted.append(block_hash)
+        reasons = ((PROMPT_ONLY, past_prompt), (THRESHOLD, too_few))
+        return Verdict(admitted, {reason: tuple(found) for reason, found in reasons if found})
+
+    def _count(self, block_hash: int) -> int:
+        """One more offer of `block_hash`: its count now."""
+        offers = self.offers
+        count = offers.pop(block_hash, 0) + 1
+        offers[block_hash] = count
+        if len(offers) > self.tracked:
+            offers.popitem(last=False)
+        return count

@@ -1,0 +1,161 @@
+"""Admission (spec/request.yaml's `skip-store`, invariant `skipped-not-stored`): which completed blocks are stored.
+
+One rule per test, driven through the scheduler half as an engine would: `prompt-only` stores the prompt's blocks
+and skips decode blocks, `store_threshold` skips a block until enough requests offered it, the offer counts stay
+bounded, and a skip is counted by reason. The invariant's control, a skip recorded but not applied, is caught on the
+reference engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvfsm.config import OffloadConfig
+from kvfsm.connector.admission import REASONS
+from kvfsm.connector.metrics import COUNTERS
+from kvfsm.connector.prometheus import KvfsmCollector
+from kvfsm.connector.scheduler import SchedulerConnector
+from kvfsm.connector.stats import SKIPPED_BY_REASON, ConnectorStats
+from kvfsm.executor.sim import SimDevice
+from kvfsm.testing.harness import Harness
+from tests.test_connector_scheduler import BLOCK, GPU_BLOCK_BYTES, Req, admit, compute, idle_step, prompt, report
+
+PROMPT = (1, 2, 3)
+DECODE = (4, 5)
+
+
+def connector(**admission: Any) -> SchedulerConnector:
+    config = OffloadConfig(cpu_blocks=16, gpu_block_size=BLOCK, **admission)
+    return SchedulerConnector(config, GPU_BLOCK_BYTES, keep_history=True)
+
+
+def stored_hashes(sched: SchedulerConnector) -> list[int]:
+    return [h for job in sched.jobs.values() if job.kind == "store" for h in job.hashes]
+
+
+def run_and_decode(sched: SchedulerConnector, req_id: str = "a", first_block: int = 0) -> Req:
+    """A request of three prompt blocks (and one token more) computes its prompt, then decodes two more blocks;
+    every store it orders completes."""
+    req = prompt(req_id, PROMPT)
+    blocks = range(first_block, first_block + 6)
+    admit(sched, req, blocks)
+    ordered = [order.job_id for order in compute(sched, req, blocks).stores]
+    for decoded in DECODE:
+        req.block_hashes += (decoded,)
+        req.num_tokens += BLOCK
+        ordered += [order.job_id for order in compute(sched, req, blocks).stores]
+    idle_step(sched)  # the workers submit the last step's stores as this step starts
+    report(sched, done=ordered)
+    return req
+
+
+def test_every_block_is_the_default_and_stores_decode_blocks_too() -> None:
+    sched = connector()
+    run_and_decode(sched)
+    assert sorted(stored_hashes(sched)) == [*PROMPT, *DECODE]
+    assert sched.stats.blocks_skipped_prompt_only == sched.stats.blocks_skipped_threshold == 0
+
+
+def test_prompt_only_stores_the_prompt_blocks_and_skips_decode_blocks() -> None:
+    sched = connector(admission="prompt-only")
+    run_and_decode(sched)
+    assert sorted(stored_hashes(sched)) == list(PROMPT)
+    assert sched.requests["a"].skipped == dict.fromkeys(DECODE, "prompt-only")
+    assert sched.stats.blocks_skipped_prompt_only == len(DECODE)
+    assert not sched.manager.lookup(PROMPT + DECODE).busy and sched.manager.lookup(PROMPT + DECODE).hits == 3
+
+
+def test_a_skipped_block_is_a_skip_store_transition_of_its_running_request() -> None:
+    sched = connector(admission="prompt-only")
+    seen: list[tuple[str, str, str]] = []
+    sched.machines["request"].observers.append(
+        lambda lifecycle, model, source, trigger, dest: seen.append((source, trigger, dest)))
+    run_and_decode(sched)
+    assert seen.count(("running", "skip-store", "running")) == len(DECODE)
+
+
+def test_a_store_threshold_of_two_stores_a_block_at_its_second_offer() -> None:
+    sched = connector(store_threshold=2)
+    run_and_decode(sched, "a")
+    assert stored_hashes(sched) == []
+    assert sched.stats.blocks_skipped_threshold == len(PROMPT + DECODE)
+    run_and_decode(sched, "b", first_block=10)
+    assert sorted(stored_hashes(sched)) == [*PROMPT, *DECODE]
+
+
+def test_a_resumed_request_does_not_offer_its_blocks_again() -> None:
+    """Preempted and recomputed, a request offers none of its blocks a second time: it cannot reach the threshold
+    alone, and what it skipped stays skipped."""
+    sched = connector(store_threshold=2)
+    req = prompt("a", PROMPT)
+    admit(sched, req, range(4))
+    compute(sched, req, range(4))
+    idle_step(sched, preempted=["a"])
+    admit(sched, req, range(4, 8))
+    compute(sched, req, range(4, 8))
+    idle_step(sched)
+    assert stored_hashes(sched) == [] and sched.stats.blocks_skipped_threshold == len(PROMPT)
+
+
+def test_the_offer_counts_are_bounded() -> None:
+    sched = connector(store_threshold=2, store_offers_tracked=2)
+    run_and_decode(sched)
+    assert list(sched.admission.offers) == list(DECODE)
+
+
+@pytest.mark.parametrize("values", [{"admission": "decode-only"}, {"store_threshold": 0},
+                                    {"store_threshold": True}, {"store_offers_tracked": 0}])
+def test_a_bad_admission_setting_is_refused(values: dict[str, Any]) -> None:
+    with pytest.raises(pydantic.ValidationError, match=next(iter(values))):
+        OffloadConfig(cpu_blocks=8, **values)
+
+
+def test_skipped_blocks_are_exported_by_reason() -> None:
+    sched = connector(admission="prompt-only")
+    run_and_decode(sched)
+    registry = CollectorRegistry()
+    registry.register(KvfsmCollector.of(sched))
+    text = generate_latest(registry).decode()
+    assert 'kvfsm_store_skipped_total{reason="prompt-only"} 2.0' in text
+    assert 'kvfsm_store_skipped_total{reason="threshold"} 0.0' in text
+
+
+def test_every_skip_reason_has_its_counter_and_its_metric_label() -> None:
+    (family,) = [c for c in COUNTERS if c.name == "kvfsm_store_skipped"]
+    assert sorted(SKIPPED_BY_REASON) == sorted(REASONS) == sorted(labels["reason"] for labels, _ in family.samples)
+    assert all(SKIPPED_BY_REASON[labels["reason"]] == source for labels, source in family.samples)
+
+
+def offered_once_then_twice(mutant: str | None) -> tuple[list[str], ConnectorStats]:
+    """The reference engine with a store threshold of 2: a prefix offered once (skipped), then by a second request
+    after the GPU forgot it (stored); every step checked. (Its requests hash prompt blocks alone: a threshold is
+    what makes it skip.)"""
+    h = Harness(SimDevice(), num_gpu_blocks=24, cpu_blocks=8, store_threshold=2, mutant=mutant)
+    try:
+        h.add_request(tuple(range(10, 16)), 3)
+        h.drain()
+        h.engine.reset_prefix_cache()
+        h.add_request(tuple(range(10, 17)), 3)
+        found: list[str] = []
+        while h.engine.has_work:
+            h.engine.step()
+            h.settle()
+            found += h.violations()
+        return found + h.final_violations(), h.connector.scheduler.stats
+    finally:
+        h.close()
+
+
+def test_a_skipped_block_is_never_stored_on_the_reference_engine() -> None:
+    found, stats = offered_once_then_twice(None)
+    assert found == []
+    assert stats.blocks_skipped_threshold == 3 and stats.blocks_stored == 3
+
+
+def test_control_a_skip_recorded_but_not_applied_is_caught() -> None:
+    found, _ = offered_once_then_twice("skip-not-applied")
+    assert any(line.startswith("skipped-not-stored: ") for line in found), found
