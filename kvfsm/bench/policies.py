@@ -5,8 +5,9 @@ one request at a time: its prompt is looked up, the leading ready blocks are loa
 touched, and the blocks the admission setting lets through are stored (planned, evicting as the policy picks,
 submitted, completed). Transfers complete at once, so the figures are the policies' choices alone: the block hit
 rate of prompt lookups, the tokens served from CPU, and the bytes stored per token served (a block is Llama-3-8B's
-16 tokens, 2 MiB). An admission setting decides how many of a request's leading blocks may be stored;
-`store-every-block` stores prompt and output alike (kvfsm's behaviour today).
+16 tokens, 2 MiB). Admission is the connector's own (`kvfsm.connector.admission`), set as `OffloadConfig` would
+set it: `every-block` stores prompt and output alike, `prompt-only` the prompt's blocks, `threshold-2` the
+prompt's blocks from their second offer on (the vLLM side by side's settings).
 
 Writes `policies.json` and `policies.png` (matplotlib; the console says why when it is not drawn) into `--out`.
 """
@@ -16,33 +17,38 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from kvfsm.bench.traces import TRACES, Request, Trace
+from kvfsm.bench.traces import TRACES, Trace
+from kvfsm.config import OffloadConfig
+from kvfsm.connector.admission import Admission
 from kvfsm.manager import BUILTIN, OffloadingManager
+from kvfsm.records import RequestRecord
 
 BLOCK_TOKENS = 16
 BLOCK_BYTES = 2 << 20
 """Llama-3-8B's KV for 16 tokens (32 layers, 8 KV heads of 128, bf16, K and V)."""
 POLICIES = tuple(name for name in BUILTIN if name != "w-tinylfu")  # w-tinylfu is tinylfu's other name
-BASELINE = "arc"
-Admission = Callable[[Request], int]
-"""How many of a request's leading blocks may be stored."""
-ADMISSIONS: dict[str, Callable[[], Admission]] = {
-    "store-every-block": lambda: lambda request: len(request.hashes),
+BASELINE = ("arc", "every-block")
+ADMISSIONS: dict[str, dict[str, Any]] = {
+    "every-block": {},
+    "prompt-only": {"admission": "prompt-only"},
+    "threshold-2": {"admission": "prompt-only", "store_threshold": 2},
 }
-"""Admission settings by name, each a factory (a setting may keep state across one replay's requests)."""
+"""Admission settings by name: the `OffloadConfig` fields each sets."""
+SCAN_TRACE, SCAN_SAVING = "scans", 0.30
+"""The issue's second goal: at least 30% fewer bytes stored per token served than ARC storing every block, here."""
 REQUESTS = {False: 6000, True: 1200}
 """Requests per trace, full and --quick."""
 
 
-def replay(trace: Trace, policy: str, admission: str = "store-every-block") -> dict[str, Any]:
+def replay(trace: Trace, policy: str, admission: str = "every-block") -> dict[str, Any]:
     """One trace through a fresh manager of `trace.pool_blocks` slots; the figures of that replay."""
     manager = OffloadingManager(trace.pool_blocks, policy, events=False)
-    admit = ADMISSIONS[admission]()
+    admit = Admission(OffloadConfig(cpu_blocks=trace.pool_blocks, **ADMISSIONS[admission]))
     looked_up = hits = stored = refused = 0
     start = time.perf_counter()
     for job, request in enumerate(trace.requests):
@@ -54,7 +60,8 @@ def replay(trace: Trace, policy: str, admission: str = "store-every-block") -> d
             head = prompt[:found]
             manager.complete_load(manager.prepare_load(head))
             manager.touch(head)
-        plan = manager.prepare_store(request.hashes[:admit(request)], job)
+        record = RequestRecord(str(job), prompt_cpu_blocks=request.prompt_blocks)
+        plan = manager.prepare_store(admit.offer(record, 0, request.hashes, manager.catalogue).admitted, job)
         if plan is None:
             refused += 1
         elif plan.slots:
@@ -75,21 +82,30 @@ def run(quick: bool = False, seed: int = 0) -> dict[str, Any]:
     return {"seed": seed, "quick": quick, "rows": rows, "goal": judge(rows)}
 
 
+def _is_baseline(row: dict[str, Any]) -> bool:
+    return (row["policy"], row["admission"]) == BASELINE
+
+
 def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's goal for each setting: beat ARC's hit rate on at least 3 of 4 traces, none more than 2 points
-    below it (ARC storing every block is the baseline)."""
-    arc = {r["trace"]: r["hit_rate"] for r in rows if r["policy"] == BASELINE and r["admission"] == "store-every-block"}
+    below it, and on the scan trace store at least 30% fewer bytes per token served (ARC storing every block is the
+    baseline of both)."""
+    arc = {r["trace"]: r for r in rows if _is_baseline(r)}
     settings: dict[str, Any] = {}
     for r in rows:
-        if r["policy"] == BASELINE and r["admission"] == "store-every-block":
+        if _is_baseline(r):
             continue
         s = settings.setdefault(f"{r['policy']}, {r['admission']}", {"beats_arc": 0, "worst_points_below_arc": 0.0})
-        delta = round((r["hit_rate"] - arc[r["trace"]]) * 100, 9)  # points, without float dust at the bound
+        delta = round((r["hit_rate"] - arc[r["trace"]]["hit_rate"]) * 100, 9)  # points, no float dust at the bound
         s["beats_arc"] += delta > 0
         s["worst_points_below_arc"] = max(s["worst_points_below_arc"], -delta)
+        if r["trace"] == SCAN_TRACE and r["bytes_stored_per_token_served"] and arc[SCAN_TRACE]["bytes_stored_per_token_served"]:
+            s["scan_bytes_saving"] = 1 - r["bytes_stored_per_token_served"] / arc[SCAN_TRACE]["bytes_stored_per_token_served"]
     for s in settings.values():
-        s["met"] = s["beats_arc"] >= 3 and s["worst_points_below_arc"] <= 2.0
-    return {"target": "beats ARC's hit rate on >= 3 of 4 traces, none > 2 points below", "settings": settings,
+        s["met"] = (s["beats_arc"] >= 3 and s["worst_points_below_arc"] <= 2.0
+                    and s.get("scan_bytes_saving", 0.0) >= SCAN_SAVING)
+    return {"target": "beats ARC (every block) on >= 3 of 4 traces, none > 2 points below, >= 30% fewer bytes "
+                      "stored per token served on scans", "settings": settings,
             "met_by": sorted(name for name, s in settings.items() if s["met"])}
 
 
@@ -99,7 +115,7 @@ def table(result: dict[str, Any]) -> Table:
     for column in ("trace", "pool", "policy", "admission", "hit rate", "Δ vs ARC", "tokens from CPU",
                    "MiB stored / token served", "refused stores"):
         out.add_column(column, justify="right")
-    arc = {r["trace"]: r["hit_rate"] for r in result["rows"] if r["policy"] == BASELINE}
+    arc = {r["trace"]: r["hit_rate"] for r in result["rows"] if _is_baseline(r)}
     for r in result["rows"]:
         per_token = r["bytes_stored_per_token_served"]
         out.add_row(r["trace"], f"{r['pool_blocks']:,}", r["policy"], r["admission"], f"{r['hit_rate']:.1%}",
@@ -117,7 +133,7 @@ def save_plot(result: dict[str, Any], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed"
-    rows = [r for r in result["rows"] if r["admission"] == "store-every-block"]
+    rows = [r for r in result["rows"] if r["admission"] == "every-block"]
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     fig, ax = plt.subplots(figsize=(10, 5))
     width = 0.8 / len(POLICIES)
@@ -127,7 +143,7 @@ def save_plot(result: dict[str, Any], path: Path) -> str | None:
                width, label=policy)
     ax.set_xticks(range(len(traces)), traces)
     ax.set_ylabel("prompt block hit rate, %")
-    ax.set_title("Eviction policies, store-every-block (kvfsm.bench policies)")
+    ax.set_title("Eviction policies, every block stored (kvfsm.bench policies)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
