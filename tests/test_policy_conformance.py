@@ -67,3 +67,9 @@ def test_one_command_refuses_what_is_no_policy_naming_why(policy: str, why: str)
 
 def test_every_rule_is_described() -> None:
     assert all(RULES[rule] for rule in RULES)
+
+
+def test_the_controls_switch_shows_every_control_caught_by_its_own_rule() -> None:
+    result = CliRunner().invoke(conformance.app, ["--controls", "--examples", str(EXAMPLES)])
+    assert result.exit_code == 0, result.output
+    assert all(f"(breaks {rule})" in result.output for rule in CONTROLS)
