@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import filterfalse
 from operator import attrgetter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvfsm.bindings import default_spec
 from kvfsm.machines import LifecycleMachine, MachineSet
@@ -211,9 +211,7 @@ class OffloadingManager:
         victims = self.policy.victims(n, evictable)
         if victims is None:
             return False
-        if len(victims) != n or len(set(victims)) != n or not all(map(evictable, victims)):
-            raise PolicyViolation(f"{type(self.policy).__name__}.victims({n}) answered {victims}; legal: {n} "
-                                  "distinct slots it was offered (ready, unpinned, outside the store planned)")
+        self._check_victims(n, victims, evictable)
         picked = [blocks[s] for s in victims]
         hashes = tuple(b.block_hash for b in picked)  # read before `evict` forgets them
         self._machine.fire_many(picked, "evict")
@@ -224,6 +222,14 @@ class OffloadingManager:
         if self._keep_events:
             self._events.append(BlockRemoved(hashes))  # type: ignore[arg-type]
         return True
+
+    def _check_victims(self, n: int, victims: Sequence[int], evictable: Callable[[int], bool]) -> None:
+        """The policy's answer, refused before anything moves unless it is `n` distinct slots the manager offered.
+        The spec refuses evicting a loading or in-flight block on its own; this also catches a ready block of the
+        store being planned, which the spec would let go, and names the policy."""
+        if len(victims) != n or len(set(victims)) != n or not all(map(evictable, victims)):
+            raise PolicyViolation(f"{type(self.policy).__name__}.victims({n}) answered {list(victims)}; legal: {n} "
+                                  "distinct slots it was offered (ready, unpinned, outside the store planned)")
 
     def mark_submitted(self, slots: Sequence[int]) -> None:
         self._machine.fire_many(self._picked(slots, "submit"), "submit")
