@@ -8,8 +8,9 @@ expected, and a string where a path is. An int is a valid float (`io_timeout_s=3
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
@@ -20,6 +21,11 @@ eviction are written back before they are evicted, so the tier receives what the
 AdmissionRule = Literal["every-block", "prompt-only"]
 """every-block: each completed block is offered to the pool. prompt-only: only blocks made wholly of prompt tokens (the
 tokens a request holds at its first lookup) are; decode blocks are skipped, as vLLM's `offload_prompt_only` does."""
+
+
+EvictionName = Literal["lru", "arc", "s3-fifo", "tinylfu", "w-tinylfu"]
+"""The built-in eviction policies (`kvfsm.manager.policies`); `tinylfu` and `w-tinylfu` name the same one."""
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -108,7 +114,9 @@ class OffloadConfig(BaseModel):
     """A CPU block holds this many consecutive GPU blocks (bigger copies, coarser hits)."""
     gpu_block_size: PositiveInt = 16
     """Tokens per GPU block, as the engine pages its KV cache."""
-    eviction: Literal["lru", "arc"] = "lru"
+    eviction: str = "lru"
+    """A built-in policy's name (`EvictionName`) or a user's policy as `package.module:ClassName`; the connector
+    imports and checks a path when it starts (`kvfsm.manager.policies.factory`)."""
     admission: AdmissionRule = "every-block"
     """Which completed blocks are offered for storing; the others are skipped (`skip-store`, counted by reason)."""
     store_threshold: PositiveInt = 1
@@ -143,6 +151,14 @@ class OffloadConfig(BaseModel):
     """Record a `BlockStored` / `BlockRemoved` event each time CPU blocks become loadable or stop being so, for an
     engine that publishes which prefixes the host pool serves and drains them every step (`take_events()`). Off
     by default: an engine that never drains them would hold an ever-growing list."""
+
+    @field_validator("eviction")
+    @classmethod
+    def _a_policy(cls, eviction: str) -> str:
+        if eviction not in get_args(EvictionName) and not _IMPORT_PATH.match(eviction):
+            raise ValueError(f"unknown eviction policy {eviction!r}; legal: one of {', '.join(get_args(EvictionName))}"
+                             " or an import path package.module:ClassName")
+        return eviction
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> "OffloadConfig":

@@ -24,7 +24,7 @@ from kvfsm.connector.metadata import (
 from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult
 from kvfsm.connector.validation import UnknownJob, UnknownWorker
 from kvfsm.machines import IllegalTrigger
-from kvfsm.manager import BlockStored
+from kvfsm.manager import BlockStored, PolicyViolation
 from kvfsm.testing.mutants import complete_on_first_report, publish_on_partial_failure
 
 BLOCK = 4
@@ -253,15 +253,20 @@ def test_a_pool_full_of_pinned_blocks_refuses_a_store_without_harm() -> None:
     assert sched.manager.take_events() == [BlockStored((1, 2))]
 
 
-def test_evicting_a_pinned_block_is_refused_by_the_spec() -> None:
-    """Control for the test above: a manager that ignores pins tries to evict a loading block and is stopped."""
+@pytest.mark.parametrize(("guard", "refusal"), [(True, PolicyViolation), (False, IllegalTrigger)])
+def test_evicting_a_pinned_block_is_refused_by_the_manager_and_behind_it_by_the_spec(guard: bool,
+                                                                                    refusal: type) -> None:
+    """Control for the test above: a policy that ignores pins answers a loading block; the manager refuses the
+    answer, and with that check removed the spec still refuses the eviction."""
     sched = connector(cpu_blocks=2)
     store_prefix(sched, prompt("a", [1, 2]), range(3))
     admit(sched, prompt("b", [1, 2]), range(3, 6))
     sched.manager.policy.victims = lambda n, evictable: [0, 1][:n]  # type: ignore[method-assign]
+    if not guard:
+        sched.manager._check_victims = lambda *_: None  # type: ignore[method-assign]
     other = prompt("c", [7, 8])
     admit(sched, other, range(6, 9))
-    with pytest.raises(IllegalTrigger):
+    with pytest.raises(refusal):
         compute(sched, other, range(6, 9))
 
 

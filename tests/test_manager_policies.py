@@ -1,15 +1,34 @@
-"""The eviction policies on their own: order, ARC's lists and target, and the bounds both must keep."""
+"""The eviction policies: their selection by name or import path, each built-in's order and lists, and the bounds
+every one must keep."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, get_args
 
+import pydantic
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfsm.manager import ArcPolicy, EvictionPolicy, LruPolicy
-from test_manager_properties import IgnoresPins
+from kvfsm.config import EvictionName, OffloadConfig
+from kvfsm.connector import Connector
+from kvfsm.executor.sim import SimDevice
+from kvfsm.manager import (
+    BUILTIN,
+    ArcPolicy,
+    EvictionPolicy,
+    LruPolicy,
+    NotAnEvictionPolicy,
+    OffloadingManager,
+    PolicyViolation,
+    S3FifoPolicy,
+    TinyLfuPolicy,
+    UnknownEvictionPolicy,
+    make_policy,
+)
+from kvfsm.manager.policies.sketch import MAX_COUNTER, FrequencySketch
+from kvfsm.testing.manager_calls import snapshot
+from kvfsm.testing.policy_controls import IgnoresPins
 
 CAPACITY = 4
 
@@ -38,6 +57,92 @@ class NoPromotion(ArcPolicy):
             self.t1.move_to_end(slot)
         else:
             super().touch(slot)
+
+
+class MruPolicy(LruPolicy):
+    """A user's policy, named by import path: the most recent goes first."""
+
+    def victims(self, n: int, evictable: Callable[[int], bool]) -> list[int] | None:
+        chosen = [slot for slot in reversed(self.order) if evictable(slot)][:n]
+        return chosen if len(chosen) == n else None
+
+
+class HalfAPolicy(EvictionPolicy):
+    """Not a policy: it implements only part of the interface."""
+
+    def insert(self, slot: int, block_hash: int) -> None:
+        pass
+
+
+# selection ------------------------------------------------------------------------------------------------
+
+
+def test_the_config_names_exactly_the_built_ins() -> None:
+    assert set(get_args(EvictionName)) == set(BUILTIN)
+
+
+@pytest.mark.parametrize("eviction", [*get_args(EvictionName), "test_manager_policies:MruPolicy", "a.b.c:D"])
+def test_the_config_takes_a_built_in_name_or_an_import_path(eviction: str) -> None:
+    assert OffloadConfig(cpu_blocks=8, eviction=eviction).eviction == eviction
+
+
+@pytest.mark.parametrize("eviction", ["fifo", "LRU", "a.b.c", ":D", "a b:C", "a:b:c"])
+def test_the_config_refuses_any_other_name_saying_what_is_legal(eviction: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match="legal: one of lru, arc, s3-fifo, tinylfu, w-tinylfu or an"):
+        OffloadConfig(cpu_blocks=8, eviction=eviction)
+
+
+def test_a_policy_named_by_import_path_serves_the_pool() -> None:
+    manager = OffloadingManager(4, "test_manager_policies:MruPolicy")
+    assert type(manager.policy) is MruPolicy
+
+
+@pytest.mark.parametrize(("eviction", "error", "why"), [
+    ("no_such_package.policies:Mine", UnknownEvictionPolicy, "cannot be imported: No module named 'no_such_package'"),
+    ("kvfsm.manager:NoSuchPolicy", UnknownEvictionPolicy, "has no attribute 'NoSuchPolicy'"),
+    ("kvfsm.manager:Lookup", NotAnEvictionPolicy, "legal: a subclass of kvfsm.manager.EvictionPolicy"),
+    ("kvfsm.manager:make_policy", NotAnEvictionPolicy, "legal: a subclass of kvfsm.manager.EvictionPolicy"),
+    ("test_manager_policies:HalfAPolicy", NotAnEvictionPolicy, "does not implement __contains__, __len__, clear"),
+])
+def test_the_connector_refuses_what_is_no_policy_before_pinning_a_byte(eviction: str, error: type, why: str) -> None:
+    device = SimDevice()
+    with pytest.raises(error, match=why):
+        Connector(OffloadConfig(cpu_blocks=8, eviction=eviction), device)
+    assert device.host_bytes == 0
+    with pytest.raises(error):
+        make_policy(eviction, 8)
+
+
+def test_the_manager_refuses_a_victim_it_did_not_offer_and_changes_nothing() -> None:
+    manager = OffloadingManager(2, IgnoresPins(2))
+    for key in (1, 2):
+        plan = manager.prepare_store([key], job_id=key)
+        assert plan is not None
+        manager.mark_submitted(plan.slots)
+        manager.complete_store(plan.slots, True)
+    manager.prepare_load([1])  # its slot is the least recent: the one IgnoresPins answers
+    before = snapshot(manager)
+    with pytest.raises(PolicyViolation, match=r"IgnoresPins.victims\(1\) answered \[0\]; legal: 1 distinct slots"):
+        manager.prepare_store([3], job_id=3)
+    assert snapshot(manager) == before
+
+
+# each built-in ----------------------------------------------------------------------------------------------
+
+
+class UnboundedS3Ghosts(S3FifoPolicy):
+    """Control: an S3-FIFO whose ghost queue never forgets."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.ghost_limit = 1 << 30
+
+
+class NoDuel(TinyLfuPolicy):
+    """Control: a W-TinyLFU that admits every window candidate, however rarely it was seen."""
+
+    def _admit(self, slot: int, block_hash: int) -> None:
+        self.probation[slot] = block_hash
 
 
 def evict(policy: EvictionPolicy, n: int, evictable: Callable[[int], bool] = lambda _s: True) -> list[int]:
@@ -219,11 +324,15 @@ def check_bounds(policy: EvictionPolicy, sequence: list[tuple[str, int, int, fro
         if isinstance(policy, ArcPolicy):
             assert len(policy.b1) + len(policy.b2) <= policy.capacity, "ghost lists outgrew capacity"
             assert 0 <= policy.target <= policy.capacity
+        if isinstance(policy, S3FifoPolicy):
+            assert len(policy.ghosts) <= policy.capacity, "ghost queue outgrew the pool"
+        if isinstance(policy, TinyLfuPolicy):
+            assert len(policy.sketch.table) == 2 * policy.sketch.width, "the sketch grew"
 
 
-@given(sequence=ops, name=st.sampled_from(["lru", "arc"]))
+@given(sequence=ops, name=st.sampled_from(sorted(BUILTIN)))
 def test_policies_never_pick_a_pinned_slot_and_never_exceed_capacity(sequence: list, name: str) -> None:
-    check_bounds(LruPolicy(CAPACITY) if name == "lru" else ArcPolicy(CAPACITY), sequence)
+    check_bounds(make_policy(name, CAPACITY), sequence)
 
 
 def test_controls_for_the_bounds_are_caught() -> None:
@@ -235,3 +344,116 @@ def test_controls_for_the_bounds_are_caught() -> None:
               for op in (("evict", 0, 0, frozenset()), ("insert", 0, 200 + i, frozenset()))]
     with pytest.raises(AssertionError):
         check_bounds(UnboundedGhosts(CAPACITY), [("insert", 0, 199, frozenset()), *rounds])
+    with pytest.raises(AssertionError):
+        check_bounds(UnboundedS3Ghosts(CAPACITY), [("insert", 0, 199, frozenset()), *rounds])
+
+
+# S3-FIFO -----------------------------------------------------------------------------------------------------
+
+
+def test_s3fifo_a_new_block_enters_small_and_one_stored_again_while_a_ghost_enters_main() -> None:
+    s3 = S3FifoPolicy(10)
+    s3.insert(0, 100)
+    assert list(s3.small) == [0] and not s3.main
+    evict(s3, 1)
+    assert list(s3.ghosts) == [100]
+    s3.insert(1, 100)
+    assert list(s3.main) == [1] and not s3.small and not s3.ghosts
+
+
+def test_s3fifo_a_hit_in_small_moves_the_block_to_main() -> None:
+    s3 = S3FifoPolicy(10)
+    s3.insert(0, 100)
+    s3.touch(0)
+    assert list(s3.main) == [0] and s3.count[0] == 0 and not s3.small
+
+
+def test_s3fifo_evicts_from_small_while_it_is_over_its_share_then_where_the_hand_stops() -> None:
+    s3 = S3FifoPolicy(10)  # small's share: 1 slot
+    for slot in range(4):
+        s3.insert(slot, 100 + slot)
+    s3.touch(2)
+    s3.touch(3)
+    s3.touch(3)  # main = [2 (count 0), 3 (count 1)], small = [0, 1]
+    assert s3.victims(4, lambda _s: True) == [0, 2, 3, 1]
+
+
+def test_s3fifo_the_hand_spends_one_hit_of_each_block_it_passes() -> None:
+    s3 = S3FifoPolicy(10)
+    for slot in range(3):
+        s3.insert(slot, 100 + slot)
+        s3.touch(slot)
+    s3.touch(0)  # counts 1, 0, 0
+    assert s3.victims(1, lambda _s: True) == [1]
+    s3.remove(1)
+    assert list(s3.main) == [2, 0] and s3.count == {0: 0, 2: 0}, "the hand passed 0 without spending its hit"
+
+
+# W-TinyLFU ---------------------------------------------------------------------------------------------------
+
+
+def test_tinylfu_the_window_overflows_into_probation_while_main_has_room() -> None:
+    lfu = TinyLfuPolicy(10)  # window 1, main 9
+    lfu.insert(0, 100)
+    lfu.insert(1, 101)
+    assert list(lfu.window) == [1] and list(lfu.probation) == [0]
+
+
+def fill_main(lfu: TinyLfuPolicy) -> None:
+    for slot in range(lfu.main_target + lfu.window_target):
+        lfu.insert(slot, 100 + slot)
+
+
+def check_duel(lfu: TinyLfuPolicy) -> None:
+    fill_main(lfu)  # window = [9], probation = [0..8]; all seen once
+    lfu.insert(10, 110)  # candidate 9 (seen once) against 0 (seen once): a tie goes against the candidate
+    assert list(lfu.doomed) == [9] and 0 in lfu.probation
+    lfu.sketch.add_many([110] * 3)
+    lfu.insert(11, 111)  # candidate 10 (seen 4 times) against 0 (once): 0 is doomed
+    assert list(lfu.doomed) == [9, 0] and 10 in lfu.probation, "the frequency duel was not fought"
+
+
+def test_tinylfu_a_candidate_enters_a_full_main_only_if_seen_more_often_than_its_rival() -> None:
+    check_duel(TinyLfuPolicy(10))
+    with pytest.raises(AssertionError):
+        check_duel(NoDuel(10))
+
+
+def test_tinylfu_doomed_blocks_go_first_then_probation_protected_and_window() -> None:
+    lfu = TinyLfuPolicy(10)
+    fill_main(lfu)
+    lfu.insert(10, 110)  # 9 doomed
+    lfu.touch(1)  # 1 protected
+    assert lfu.victims(11, lambda _s: True) == [9, 0, 2, 3, 4, 5, 6, 7, 8, 1, 10]
+
+
+def test_tinylfu_a_hit_in_probation_protects_and_protected_overflow_goes_back_to_probation() -> None:
+    lfu = TinyLfuPolicy(10)  # protected holds 7
+    fill_main(lfu)
+    for slot in range(8):
+        lfu.touch(slot)
+    assert list(lfu.protected) == [1, 2, 3, 4, 5, 6, 7] and list(lfu.probation) == [8, 0]
+
+
+def test_tinylfu_a_doomed_block_hit_before_its_eviction_is_protected() -> None:
+    lfu = TinyLfuPolicy(10)
+    fill_main(lfu)
+    lfu.insert(10, 110)
+    lfu.touch(9)
+    assert not lfu.doomed and 9 in lfu.protected
+
+
+@given(st.lists(st.integers(-(1 << 70), 1 << 70), max_size=200))
+def test_the_sketch_never_counts_a_hash_less_often_than_it_was_added_below_saturation(keys: list[int]) -> None:
+    sketch = FrequencySketch(1 << 12)  # sample 40k: no halving within 200 additions
+    sketch.add_many(keys)
+    for key in set(keys):
+        assert sketch.estimate(key) >= min(keys.count(key), MAX_COUNTER)
+
+
+def test_the_sketch_halves_every_counter_after_ten_additions_per_slot() -> None:
+    sketch = FrequencySketch(4)
+    sketch.add_many([7] * 39)
+    assert sketch.estimate(7) == MAX_COUNTER
+    sketch.add_many([7])
+    assert sketch.estimate(7) == MAX_COUNTER // 2 and sketch.additions == 20

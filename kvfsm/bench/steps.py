@@ -163,14 +163,14 @@ def _workload(connector: SchedulerConnector, steps: int, requests: int, prompt_t
 
 
 def run(steps: int = 48, requests: int = 256, prompt_tokens: int = 2048, lifetime: int = 16,
-        documents: int = 512, num_slots: int = 32768, seed: int = 0,
-        repeats: int = 3) -> dict[str, float | int | list[float] | dict[str, int]]:
+        documents: int = 512, num_slots: int = 32768, seed: int = 0, repeats: int = 3,
+        eviction: str = "lru") -> dict[str, float | int | list[float] | dict[str, int]]:
     """µs per step and per block transition (CPU-block, and every lifecycle) of the scheduler half.
 
     The timed workload runs `repeats` times, each on a fresh connector; the figures are the fastest run's (noise on
     a shared host only adds time), with every run's wall and CPU µs per CPU-block transition listed beside them."""
     def connector(machines: MachineSet | None = None) -> SchedulerConnector:
-        return SchedulerConnector(OffloadConfig(cpu_blocks=num_slots), GPU_BLOCK_BYTES, machines,
+        return SchedulerConnector(OffloadConfig(cpu_blocks=num_slots, eviction=eviction), GPU_BLOCK_BYTES, machines,
                                   num_gpu_blocks=2 * requests * (prompt_tokens // 16 + 1))  # the engine's pool
 
     fired: Counter[str] = Counter()

@@ -20,6 +20,7 @@ from kvfsm.config import OffloadConfig
 from kvfsm.connector.due import StoreDue
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
 from kvfsm.executor.layouts import KVCaches
+from kvfsm.manager import policy_class
 from kvfsm.states import TierJobState
 
 DEVICE_METHODS = ("tensor_device", "new_event", "record", "wait", "query", "synchronize", "enqueue", "pin_host",
@@ -375,8 +376,10 @@ def check_finished(sched: SchedulerHalf, request_id: object, aborted: object) ->
 
 def check_halves(call: str, config: object, device: object, worker: object = 0) -> None:
     """`Connector(...)` and `WorkerConnector(...)`: an `OffloadConfig` (pydantic validated it), a `Device`, and a
-    worker rank that the scheduler will count among `num_workers`."""
+    worker rank that the scheduler will count among `num_workers`; its eviction policy resolves (before a byte is
+    pinned: `UnknownEvictionPolicy`, `NotAnEvictionPolicy`)."""
     _instance(call, "config", config, OffloadConfig)
+    policy_class(config.eviction)  # type: ignore[attr-defined]
     rank = _int(call, "worker", worker)
     if not 0 <= rank < config.num_workers:  # type: ignore[attr-defined]
         raise UnknownWorker(f"{call}: worker {rank}; legal ranks with num_workers="
@@ -388,9 +391,11 @@ def check_halves(call: str, config: object, device: object, worker: object = 0) 
 
 
 def check_scheduler(config: object, gpu_block_bytes: object, num_gpu_blocks: object) -> None:
-    """`SchedulerConnector(...)`: an `OffloadConfig`, a positive block size in bytes, a positive block count."""
+    """`SchedulerConnector(...)`: an `OffloadConfig` whose eviction policy resolves, a positive block size in
+    bytes, a positive block count."""
     call = "SchedulerConnector"
     _instance(call, "config", config, OffloadConfig)
+    policy_class(config.eviction)  # type: ignore[attr-defined]
     for name, value in (("gpu_block_bytes", gpu_block_bytes), ("num_gpu_blocks", num_gpu_blocks)):
         if value is not None and _int(call, name, value) < 1:
             raise NotPositive(f"{call}: {name} is {value}; legal: 1 or more")

@@ -101,7 +101,8 @@ def main(
     block_size_factor: int = typer.Option(DemoConfig.block_size_factor, min=1,
                                           help="GPU blocks per CPU block; a CPU block longer than every request is "
                                                "refused, as nothing could be stored."),
-    eviction: Eviction = typer.Option(DemoConfig.eviction, help="CPU pool eviction policy."),
+    eviction: Eviction = typer.Option(DemoConfig.eviction, metavar="POLICY",
+                                      help="CPU pool eviction policy: lru, arc, s3-fifo or tinylfu."),
     device: DeviceKind = typer.Option(DemoConfig.device, help="cuda: CudaDevice; cpu: SimDevice; auto: cuda if "
                                                               "torch sees a GPU."),
     seed: int = typer.Option(DemoConfig.seed, help="Seed of the workload (tokens, think times, session order) "

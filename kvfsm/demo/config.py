@@ -25,8 +25,12 @@ class DeviceKind(str, Enum):
 
 
 class Eviction(str, Enum):
+    """The built-in eviction policies (`kvfsm.config.EvictionName`)."""
+
     lru = "lru"
     arc = "arc"
+    s3_fifo = "s3-fifo"
+    tinylfu = "tinylfu"
 
 
 class DemoConfigError(ValueError):

@@ -16,12 +16,12 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import filterfalse
 from operator import attrgetter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvfsm.bindings import default_spec
 from kvfsm.machines import LifecycleMachine, MachineSet
 from kvfsm.manager.events import BlockRemoved, BlockStored, KVCacheEvent
-from kvfsm.manager.policies import EvictionPolicy, PolicyName, make_policy
+from kvfsm.manager.policies import EvictionPolicy, make_policy
 from kvfsm.records import CpuBlock
 from kvfsm.states import CpuBlockState
 
@@ -64,6 +64,11 @@ class BadPoolSize(ManagerError, ValueError):
     """A pool of no slots, or an eviction policy sized for another pool."""
 
 
+class PolicyViolation(ManagerError):
+    """The eviction policy answered `victims` against its contract (`kvfsm.manager.policies.base`): too many or too
+    few slots, one twice, or one the manager did not offer (pinned, loading, storing, written back, planned)."""
+
+
 class DuplicateHashes(ManagerError, ValueError):
     """One call named the same prefix hash twice; a hash chain never repeats, so the caller is confused."""
 
@@ -87,10 +92,11 @@ class StorePlan:
 class OffloadingManager:
     """The host pool's catalogue, addressed by CPU-block hashes; one instance per scheduler."""
 
-    def __init__(self, num_slots: int, policy: PolicyName | EvictionPolicy = "lru",
+    def __init__(self, num_slots: int, policy: str | EvictionPolicy = "lru",
                  machines: MachineSet | None = None, events: bool = True) -> None:
-        """`events`: keep `BlockStored`/`BlockRemoved` for `take_events`; off for an engine that never takes them,
-        whose buffer would otherwise grow for as long as it runs."""
+        """`policy`: a policy, or its name or import path (`kvfsm.manager.policies.factory`). `events`: keep
+        `BlockStored`/`BlockRemoved` for `take_events`; off for an engine that never takes them, whose buffer would
+        otherwise grow for as long as it runs."""
         if num_slots <= 0:
             raise BadPoolSize(f"the pool needs at least one slot, got {num_slots}")
         self.blocks: list[CpuBlock] = [CpuBlock(slot) for slot in range(num_slots)]
@@ -199,9 +205,13 @@ class OffloadingManager:
     def _make_room(self, n: int, protected: set[int]) -> bool:
         """Evict `n` unpinned ready blocks outside `protected`, or evict nothing and say so."""
         blocks = self.blocks
-        victims = self.policy.victims(n, lambda s: s not in protected and blocks[s].state == READY)
+        def evictable(slot: int) -> bool:
+            return slot not in protected and blocks[slot].state == READY
+
+        victims = self.policy.victims(n, evictable)
         if victims is None:
             return False
+        self._check_victims(n, victims, evictable)
         picked = [blocks[s] for s in victims]
         hashes = tuple(b.block_hash for b in picked)  # read before `evict` forgets them
         self._machine.fire_many(picked, "evict")
@@ -212,6 +222,14 @@ class OffloadingManager:
         if self._keep_events:
             self._events.append(BlockRemoved(hashes))  # type: ignore[arg-type]
         return True
+
+    def _check_victims(self, n: int, victims: Sequence[int], evictable: Callable[[int], bool]) -> None:
+        """The policy's answer, refused before anything moves unless it is `n` distinct slots the manager offered.
+        The spec refuses evicting a loading or in-flight block on its own; this also catches a ready block of the
+        store being planned, which the spec would let go, and names the policy."""
+        if len(victims) != n or len(set(victims)) != n or not all(map(evictable, victims)):
+            raise PolicyViolation(f"{type(self.policy).__name__}.victims({n}) answered {list(victims)}; legal: {n} "
+                                  "distinct slots it was offered (ready, unpinned, outside the store planned)")
 
     def mark_submitted(self, slots: Sequence[int]) -> None:
         self._machine.fire_many(self._picked(slots, "submit"), "submit")

@@ -62,6 +62,8 @@ class Workload:
     """Tensor-parallel ranks, each on its own SimDevice holding its share of the heads."""
     store_threshold: int = 1
     """Times a block must be offered before it is stored (admission's threshold rule; 1 stores every block)."""
+    eviction: str = "lru"
+    """The CPU pool's eviction policy (`OffloadConfig.eviction`): the policy conformance suite explores with its own."""
 
     @property
     def tier(self) -> str | None:
@@ -144,6 +146,7 @@ class _Replay:
                                disk_slots=workload.disk_slots, writeback_bound_blocks=workload.writeback_bound_blocks,
                                mooncake_master=shared_master() if workload.mooncake else None,
                                staging_blocks=workload.staging_blocks, store_threshold=workload.store_threshold,
+                               eviction=workload.eviction,
                                shape=TP_SHAPE if workload.ranks > 1 else SHAPE)
         self.host_index = 0
 
@@ -352,6 +355,17 @@ TP_WORKLOADS: dict[str, Workload] = {
 """Two ranks: a request preempted under memory pressure while its store may still be copying on either rank; a stored
 prefix whose store fails on rank 1 while rank 0's copy succeeds; and a stored prefix reloaded after the GPU forgot
 it (each rank's store and load report in any order)."""
+
+POLICY_WORKLOADS: dict[str, Workload] = {
+    "evict-while-loading": Workload(
+        actions=(add(_P + (1,), 1), step, step, step, forget_gpu_prefixes, add(_P + (2,), 1), add(_Q + (5,), 1),
+                 step),
+        num_gpu_blocks=6, cpu_blocks=3, max_extra_steps=6,
+    ),
+}
+"""For the eviction-policy conformance suite (`kvfsm.testing.conformance`): a stored two-block prefix reloaded while
+another request's two blocks are stored into a three-slot pool, so some schedules plan that store (one eviction)
+while the prefix's blocks are being loaded and the only other slot is free or still being stored."""
 
 _A, _B = (11, 12), (21, 22)
 TIER_WORKLOADS: dict[str, Workload] = {

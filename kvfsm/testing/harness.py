@@ -63,7 +63,7 @@ class Harness:
                  writeback_bound_blocks: int = 2, report_lag: int = 0, mooncake_master: str | None = None,
                  mooncake_options: dict[str, object] | None = None, tier_threads: bool = False,
                  staging_blocks: int | None = None, store_threshold: int = 1,
-                 keep_history: bool = True) -> None:
+                 keep_history: bool = True, eviction: str = "lru") -> None:
         self.devices = list(device) if isinstance(device, Sequence) else [device]
         self.device = self.devices[0]
         self.shape = shape
@@ -82,7 +82,7 @@ class Harness:
                                gpu_block_size=shape.block_size, checksum=checksum, layer_loads=layer_loads,
                                layer_stores=layer_stores, lower_tiers=tiers,
                                writeback_max_bytes_in_flight=writeback_bound_blocks * cpu_block_bytes,
-                               num_workers=len(self.devices),
+                               num_workers=len(self.devices), eviction=eviction,
                                staging_bytes=staging_blocks * shape.gpu_block_bytes if staging_blocks else None,
                                store_threshold=store_threshold)
         self.io = ManualIo()
