@@ -54,9 +54,9 @@ EQUIVALENT = {
     "tier-entry #4 (write-failed writing -> empty): drop effect forget-checksum": FORGOTTEN,
     "tier-entry #7 (read-failed reading -> empty): drop effect forget-checksum": FORGOTTEN,
     "tier-entry #8 (evict published -> empty): drop effect forget-checksum": FORGOTTEN,
-    "request #21 (allocate matched -> loading-inline): drop guard has-external-tokens":
+    "request #22 (allocate matched -> loading-inline): drop guard has-external-tokens":
         "allocate matched -> running (no-external-tokens) is tried first: an allocation without a load never gets here",
-    "request #21 (allocate matched -> loading-inline): drop guard inline-load":
+    "request #22 (allocate matched -> loading-inline): drop guard inline-load":
         "allocate matched -> loading (async-load) is tried first and takes every asynchronous load",
 }
 """Mutants no behaviour can tell apart from the spec, each with the reason."""
@@ -77,10 +77,10 @@ UNREACHED = {
         "needs a request deferred behind a store that fails; the scenarios' waiter is served by the GPU prefix cache "
         "and 40 interleavings do not draw it",
     "request #3 (allocate matched -> loading): drop guard async-load": UNDER_VLLM,
-    "request #24 (preempt loading-inline -> preempted): retarget to loading-inline": UNDER_VLLM,
-    "request #25 (finish loading-inline -> draining): retarget to loading-inline": UNDER_VLLM,
-    "request #27 (load-done preempted -> preempted): retarget to draining": UNDER_VLLM,
-    "request #28 (load-failed preempted -> preempted): retarget to draining": UNDER_VLLM,
+    "request #25 (preempt loading-inline -> preempted): retarget to loading-inline": UNDER_VLLM,
+    "request #26 (finish loading-inline -> draining): retarget to loading-inline": UNDER_VLLM,
+    "request #28 (load-done preempted -> preempted): retarget to draining": UNDER_VLLM,
+    "request #29 (load-failed preempted -> preempted): retarget to draining": UNDER_VLLM,
 }
 """Mutants the loader, the scenarios here and the interleavings do not catch because no run takes the transition
 in the way that shows them: the reason is a gap in the generators, not equivalence."""
