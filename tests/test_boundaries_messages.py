@@ -76,7 +76,7 @@ MESSAGES = {
                                          "blocks after its 0 cached ones needs 3 or more",
     "bind-something-not-metadata": "bind_connector_metadata: meta must be a ConnectorMetadata, got dict",
     "finish-of-a-loading-request": "request_finished: request 'loading' is loading, which has no 'finish' transition; "
-                                   "legal only for a request that is running",
+                                   "legal only for a request that is loading-inline or running",
     "finish-with-a-non-bool-aborted": "request_finished: aborted must be a bool, got str",
     "lookup-bool-token-count": "get_num_new_matched_tokens: num_computed_tokens must be an int, got the bool True",
     "lookup-float-request-length": "get_num_new_matched_tokens: request 'new' num_tokens must be an int, got float "
@@ -85,7 +85,7 @@ MESSAGES = {
     "lookup-more-hashes-than-full-blocks": "get_num_new_matched_tokens: request 'new' has 3 block hashes for 5 "
                                            "tokens; legal: one per full 4-token block, at most 1",
     "lookup-of-a-running-request": "get_num_new_matched_tokens: request 'running' is running, which has no 'lookup' "
-                                   "transition; legal only for a request that is deferred or matched or new or "
+                                   "transition; legal only for a request that is deferred, matched, new or "
                                    "preempted",
     "report-from-an-unknown-worker": "update_connector_output: a report from worker 3; legal ranks: 0 to 0",
     "report-of-an-unknown-job": "update_connector_output: worker 0 reported job 999, which is not in flight for it; "
@@ -98,7 +98,7 @@ MESSAGES = {
                                      "or more",
     "step-not-a-scheduler-output": "build_connector_meta: output must be a SchedulerOutput, got dict",
     "step-preempts-a-loading-request": "build_connector_meta: request 'loading' is loading, which has no 'preempt' "
-                                       "transition; legal only for a request that is running",
+                                       "transition; legal only for a request that is loading-inline or running",
 }
 
 
@@ -265,11 +265,11 @@ def test_a_refusal_names_the_legal_states_of_the_lifecycle_its_connector_runs(tm
     """Two connectors in one process on different request lifecycles: each refuses by its own spec."""
     documents = shipped().documents
     for transition in documents["request.yaml"]["transitions"]:
-        if transition["trigger"] == "finish":
+        if transition["trigger"] == "finish" and transition["source"] == "running":
             transition["source"] = ["matched", "running"]
     variant = load_spec(SpecMutant("finish-from-matched", documents).write(tmp_path), registry=default_registry())
     shipped_world = world()
-    with pytest.raises(RequestStateForbids, match="legal only for a request that is running$"):
+    with pytest.raises(RequestStateForbids, match="legal only for a request that is loading-inline or running$"):
         shipped_world.connector.request_finished("loading")
     c = registered(MachineSet(variant))
     c.get_num_new_matched_tokens(Req("r", (), 3), 0)
@@ -278,7 +278,7 @@ def test_a_refusal_names_the_legal_states_of_the_lifecycle_its_connector_runs(tm
     with pytest.raises(RequestStateForbids) as refused:
         c.request_finished("r")
     assert str(refused.value) == ("request_finished: request 'r' is preempted, which has no 'finish' transition; "
-                                  "legal only for a request that is matched or running")
+                                  "legal only for a request that is loading-inline, matched or running")
 
 
 def test_a_request_of_zero_tokens_is_looked_up_as_a_miss() -> None:

@@ -212,7 +212,12 @@ def _state_allows(call: str, sched: SchedulerHalf, req_id: str, state: str, trig
     if state not in legal:
         raise RequestStateForbids(
             f"{call}: request {req_id!r} is {state}, which has no {trigger!r} transition; "
-            f"legal only for a request that is {' or '.join(sorted(legal))}")
+            f"legal only for a request that is {_one_of(sorted(legal))}")
+
+
+def _one_of(names: list[str]) -> str:
+    """`a`, `a or b`, `a, b or c`: the legal states as a reader says them."""
+    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 
 
 # --- the scheduler half ----------------------------------------------------------------------------------------
