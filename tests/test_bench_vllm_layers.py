@@ -11,6 +11,7 @@ import importlib.util
 import pytest
 
 from kvfsm.bench import vllm_layers
+from kvfsm.bench.__main__ import verdicts
 from kvfsm.executor import SimDevice
 from kvfsm.executor.transfer import Segments
 from kvfsm.integrations.vllm_stand_in import standing_in
@@ -39,3 +40,12 @@ def test_the_stand_in_for_vllm_is_gone_after_the_run() -> None:
         pytest.skip("vLLM is installed: no stand-in is used")
     vllm_layers.run(SimDevice(), SMALL, trials=1, race_trials=1)
     assert importlib.util.find_spec("vllm") is None
+
+
+def test_the_floor_goal_is_judged_only_on_the_full_32_layer_32k_prefix() -> None:
+    def judged(layers: int, over_floor: float) -> list[bool]:
+        row = {"prompt_tokens": 32768, "layers": layers, "median_over_floor": over_floor, "trials": 9}
+        return [v["met"] for v in verdicts({"vllm_layers": row}) if "vLLM worker" in v["goal"]]
+
+    assert judged(32, 1.10) == [True] and judged(32, 1.20) == [False]
+    assert judged(4, 1.10) == []  # `--quick`'s four layers say nothing about the goal

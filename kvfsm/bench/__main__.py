@@ -196,7 +196,8 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
         measured["reload TTFT over its floor at 32k tokens"] = (
             ttft_rows[32768]["reload_over_floor"], "per-layer reload / (prefix bytes / H2D ceiling of the run)")
         measured["reload speedup over recompute at 32k tokens"] = (ttft_rows[32768]["speedup"], "medians")
-    if result.get("vllm_layers", {}).get("prompt_tokens") == 32768:
+    layers = result.get("vllm_layers", {})
+    if (layers.get("prompt_tokens"), layers.get("layers")) == (32768, FULL_LAYERS):  # not `--quick`'s 4 layers
         measured["vLLM worker's per-layer reload over its floor at 32k tokens"] = (
             result["vllm_layers"]["median_over_floor"],
             f"median of {result['vllm_layers']['trials']} trials / (prefix bytes / H2D ceiling of the run)")

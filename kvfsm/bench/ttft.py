@@ -11,8 +11,9 @@ The KV that is stored is the KV the recompute produced, and after the reload eve
 is compared with that KV (`blocks_differing`): one block that differs fails the run, so the bytes really went
 GPU -> CPU -> GPU. The logits' distance from the recompute's is reported, not judged: bf16 prefill in one pass and
 prefix-then-tail differ by rounding (~5e-2 relative), which at 8k tokens is as far as one zeroed 16-token block moves
-them (~0.2), so no tolerance on logits can tell a reload that lost a block from an honest one. `transformers` attends over a contiguous cache, not a paged one, so
-each layer also gathers its loaded blocks into one after its wait: a paged-attention engine skips that step.
+them (~0.2), so no tolerance on logits can tell a reload that lost a block from an honest one. `transformers` attends
+over a contiguous cache, not a paged one, so each layer also gathers its loaded blocks into one after its wait: a
+paged-attention engine skips that step.
 The physical floor of a reload is the prefix's bytes over the host-to-device ceiling measured in the same run.
 """
 
@@ -253,7 +254,6 @@ def run(device: Device, prompt_tokens: tuple[int, ...] = (2048, 8192, 32768), sh
                 return logits, elapsed
 
             samples = [reloaded() for _ in range(reps + 1)][1:]
-            _settle_simulated(device)
             differing = blocks_differing(reload.stored, reload.reloaded_kv())
             if differing:
                 raise ReloadMismatch(f"{tokens} tokens: {differing} of {n} reloaded blocks differ from the stored KV")

@@ -199,9 +199,10 @@ def run(device: Device, prefix: Prefix = Prefix(), trials: int = 9, race_trials:
 
 def table(row: dict[str, Any]) -> Table:
     """The reload's trials against its floor, and what the race control caught."""
-    out = Table(title=f"The vLLM adapter's worker half, per-layer reload in vLLM's hook order: {row['prompt_tokens']:,}-"
-                      f"token prefix, {row['layers']} layers ({row['prefix_bytes'] / 2**30:.2f} GiB), {row['trials']} "
-                      f"trials; floor = prefix bytes / H2D ceiling {row['h2d_gbps']:.1f} GB/s")
+    out = Table(title=f"The vLLM adapter's worker half, per-layer reload in vLLM's hook order: "
+                      f"{row['prompt_tokens']:,}-token prefix, {row['layers']} layers "
+                      f"({row['prefix_bytes'] / 2**30:.2f} GiB), {row['trials']} trials; "
+                      f"floor = prefix bytes / H2D ceiling {row['h2d_gbps']:.1f} GB/s")
     for column in ("median ms", "best ms", "floor ms", "median / floor", "best / floor", "blocks differing",
                    "race control: trials caught"):
         out.add_column(column, justify="right")
