@@ -22,8 +22,8 @@ from kvfsm.bench import plot
 from kvfsm.mooncake import available as mooncake_available
 from kvfsm.options import folder_option
 
-PARTS = ("scheduler", "disk", "transfer", "connector", "ttft", "mooncake")
-GPU_PARTS = ("transfer", "connector", "ttft")
+PARTS = ("scheduler", "disk", "transfer", "connector", "ttft", "vllm-layers", "mooncake")
+GPU_PARTS = ("transfer", "connector", "ttft", "vllm-layers")
 CONNECTOR_TIMINGS = {"sustained steps": "_sustained"}
 """The reading the connector's share goals are judged on, and the suffix of its figures in a connector row.
 
@@ -45,6 +45,7 @@ GOALS = {
     "µs per block transition (whole scheduler half)": ("<=", 1.0),
     "µs per quiet decode step, 256 running (whole scheduler half)": ("<=", 50.0),
     "reload TTFT over its floor at 32k tokens": ("<=", 1.15),
+    "vLLM worker's per-layer reload over its floor at 32k tokens": ("<=", 1.15),
     "reload speedup over recompute at 32k tokens": (">=", 15.0),
     "reload speedup over recompute at 8k tokens": (">=", 6.0),
 }
@@ -142,6 +143,19 @@ def _ttft(result: dict[str, Any], quick: bool) -> None:
     _free_gpu()
 
 
+def _vllm_layers(result: dict[str, Any], quick: bool) -> None:
+    from kvfsm.bench import transfer, vllm_layers
+    from kvfsm.executor import CudaDevice
+
+    if "ceilings" not in result:  # the reload's floor is the prefix over this run's host-to-device ceiling
+        result["ceilings"] = transfer.ceilings(CudaDevice(), (1 << 28) if quick else transfer.GIB, 2 if quick else 5)
+    _free_gpu()
+    prefix = vllm_layers.Prefix(layers=4) if quick else vllm_layers.Prefix()
+    result["vllm_layers"] = vllm_layers.run(CudaDevice(), prefix, trials=2 if quick else 9,
+                                            race_trials=3 if quick else 20, h2d_gbps=result["ceilings"]["h2d"])
+    _free_gpu()
+
+
 def _mooncake(result: dict[str, Any], quick: bool) -> None:
     from kvfsm.bench import mooncake
 
@@ -150,7 +164,7 @@ def _mooncake(result: dict[str, Any], quick: bool) -> None:
 
 RUNNERS: dict[str, Callable[[dict[str, Any], bool], None]] = {
     "scheduler": _scheduler, "disk": _disk, "transfer": _transfer, "connector": _connector, "ttft": _ttft,
-    "mooncake": _mooncake,
+    "vllm-layers": _vllm_layers, "mooncake": _mooncake,
 }
 
 
@@ -182,6 +196,11 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
         measured["reload TTFT over its floor at 32k tokens"] = (
             ttft_rows[32768]["reload_over_floor"], "per-layer reload / (prefix bytes / H2D ceiling of the run)")
         measured["reload speedup over recompute at 32k tokens"] = (ttft_rows[32768]["speedup"], "medians")
+    layers = result.get("vllm_layers", {})
+    if (layers.get("prompt_tokens"), layers.get("layers")) == (32768, FULL_LAYERS):  # not `--quick`'s 4 layers
+        measured["vLLM worker's per-layer reload over its floor at 32k tokens"] = (
+            result["vllm_layers"]["median_over_floor"],
+            f"median of {result['vllm_layers']['trials']} trials / (prefix bytes / H2D ceiling of the run)")
     if 8192 in ttft_rows:
         measured["reload speedup over recompute at 8k tokens"] = (ttft_rows[8192]["speedup"], "medians")
     if "scheduler" in result:
@@ -288,6 +307,10 @@ def _print(result: dict[str, Any]) -> None:
                           f"{r['speedup']:.1f}x", f"{r['floor_ms']:.1f}", f"{r['reload_over_floor']:.2f}",
                           f"{r['logits_relative_error']:.1e}")
         console.print(table)
+    if "vllm_layers" in result:
+        from kvfsm.bench import vllm_layers
+
+        console.print(vllm_layers.table(result["vllm_layers"]))
     if "mooncake" in result:
         table = Table(title="Mooncake tier, GB/s (median; baseline = the store's put_batch / get_batch of the same "
                             "bytes, same run)")
