@@ -29,7 +29,7 @@ that starts a prefix the pool does not hold (the request's first block, or one a
 admitted); a block extending a held or admitted prefix is stored at its first offer."""
 
 
-EvictionName = Literal["lru", "arc", "s3-fifo", "tinylfu", "w-tinylfu"]
+EvictionName = Literal["lru", "arc", "s3-fifo", "s3-fifo-adaptive", "tinylfu", "w-tinylfu"]
 """The built-in eviction policies (`kvfsm.manager.policies`); `tinylfu` and `w-tinylfu` name the same one."""
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
