@@ -23,7 +23,13 @@ AdmissionRule = Literal["every-block", "prompt-only"]
 tokens a request holds at its first lookup) are; decode blocks are skipped, as vLLM's `offload_prompt_only` does."""
 
 
-EvictionName = Literal["lru", "arc", "s3-fifo", "tinylfu", "w-tinylfu"]
+ThresholdScope = Literal["every-block", "cold-prefix"]
+"""Which blocks `store_threshold` counts. every-block: each block the pool does not hold. cold-prefix: only a block
+that starts a prefix the pool does not hold (the request's first block, or one after a block neither held nor
+admitted); a block extending a held or admitted prefix is stored at its first offer."""
+
+
+EvictionName = Literal["lru", "arc", "s3-fifo", "s3-fifo-adaptive", "tinylfu", "w-tinylfu"]
 """The built-in eviction policies (`kvfsm.manager.policies`); `tinylfu` and `w-tinylfu` name the same one."""
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
@@ -122,6 +128,9 @@ class OffloadConfig(BaseModel):
     store_threshold: PositiveInt = 1
     """A block the pool does not hold is stored only from its `store_threshold`-th offer on (each request offers a
     block once); earlier offers are skipped. 1 stores at the first offer. Like vLLM's `store_threshold`."""
+    store_threshold_scope: ThresholdScope = "every-block"
+    """Which blocks `store_threshold` counts (`ThresholdScope`): `cold-prefix` spares a conversation's next turn,
+    which extends a prefix already stored, and still skips a one-off document, whose first block nobody stored."""
     store_offers_tracked: PositiveInt = 65536
     """With `store_threshold` above 1: how many blocks' offer counts are kept (least recently offered forgotten
     first), so the counts stay bounded however many distinct blocks pass."""

@@ -2,7 +2,8 @@
 
 One rule per test, driven through the scheduler half as an engine would: `prompt-only` stores the prompt's blocks
 and skips decode blocks, `store_threshold` skips a block until enough requests offered it, the offer counts stay
-bounded, and a skip is counted by reason. The invariant's control, a skip recorded but not applied, is caught on the
+bounded, `cold-prefix` scope counts only blocks that start a prefix the pool does not hold, and a skip is counted
+by reason. The invariant's control, a skip recorded but not applied, is caught on the
 reference engine.
 """
 
@@ -15,12 +16,13 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvfsm.config import OffloadConfig
-from kvfsm.connector.admission import REASONS
+from kvfsm.connector.admission import REASONS, Admission
 from kvfsm.connector.metrics import COUNTERS
 from kvfsm.connector.prometheus import KvfsmCollector
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.connector.stats import SKIPPED_BY_REASON, ConnectorStats
 from kvfsm.executor.sim import SimDevice
+from kvfsm.records import RequestRecord
 from kvfsm.testing.harness import Harness
 from tests.test_connector_scheduler import BLOCK, GPU_BLOCK_BYTES, Req, admit, compute, idle_step, prompt, report
 
@@ -37,14 +39,15 @@ def stored_hashes(sched: SchedulerConnector) -> list[int]:
     return [h for job in sched.jobs.values() if job.kind == "store" for h in job.hashes]
 
 
-def run_and_decode(sched: SchedulerConnector, req_id: str = "a", first_block: int = 0) -> Req:
+def run_and_decode(sched: SchedulerConnector, req_id: str = "a", first_block: int = 0,
+                   decode: tuple[int, ...] = DECODE) -> Req:
     """A request of three prompt blocks (and one token more) computes its prompt, then decodes two more blocks;
     every store it orders completes."""
     req = prompt(req_id, PROMPT)
     blocks = range(first_block, first_block + 6)
     admit(sched, req, blocks)
     ordered = [order.job_id for order in compute(sched, req, blocks).stores]
-    for decoded in DECODE:
+    for decoded in decode:
         req.block_hashes += (decoded,)
         req.num_tokens += BLOCK
         ordered += [order.job_id for order in compute(sched, req, blocks).stores]
@@ -107,7 +110,49 @@ def test_the_offer_counts_are_bounded() -> None:
     assert list(sched.admission.offers) == list(DECODE)
 
 
+def cold_prefix(**scope: Any) -> Admission:
+    return Admission(OffloadConfig(cpu_blocks=16, store_threshold=2, **scope))
+
+
+def test_cold_prefix_stores_a_block_extending_a_held_prefix_at_its_first_offer() -> None:
+    verdict = cold_prefix(store_threshold_scope="cold-prefix").offer(RequestRecord("a"), 0, (1, 2, 3, 4), {1, 2})
+    assert list(verdict.admitted) == [1, 2, 3, 4] and verdict.skipped == {}
+
+
+def test_control_every_block_scope_counts_a_block_extending_a_held_prefix() -> None:
+    verdict = cold_prefix().offer(RequestRecord("a"), 0, (1, 2, 3, 4), {1, 2})
+    assert list(verdict.admitted) == [1, 2] and verdict.skipped == {"threshold": (3, 4)}
+
+
+def test_cold_prefix_skips_a_new_prefix_until_its_second_offer() -> None:
+    admission = cold_prefix(store_threshold_scope="cold-prefix")
+    first = admission.offer(RequestRecord("a"), 0, (5, 6, 7), set())
+    second = admission.offer(RequestRecord("b"), 0, (5, 6, 7), set())
+    assert (list(first.admitted), first.skipped) == ([], {"threshold": (5, 6, 7)})
+    assert (list(second.admitted), second.skipped) == ([5, 6, 7], {})
+
+
+@pytest.mark.parametrize(("skipped_parent", "admitted"), [(False, [3]), (True, [])])
+def test_cold_prefix_a_later_offer_extends_its_request_s_parent_only_if_admitted(skipped_parent: bool,
+                                                                                 admitted: list[int]) -> None:
+    record = RequestRecord("a", offered_cpu_blocks=2, skipped={2: "threshold"} if skipped_parent else {})
+    verdict = cold_prefix(store_threshold_scope="cold-prefix").offer(record, 2, (3,), set(), parent=2)
+    assert list(verdict.admitted) == admitted
+
+
+@pytest.mark.parametrize(("scope", "stored"), [("cold-prefix", [1, 2, 3, 8, 9]), ("every-block", [1, 2, 3])])
+def test_cold_prefix_the_scheduler_stores_decode_blocks_after_an_admitted_prompt(scope: str, stored: list[int]) -> None:
+    """An earlier offer of the prompt lets it through at this request's (its second); the decode blocks, offered one
+    step at a time after it, are stored at their first offer only under `cold-prefix`: the scheduler passes each
+    offer its parent."""
+    sched = connector(store_threshold=2, store_threshold_scope=scope)
+    sched.admission.offer(RequestRecord("earlier"), 0, PROMPT, set())
+    run_and_decode(sched, "a", decode=(8, 9))
+    assert sorted(stored_hashes(sched)) == stored
+
+
 @pytest.mark.parametrize("values", [{"admission": "decode-only"}, {"store_threshold": 0},
+                                    {"store_threshold_scope": "warm"},
                                     {"store_threshold": True}, {"store_offers_tracked": 0}])
 def test_a_bad_admission_setting_is_refused(values: dict[str, Any]) -> None:
     with pytest.raises(pydantic.ValidationError, match=next(iter(values))):

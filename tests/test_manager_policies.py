@@ -21,6 +21,7 @@ from kvfsm.manager import (
     NotAnEvictionPolicy,
     OffloadingManager,
     PolicyViolation,
+    AdaptiveS3FifoPolicy,
     S3FifoPolicy,
     TinyLfuPolicy,
     UnknownEvictionPolicy,
@@ -88,7 +89,7 @@ def test_the_config_takes_a_built_in_name_or_an_import_path(eviction: str) -> No
 
 @pytest.mark.parametrize("eviction", ["fifo", "LRU", "a.b.c", ":D", "a b:C", "a:b:c"])
 def test_the_config_refuses_any_other_name_saying_what_is_legal(eviction: str) -> None:
-    with pytest.raises(pydantic.ValidationError, match="legal: one of lru, arc, s3-fifo, tinylfu, w-tinylfu or an"):
+    with pytest.raises(pydantic.ValidationError, match="legal: one of lru, arc, s3-fifo, s3-fifo-adaptive, tinylfu, w-tinylfu or an"):
         OffloadConfig(cpu_blocks=8, eviction=eviction)
 
 
@@ -387,6 +388,62 @@ def test_s3fifo_the_hand_spends_one_hit_of_each_block_it_passes() -> None:
     assert s3.victims(1, lambda _s: True) == [1]
     s3.remove(1)
     assert list(s3.main) == [2, 0] and s3.count == {0: 0, 2: 0}, "the hand passed 0 without spending its hit"
+
+
+# Adaptive S3-FIFO -------------------------------------------------------------------------------------------
+
+
+def replay(policy: S3FifoPolicy, trace: list[tuple[str, int]]) -> None:
+    """Drive `policy` as the manager would over ("store" | "hit", hash) steps: a store of a hash not held takes a
+    free slot or evicts the policy's first victim; a hit touches a held hash."""
+    slot_of: dict[int, int] = {}
+    for op, block_hash in trace:
+        if op == "hit":
+            if block_hash in slot_of:
+                policy.touch(slot_of[block_hash])
+            continue
+        if block_hash in slot_of:
+            continue
+        if len(slot_of) < policy.capacity:
+            slot = len(slot_of)
+        else:
+            (slot,) = policy.victims(1, lambda _s: True) or ()
+            policy.remove(slot)
+            del slot_of[next(h for h, s in slot_of.items() if s == slot)]
+        policy.insert(slot, block_hash)
+        slot_of[block_hash] = slot
+
+
+RECENCY = [("store", h) for _ in range(5) for h in range(12)]
+"""12 blocks stored in turn into 10 slots, never hit: each comes back after 11 others, past a small queue of 1."""
+FREQUENCY = [step for i in range(40) for step in (("store", 1000 + i), ("store", i % 4), ("hit", i % 4))]
+"""4 hot blocks stored and hit over and over among one-off blocks: they belong in main."""
+
+
+@pytest.mark.parametrize(("policy", "grows"), [(AdaptiveS3FifoPolicy, True), (S3FifoPolicy, False)])
+def test_s3fifo_adaptive_the_small_queue_grows_on_a_recency_trace(policy: type[S3FifoPolicy], grows: bool) -> None:
+    """Control: plain S3-FIFO's small queue is frozen at its share."""
+    s3 = policy(10)
+    replay(s3, RECENCY)
+    assert (s3.small_target > 1) is grows
+
+
+@pytest.mark.parametrize(("policy", "shrinks"), [(AdaptiveS3FifoPolicy, True), (S3FifoPolicy, False)])
+def test_s3fifo_adaptive_the_small_queue_shrinks_on_a_frequency_trace(policy: type[S3FifoPolicy],
+                                                                      shrinks: bool) -> None:
+    """From a small queue of 8 of 10 slots, main is too short for the hot blocks: they come back as main's ghosts.
+    Control: plain S3-FIFO's small queue stays at 8."""
+    s3 = policy(10)
+    s3.small_target = 8
+    replay(s3, FREQUENCY)
+    assert (s3.small_target < 8) is shrinks
+
+
+def test_s3fifo_adaptive_clear_forgets_both_ghost_queues_and_the_target() -> None:
+    s3 = AdaptiveS3FifoPolicy(10)
+    replay(s3, RECENCY)
+    s3.clear()
+    assert s3.small_target == 1 and not s3.ghosts and not s3.main_ghosts and not len(s3)
 
 
 # W-TinyLFU ---------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from kvfsm.testing.manager_calls import snapshot
 from kvfsm.testing.policy_controls import IgnoresPins
 from test_manager_properties import CountsSubmitted, EvictsBeforeRefusing, EvictsItsOwnPrefix, TrustsEnqueuedStores
 
-POLICIES = ["lru", "arc", "s3-fifo", "tinylfu"]
+POLICIES = ["lru", "arc", "s3-fifo", "s3-fifo-adaptive", "tinylfu"]
 
 
 def stored(manager: OffloadingManager, hashes: Sequence[int], job_id: int = 1) -> StorePlan:
@@ -351,8 +351,8 @@ def test_a_hash_named_twice_in_one_call_raises() -> None:
 def test_bad_construction_raises() -> None:
     with pytest.raises(UnknownEvictionPolicy) as refused:
         OffloadingManager(2, "mru")
-    assert str(refused.value) == ("unknown eviction policy 'mru'; legal: one of ['arc', 'lru', 's3-fifo', 'tinylfu', "
-                                  "'w-tinylfu'] or an import path package.module:ClassName")
+    assert str(refused.value) == ("unknown eviction policy 'mru'; legal: one of ['arc', 'lru', 's3-fifo', "
+                                  "'s3-fifo-adaptive', 'tinylfu', 'w-tinylfu'] or an import path package.module:ClassName")
     with pytest.raises(BadPoolSize, match="at least one slot"):
         OffloadingManager(0)
     with pytest.raises(BadPoolSize, match="policy capacity 3 != pool size 2"):

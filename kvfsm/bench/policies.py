@@ -7,7 +7,8 @@ submitted, completed). Transfers complete at once, so the figures are the polici
 rate of prompt lookups, the tokens served from CPU, and the bytes stored per token served (a block is Llama-3-8B's
 16 tokens, 2 MiB). Admission is the connector's own (`kvfsm.connector.admission`), set as `OffloadConfig` would
 set it: `every-block` stores prompt and output alike, `prompt-only` the prompt's blocks, `threshold-2` the
-prompt's blocks from their second offer on (the vLLM side by side's settings).
+prompt's blocks from their second offer on (the vLLM side by side's settings), `cold-threshold-2` every block, but
+a block starting a prefix the pool does not hold only from its second offer on (`store_threshold_scope`).
 
 Writes `policies.json` and `policies.png` (matplotlib; the console says why when it is not drawn) into `--out`.
 """
@@ -37,6 +38,7 @@ ADMISSIONS: dict[str, dict[str, Any]] = {
     "every-block": {},
     "prompt-only": {"admission": "prompt-only"},
     "threshold-2": {"admission": "prompt-only", "store_threshold": 2},
+    "cold-threshold-2": {"store_threshold": 2, "store_threshold_scope": "cold-prefix"},
 }
 """Admission settings by name: the `OffloadConfig` fields each sets."""
 SCAN_TRACE, SCAN_SAVING = "scans", 0.30

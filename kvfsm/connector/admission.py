@@ -3,7 +3,10 @@
 Every block stored costs PCIe bandwidth that loads and the next step's stores compete for, and host memory that
 evicts blocks someone may hit. Two rules skip the blocks least likely to pay that back: `prompt-only` skips decode
 blocks (a request's own generated tokens, which no other request shares), and `store_threshold` skips a block
-until enough requests offered it to suggest it will be hit again. A skip is decided once per request and block
+until enough requests offered it to suggest it will be hit again; with `store_threshold_scope` `cold-prefix` the
+threshold counts only a block that starts a prefix the pool does not hold, since a block's hash covers its whole
+prefix: one after a stored prefix continues something already paid for (a chat's next turn), one after nothing
+stored is a new document that may never come back. A skip is decided once per request and block
 and is final for that request: the scheduler fires the request's `skip-store` transition with the skipped blocks
 (spec/request.yaml), and no store of that request ever carries them (`skipped-not-stored`).
 
@@ -38,14 +41,17 @@ class Admission:
     def __init__(self, config: OffloadConfig) -> None:
         self.prompt_only = config.admission == PROMPT_ONLY
         self.threshold = config.store_threshold
+        self.cold_prefix_only = config.store_threshold_scope == "cold-prefix"
         self.tracked = config.store_offers_tracked
         self.offers: OrderedDict[int, int] = OrderedDict()
         """Per block hash, how many requests offered it; the least recently offered is forgotten past `tracked`."""
         self.admits_all = not self.prompt_only and self.threshold == 1
         """No rule can skip: an offer is every candidate, with no work per block."""
 
-    def offer(self, record: RequestRecord, start: int, hashes: Sequence[int], held: Container[int]) -> Verdict:
-        """The request offers its CPU blocks `start, start + 1, ...` (`hashes`); `held`: the hashes the pool holds.
+    def offer(self, record: RequestRecord, start: int, hashes: Sequence[int], held: Container[int],
+              parent: int | None = None) -> Verdict:
+        """The request offers its CPU blocks `start, start + 1, ...` (`hashes`); `held`: the hashes the pool holds;
+        `parent`: the hash of block `start - 1` (None at the first block), for `cold-prefix`.
 
         A block this request offered before (it was preempted and recomputes) is not counted again: one that was
         admitted stays admitted, one that was skipped stays skipped."""
@@ -58,17 +64,22 @@ class Admission:
         admitted: list[int] = []
         past_prompt: list[int] = []
         too_few: list[int] = []
+        warm = self.cold_prefix_only and parent is not None and (parent in held or parent not in skipped)
         for index, block_hash in enumerate(hashes):
             if block_hash in skipped:
-                continue
-            if index < first_new:
+                warm = False
+            elif index < first_new:
                 admitted.append(block_hash)
+                warm = self.cold_prefix_only
             elif index >= prompt_end:
                 past_prompt.append(block_hash)
-            elif self.threshold > 1 and self._count(block_hash) < self.threshold and block_hash not in held:
+                warm = False
+            elif (self.threshold > 1 and not warm and self._count(block_hash) < self.threshold
+                  and block_hash not in held):
                 too_few.append(block_hash)
             else:
                 admitted.append(block_hash)
+                warm = self.cold_prefix_only
         reasons = ((PROMPT_ONLY, past_prompt), (THRESHOLD, too_few))
         return Verdict(admitted, {reason: tuple(found) for reason, found in reasons if found})
 

@@ -268,7 +268,8 @@ class SchedulerConnector:
         self.ledger.due.set(record.req_id, (record.stored_cpu_blocks + 1) * self._cpu_block_tokens)
         if full_cpu <= start:
             return None
-        verdict = self.admission.offer(record, start, cpu_hashes[start:full_cpu], self.manager.catalogue)
+        parent = cpu_hashes[start - 1] if start else None
+        verdict = self.admission.offer(record, start, cpu_hashes[start:full_cpu], self.manager.catalogue, parent)
         for reason, skipped in verdict.skipped.items():
             self.ledger.fire_request(record, "skip-store", hashes=skipped, reason=reason)
             self.stats.record_skipped(reason, len(skipped))

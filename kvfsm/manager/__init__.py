@@ -13,6 +13,7 @@ from kvfsm.manager.catalogue import (
 )
 from kvfsm.manager.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvfsm.manager.policies import (
+    AdaptiveS3FifoPolicy,
     BUILTIN,
     ArcPolicy,
     Evictable,
@@ -28,6 +29,7 @@ from kvfsm.manager.policies import (
 )
 
 __all__ = [
+    "AdaptiveS3FifoPolicy",
     "BUILTIN",
     "ArcPolicy",
     "BadPoolSize",

@@ -75,8 +75,9 @@ def _skip_not_applied(engine: Engine, connector: Connector) -> None:
     admission = connector.scheduler.admission
     offer = admission.offer
 
-    def offer_all(record: RequestRecord, start: int, hashes: Sequence[int], held: Container[int]) -> Verdict:
-        verdict = offer(record, start, hashes, held)
+    def offer_all(record: RequestRecord, start: int, hashes: Sequence[int], held: Container[int],
+                  parent: int | None = None) -> Verdict:
+        verdict = offer(record, start, hashes, held, parent)
         return Verdict(tuple(hashes), verdict.skipped)
 
     admission.offer = offer_all  # type: ignore[method-assign]

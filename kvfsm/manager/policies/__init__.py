@@ -13,9 +13,11 @@ from kvfsm.manager.policies.factory import (
 )
 from kvfsm.manager.policies.lru import LruPolicy
 from kvfsm.manager.policies.s3fifo import S3FifoPolicy
+from kvfsm.manager.policies.s3fifo_adaptive import AdaptiveS3FifoPolicy
 from kvfsm.manager.policies.tinylfu import TinyLfuPolicy
 
 __all__ = [
+    "AdaptiveS3FifoPolicy",
     "BUILTIN",
     "ArcPolicy",
     "Evictable",

@@ -13,10 +13,12 @@ from kvfsm.manager.policies.arc import ArcPolicy
 from kvfsm.manager.policies.base import EvictionPolicy
 from kvfsm.manager.policies.lru import LruPolicy
 from kvfsm.manager.policies.s3fifo import S3FifoPolicy
+from kvfsm.manager.policies.s3fifo_adaptive import AdaptiveS3FifoPolicy
 from kvfsm.manager.policies.tinylfu import TinyLfuPolicy
 
 BUILTIN: dict[str, type[EvictionPolicy]] = {
-    "lru": LruPolicy, "arc": ArcPolicy, "s3-fifo": S3FifoPolicy, "tinylfu": TinyLfuPolicy, "w-tinylfu": TinyLfuPolicy,
+    "lru": LruPolicy, "arc": ArcPolicy, "s3-fifo": S3FifoPolicy, "s3-fifo-adaptive": AdaptiveS3FifoPolicy,
+    "tinylfu": TinyLfuPolicy, "w-tinylfu": TinyLfuPolicy,
 }
 """Every built-in by name (`tinylfu` and `w-tinylfu` are one policy: TinyLFU with its window)."""
 
