@@ -102,7 +102,7 @@ def main(
                                           help="GPU blocks per CPU block; a CPU block longer than every request is "
                                                "refused, as nothing could be stored."),
     eviction: Eviction = typer.Option(DemoConfig.eviction, metavar="POLICY",
-                                      help="CPU pool eviction policy: lru, arc, s3-fifo or tinylfu."),
+                                      help="CPU pool eviction policy: " + ", ".join(e.value for e in Eviction) + "."),
     device: DeviceKind = typer.Option(DemoConfig.device, help="cuda: CudaDevice; cpu: SimDevice; auto: cuda if "
                                                               "torch sees a GPU."),
     seed: int = typer.Option(DemoConfig.seed, help="Seed of the workload (tokens, think times, session order) "

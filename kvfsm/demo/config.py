@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import get_args
 
-from kvfsm.config import WriteBack
+from kvfsm.config import EvictionName, WriteBack
 from kvfsm.workload import WorkloadShape
 
 GPU_BLOCK_TOKENS = 8
@@ -24,13 +25,8 @@ class DeviceKind(str, Enum):
     cuda = "cuda"
 
 
-class Eviction(str, Enum):
-    """The built-in eviction policies (`kvfsm.config.EvictionName`)."""
-
-    lru = "lru"
-    arc = "arc"
-    s3_fifo = "s3-fifo"
-    tinylfu = "tinylfu"
+Eviction = Enum("Eviction", {n.replace("-", "_"): n for n in get_args(EvictionName)}, type=str)  # type: ignore[misc]
+"""The built-in eviction policies, one per `kvfsm.config.EvictionName` (so the demo offers every built-in)."""
 
 
 class DemoConfigError(ValueError):
