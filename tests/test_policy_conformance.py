@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from kvfsm.manager import BUILTIN
+from kvfsm.manager.policies import BUILTIN
 from kvfsm.testing import conformance
 from kvfsm.testing.conformance import MACHINE_RULES, RULES, conform, failed, run_explorer
 from kvfsm.testing.policy_controls import CONTROLS, IgnoresPins

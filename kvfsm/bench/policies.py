@@ -26,7 +26,8 @@ from rich.table import Table
 from kvfsm.bench.traces import TRACES, Trace
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.admission import Admission
-from kvfsm.manager import BUILTIN, OffloadingManager
+from kvfsm.manager import OffloadingManager
+from kvfsm.manager.policies import BUILTIN
 from kvfsm.records import RequestRecord
 
 BLOCK_TOKENS = 16

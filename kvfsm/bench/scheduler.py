@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfsm.machines import MachineSet
-from kvfsm.manager import BUILTIN, BlockRemoved, OffloadingManager, PolicyName
+from kvfsm.manager import BlockRemoved, OffloadingManager
+from kvfsm.manager.policies import BUILTIN, PolicyName
 
 POLICIES = tuple(name for name in BUILTIN if name != "w-tinylfu")  # w-tinylfu is tinylfu's other name
 

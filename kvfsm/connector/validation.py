@@ -20,7 +20,7 @@ from kvfsm.config import OffloadConfig
 from kvfsm.connector.due import StoreDue
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
 from kvfsm.executor.layouts import KVCaches
-from kvfsm.manager import policy_class
+from kvfsm.manager.policies import policy_class
 from kvfsm.states import TierJobState
 
 DEVICE_METHODS = ("tensor_device", "new_event", "record", "wait", "query", "synchronize", "enqueue", "pin_host",

@@ -12,46 +12,20 @@ from kvfsm.manager.catalogue import (
     StorePlan,
 )
 from kvfsm.manager.events import BlockRemoved, BlockStored, KVCacheEvent
-from kvfsm.manager.policies import (
-    AdaptiveS3FifoPolicy,
-    BUILTIN,
-    ArcPolicy,
-    Evictable,
-    EvictionPolicy,
-    LruPolicy,
-    NotAnEvictionPolicy,
-    PolicyName,
-    S3FifoPolicy,
-    TinyLfuPolicy,
-    UnknownEvictionPolicy,
-    make_policy,
-    policy_class,
-)
+from kvfsm.manager import policies
+from kvfsm.manager.policies import *  # noqa: F403 (its names, listed once in its own __all__)
 
 __all__ = [
-    "AdaptiveS3FifoPolicy",
-    "BUILTIN",
-    "ArcPolicy",
     "BadPoolSize",
     "BadSlots",
     "BlockRemoved",
     "BlockStored",
     "DuplicateHashes",
-    "Evictable",
-    "EvictionPolicy",
     "KVCacheEvent",
     "Lookup",
-    "LruPolicy",
     "ManagerError",
-    "NotAnEvictionPolicy",
     "NotLoadable",
     "OffloadingManager",
-    "PolicyName",
     "PolicyViolation",
-    "S3FifoPolicy",
     "StorePlan",
-    "TinyLfuPolicy",
-    "UnknownEvictionPolicy",
-    "make_policy",
-    "policy_class",
-]
+] + policies.__all__

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfsm.invariants import pool_accounting, readers_pin, ready_means_written
-from kvfsm.manager import ArcPolicy, BlockRemoved, BlockStored, EvictionPolicy, Lookup, NotLoadable, OffloadingManager
+from kvfsm.manager import BlockRemoved, BlockStored, Lookup, NotLoadable, OffloadingManager
+from kvfsm.manager.policies import ArcPolicy, EvictionPolicy
 
 POOL = 3  # small enough that stores keep needing eviction and refusals happen
 hashes = st.lists(st.integers(0, 6), unique=True, min_size=1, max_size=3)

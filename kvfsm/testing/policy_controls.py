@@ -5,7 +5,7 @@ name them by import path (`kvfsm.testing.policy_controls:IgnoresPins`) to see wh
 
 from __future__ import annotations
 
-from kvfsm.manager import Evictable, LruPolicy
+from kvfsm.manager.policies import Evictable, LruPolicy
 
 
 class IgnoresPins(LruPolicy):
