@@ -27,9 +27,25 @@ def test_every_schedule_of_a_small_workload_keeps_the_spec(name: str) -> None:
     assert result.exhausted, "the state budget cut the search short"
 
 
+SHOWN_BY = {
+    "failed-fetch-loads": "disk-faults", "fail-without-end-event": "reload-fails-mid-copy", "fetch-ready-early": "disk",
+    "flush-first-segment": "preempt-per-layer-store", "flush-skips-failed-stores": "flush-fails-mid-copy",
+    "flush-waits-pending-only": "preempt-per-layer-store", "free-at-deadline": "disk-stall",
+    "lookup-counts-writing": "disk-reset", "no-preemption-flush": "pressure", "no-write-after-read-wait": "pressure",
+    "publish-before-written": "disk-reset", "skip-not-applied": "offered-twice",
+    "store-event-before-write": "preempt-per-layer-store", "unbounded-write-back": "disk-reset",
+    "unpinned-tier-read": "disk", "unpinned-write-back": "disk-reset", "wait-on-wrong-layer": "reload-per-layer",
+}
+"""The workload whose schedules last showed each mutant (2026-11-27). It is searched first and the rest follow, so
+whether a mutant is caught does not depend on this table; a mutant caught only by the last of several workloads no
+longer pays for exhausting every one before it (free-at-deadline: 180 s before, on 2 cores)."""
+
+
 def _workloads_for(mutant: str) -> dict[str, Workload]:
-    """The workloads with the lower tier whose rule the mutant breaks (none for a rule above the tiers)."""
-    return {name: w for name, w in WORKLOADS.items() if w.tier == MUTANTS[mutant].tier and fits(w, mutant)}
+    """The workloads with the lower tier whose rule the mutant breaks (none for a rule above the tiers), the one
+    that last showed it first."""
+    fitting = {name: w for name, w in WORKLOADS.items() if w.tier == MUTANTS[mutant].tier and fits(w, mutant)}
+    return dict(sorted(fitting.items(), key=lambda item: item[0] != SHOWN_BY.get(mutant)))
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
