@@ -24,7 +24,7 @@ from kvfsm.connector.stats import SKIPPED_BY_REASON, ConnectorStats
 from kvfsm.executor.sim import SimDevice
 from kvfsm.records import RequestRecord
 from kvfsm.testing.harness import Harness
-from tests.test_connector_scheduler import BLOCK, GPU_BLOCK_BYTES, Req, admit, compute, idle_step, prompt, report
+from test_connector_scheduler import BLOCK, GPU_BLOCK_BYTES, Req, admit, compute, idle_step, prompt, report
 
 PROMPT = (1, 2, 3)
 DECODE = (4, 5)
