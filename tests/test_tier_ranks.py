@@ -1,0 +1,116 @@
+"""A lower-tier job under tensor parallelism (spec: `tier-job-every-rank`): each rank moves its own heads' share of a
+block through its own tier I/O, so one rank may fail a key that another rank's read of it brought back whole. The
+job must then fail that key everywhere, whichever report the scheduler hears first, and end only once both ranks
+reported: its CPU slot is freed (the request recomputes), never loadable with one rank's heads stale.
+
+The scheduler's tier planner runs over two ranks' disk tiers (it looks up in rank 0's, as a scheduler process
+does), each rank with its own CPU pool, tier runner and disk I/O, one of which fails its next read. The control
+`tier-first-report` (a job ends on the first report) must be caught in both orders."""
+
+from __future__ import annotations
+
+import errno
+from itertools import count
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
+
+import pytest
+
+from kvfsm.bindings import default_spec
+from kvfsm.config import DiskTierConfig, OffloadConfig
+from kvfsm.connector.ledger import Ledger
+from kvfsm.connector.tier_planner import TierPlanner
+from kvfsm.connector.tier_runner import TierRunner
+from kvfsm.executor.pool import HostPool
+from kvfsm.executor.sim import SimDevice
+from kvfsm.invariants import check_all
+from kvfsm.machines import MachineSet
+from kvfsm.manager import OffloadingManager
+from kvfsm.states import CpuBlockState as Cpu
+from kvfsm.states import TierJobState as Job
+from kvfsm.testing.tier_faults import FaultyDiskIo
+from kvfsm.testing.tier_mutants import TIER_RANK_CONTROLS
+from kvfsm.tiers.disk import DiskTier
+from kvfsm.tiers.io import ManualIo
+
+BLOCK = 64
+RANKS = 2
+KEY = 0x51
+ORDERS = {"failure-first": lambda failing: [failing, 1 - failing],
+          "success-first": lambda failing: [1 - failing, failing]}
+"""Which rank's report of the fetch the scheduler hears first."""
+
+
+class TwoRanks:
+    """Two ranks' disk tiers under one scheduler's tier planner, each tier holding `KEY` (each rank's heads of it)."""
+
+    def __init__(self, path: Path) -> None:
+        config = OffloadConfig(cpu_blocks=4, num_workers=RANKS, lower_tiers=(DiskTierConfig(
+            name="disk", path=path, capacity_bytes=4 * BLOCK, writeback="eager", evict_lookahead_blocks=2),))
+        machines = MachineSet(default_spec())
+        self.io = ManualIo()
+        self.disk_io = [FaultyDiskIo() for _ in range(RANKS)]
+        self.tiers = [DiskTier("disk", path, 4 * BLOCK, BLOCK, self.io, worker=rank, disk_io=self.disk_io[rank],
+                               machines=machines) for rank in range(RANKS)]
+        self.manager = OffloadingManager(4, "lru", machines, events=False)
+        ledger = Ledger(machines, self.manager, keep_history=True)
+        self.planner = TierPlanner(config, self.tiers[:1], self.manager, BLOCK, count(100).__next__, ledger)
+        self.runners = [TierRunner((tier,), HostPool(SimDevice(), 4, BLOCK)) for tier in self.tiers]
+        self.world = SimpleNamespace(tier_jobs=ledger.tier_jobs, num_workers=RANKS)
+        for rank, tier in enumerate(self.tiers):
+            tier.submit_write(rank, [KEY], [memoryview(bytes([rank + 1]) * BLOCK)])
+        self.io.run_all()
+        assert all(done.ok for tier in self.tiers for done in tier.poll())
+
+    def fetch_failing_on(self, failing: int, order: list[int]) -> tuple[int, list[str]]:
+        """Fetch `KEY` with rank `failing`'s read failing, deliver the ranks' reports in `order`, checking the rule
+        after each; the fetch's job id and what the checks found."""
+        self.planner.fetch_missing([KEY], 0, step=0)
+        orders = self.planner.orders(0)
+        assert [(o.kind, o.keys) for o in orders] == [("fetch", (KEY,))]
+        for runner in self.runners:
+            runner.submit(orders)
+        self.disk_io[failing].read_errno = errno.EIO
+        self.io.run_all()
+        reports = [runner.poll() for runner in self.runners]
+        assert [bool(r.failed) for (r,) in reports] == [rank == failing for rank in range(RANKS)]
+        found: list[str] = []
+        for rank in order:
+            (report,) = reports[rank]
+            self.planner.report(rank, report, step=1)
+            found += check_all(self.world, ["tier-job-every-rank"]).get("tier-job-every-rank", [])
+        return orders[0].job_id, found
+
+    def close(self) -> None:
+        for runner in self.runners:
+            runner.close()
+
+
+@pytest.fixture
+def ranks(tmp_path: Path) -> Iterator[TwoRanks]:
+    opened = TwoRanks(tmp_path)
+    yield opened
+    opened.close()
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+@pytest.mark.parametrize("failing", range(RANKS))
+def test_a_fetch_one_rank_failed_and_another_read_fails_everywhere_and_frees_its_slot(
+        ranks: TwoRanks, failing: int, order: str) -> None:
+    job_id, found = ranks.fetch_failing_on(failing, ORDERS[order](failing))
+    assert found == []
+    job = ranks.world.tier_jobs[job_id]
+    assert job.state == Job.FAILED and job.failed_keys == (KEY,)
+    (slot,) = job.cpu_slots
+    assert ranks.manager.blocks[slot].state == Cpu.FREE, "a CPU block with one rank's heads stale stays in the pool"
+    assert ranks.planner.stats.failures == {"io-error": 1}
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+@pytest.mark.parametrize("failing", range(RANKS))
+def test_control_ending_a_tier_job_on_its_first_report_is_caught_by_tier_job_every_rank(
+        ranks: TwoRanks, failing: int, order: str) -> None:
+    TIER_RANK_CONTROLS["tier-first-report"](ranks.planner)
+    _, found = ranks.fetch_failing_on(failing, ORDERS[order](failing))
+    assert found, "the control ended the fetch on one rank's report and the rule saw nothing"
