@@ -1,7 +1,8 @@
 """A lower-tier job under tensor parallelism (spec: `tier-job-every-rank`): each rank moves its own heads' share of a
 block through its own tier I/O, so one rank may fail a key that another rank's read of it brought back whole. The
 job must then fail that key everywhere, whichever report the scheduler hears first, and end only once both ranks
-reported: its CPU slot is freed (the request recomputes), never loadable with one rank's heads stale.
+reported: a fetch's CPU slot is freed (the request recomputes), never loadable with one rank's heads stale; a
+write-back's block is not counted as written back (nor ordered again).
 
 The scheduler's tier planner runs over two ranks' disk tiers (it looks up in rank 0's, as a scheduler process
 does), each rank with its own CPU pool, tier runner and disk I/O, one of which fails its next read. The control
@@ -37,6 +38,9 @@ from kvfsm.tiers.io import ManualIo
 BLOCK = 64
 RANKS = 2
 KEY = 0x51
+"""Published in both ranks' tiers: the key the fetches read."""
+FRESH = 0x52
+"""In the CPU pool only: the key the write-backs write."""
 ORDERS = {"failure-first": lambda failing: [failing, 1 - failing],
           "success-first": lambda failing: [1 - failing, failing]}
 """Which rank's report of the fetch the scheduler hears first."""
@@ -63,15 +67,25 @@ class TwoRanks:
         self.io.run_all()
         assert all(done.ok for tier in self.tiers for done in tier.poll())
 
-    def fetch_failing_on(self, failing: int, order: list[int]) -> tuple[int, list[str]]:
-        """Fetch `KEY` with rank `failing`'s read failing, deliver the ranks' reports in `order`, checking the rule
-        after each; the fetch's job id and what the checks found."""
-        self.planner.fetch_missing([KEY], 0, step=0)
+    def move_failing_on(self, kind: str, failing: int, order: list[int]) -> tuple[int, list[str]]:
+        """Fetch `KEY` or write back `FRESH` (`kind`) with rank `failing`'s I/O failing, deliver the ranks' reports
+        in `order`, checking the rule after each; the job's id and what the checks found."""
+        if kind == "fetch":
+            self.planner.fetch_missing([KEY], 0, step=0)
+        else:
+            plan = self.manager.prepare_store([FRESH], 1)
+            assert plan is not None
+            self.manager.mark_submitted(plan.slots)
+            self.manager.complete_store(plan.slots, True)
+            self.planner.stored([FRESH])
         orders = self.planner.orders(0)
-        assert [(o.kind, o.keys) for o in orders] == [("fetch", (KEY,))]
+        assert [(o.kind, o.keys) for o in orders] == [(kind, (KEY if kind == "fetch" else FRESH,))]
         for runner in self.runners:
             runner.submit(orders)
-        self.disk_io[failing].read_errno = errno.EIO
+        if kind == "fetch":
+            self.disk_io[failing].read_errno = errno.EIO
+        else:
+            self.disk_io[failing].write_errno = errno.EIO
         self.io.run_all()
         reports = [runner.poll() for runner in self.runners]
         assert [bool(r.failed) for (r,) in reports] == [rank == failing for rank in range(RANKS)]
@@ -98,7 +112,7 @@ def ranks(tmp_path: Path) -> Iterator[TwoRanks]:
 @pytest.mark.parametrize("failing", range(RANKS))
 def test_a_fetch_one_rank_failed_and_another_read_fails_everywhere_and_frees_its_slot(
         ranks: TwoRanks, failing: int, order: str) -> None:
-    job_id, found = ranks.fetch_failing_on(failing, ORDERS[order](failing))
+    job_id, found = ranks.move_failing_on("fetch", failing, ORDERS[order](failing))
     assert found == []
     job = ranks.world.tier_jobs[job_id]
     assert job.state == Job.FAILED and job.failed_keys == (KEY,)
@@ -109,8 +123,24 @@ def test_a_fetch_one_rank_failed_and_another_read_fails_everywhere_and_frees_its
 
 @pytest.mark.parametrize("order", sorted(ORDERS))
 @pytest.mark.parametrize("failing", range(RANKS))
-def test_control_ending_a_tier_job_on_its_first_report_is_caught_by_tier_job_every_rank(
+def test_a_write_back_one_rank_failed_and_another_wrote_fails_everywhere_and_is_not_counted(
         ranks: TwoRanks, failing: int, order: str) -> None:
+    job_id, found = ranks.move_failing_on("write-back", failing, ORDERS[order](failing))
+    assert found == []
+    job = ranks.world.tier_jobs[job_id]
+    assert job.state == Job.FAILED and job.failed_keys == (FRESH,)
+    assert ranks.planner.stats.blocks_written_back["disk"] == 0, "a block one rank failed to write counted as written"
+    ranks.planner.stored([FRESH])
+    assert ranks.planner.orders(1) == (), "a write-back some rank failed was ordered again"
+    (slot,) = job.cpu_slots
+    assert ranks.manager.blocks[slot].state == Cpu.READY, "the CPU block itself is whole: it stays loadable"
+
+
+@pytest.mark.parametrize("kind", ["fetch", "write-back"])
+@pytest.mark.parametrize("order", sorted(ORDERS))
+@pytest.mark.parametrize("failing", range(RANKS))
+def test_control_ending_a_tier_job_on_its_first_report_is_caught_by_tier_job_every_rank(
+        ranks: TwoRanks, failing: int, order: str, kind: str) -> None:
     TIER_RANK_CONTROLS["tier-first-report"](ranks.planner)
-    _, found = ranks.fetch_failing_on(failing, ORDERS[order](failing))
+    _, found = ranks.move_failing_on(kind, failing, ORDERS[order](failing))
     assert found, "the control ended the fetch on one rank's report and the rule saw nothing"
