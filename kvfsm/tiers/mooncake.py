@@ -128,15 +128,16 @@ class MooncakeTier:
 
     def store_keys(self, key: int) -> list[str]:
         """The store keys this rank writes and reads for a block: one per head it holds, or its block's."""
-        if self.heads is None:
-            return [self.store_key(key)]
-        return [head_key(self.namespace, key, head, self.tenant) for head in self.heads.heads]
+        return self._keys(key, None if self.heads is None else self.heads.heads)
 
     def _whole_block_keys(self, key: int) -> list[str]:
         """The store keys that hold all of a block: every KV head's (a lookup's hit needs each), or this rank's."""
-        if self.heads is None:
+        return self._keys(key, None if self.heads is None else range(self.heads.kv_heads))
+
+    def _keys(self, key: int, heads: range | None) -> list[str]:
+        if heads is None:
             return [self.store_key(key)]
-        return [head_key(self.namespace, key, head, self.tenant) for head in range(self.heads.kv_heads)]
+        return [head_key(self.namespace, key, head, self.tenant) for head in heads]
 
     # --- LowerTier -------------------------------------------------------------------------------------------
 
@@ -182,7 +183,8 @@ class MooncakeTier:
     # --- inspection ------------------------------------------------------------------------------------------
 
     def stored_bytes(self, key: int) -> bytes | None:
-        """The payload the store holds under `key` now, trailer stripped (for checks; it does not verify)."""
+        """The payload the store holds under `key` now, trailer stripped (for checks; it does not verify): with
+        `heads`, this rank's heads' values put back in the order of its CPU slot."""
         if self.heads is None:
             raw = self.client.raw().get(self.store_key(key))
             return bytes(raw[:self.block_bytes]) if len(raw) == self.block_bytes + value.TRAILER_BYTES else None

@@ -49,7 +49,8 @@ class TpEngine:
 
     def __init__(self, mooncake, world: int, tenant: str, **options: object) -> None:
         settings: dict[str, object] = dict(master=str(mooncake.address), model_id="kvfsm-toy",
-                                           kv_dtype=str(SHAPE.dtype), tenant=tenant, kv_heads=SHAPE.num_heads)
+                                           kv_dtype=str(SHAPE.dtype), tenant=tenant, kv_heads=SHAPE.num_heads,
+                                           op_timeout_s=60.0, lookup_timeout_s=10.0)  # a busy CI machine is no miss
         config = MooncakeTierConfig(**(settings | options))  # type: ignore[arg-type]
         offload = OffloadConfig(cpu_blocks=1, block_size_factor=FACTOR, gpu_block_size=SHAPE.block_size,
                                 num_workers=world, lower_tiers=(config,))
