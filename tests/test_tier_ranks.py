@@ -28,6 +28,7 @@ from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import check_all
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
+from kvfsm.records import TierJob
 from kvfsm.states import CpuBlockState as Cpu
 from kvfsm.states import TierJobState as Job
 from kvfsm.testing.tier_faults import FaultyDiskIo
@@ -108,14 +109,21 @@ def ranks(tmp_path: Path) -> Iterator[TwoRanks]:
     opened.close()
 
 
+def failed_everywhere(ranks: TwoRanks, kind: str, failing: int, order: str) -> TierJob:
+    """Move a block with rank `failing`'s I/O failing, the reports in `order`: the job, which must have failed its
+    key with the rule holding after every report."""
+    job_id, found = ranks.move_failing_on(kind, failing, ORDERS[order](failing))
+    assert found == []
+    job = ranks.world.tier_jobs[job_id]
+    assert job.state == Job.FAILED and job.failed_keys == ((KEY if kind == "fetch" else FRESH),)
+    return job
+
+
 @pytest.mark.parametrize("order", sorted(ORDERS))
 @pytest.mark.parametrize("failing", range(RANKS))
 def test_a_fetch_one_rank_failed_and_another_read_fails_everywhere_and_frees_its_slot(
         ranks: TwoRanks, failing: int, order: str) -> None:
-    job_id, found = ranks.move_failing_on("fetch", failing, ORDERS[order](failing))
-    assert found == []
-    job = ranks.world.tier_jobs[job_id]
-    assert job.state == Job.FAILED and job.failed_keys == (KEY,)
+    job = failed_everywhere(ranks, "fetch", failing, order)
     (slot,) = job.cpu_slots
     assert ranks.manager.blocks[slot].state == Cpu.FREE, "a CPU block with one rank's heads stale stays in the pool"
     assert ranks.planner.stats.failures == {"io-error": 1}
@@ -125,10 +133,7 @@ def test_a_fetch_one_rank_failed_and_another_read_fails_everywhere_and_frees_its
 @pytest.mark.parametrize("failing", range(RANKS))
 def test_a_write_back_one_rank_failed_and_another_wrote_fails_everywhere_and_is_not_counted(
         ranks: TwoRanks, failing: int, order: str) -> None:
-    job_id, found = ranks.move_failing_on("write-back", failing, ORDERS[order](failing))
-    assert found == []
-    job = ranks.world.tier_jobs[job_id]
-    assert job.state == Job.FAILED and job.failed_keys == (FRESH,)
+    job = failed_everywhere(ranks, "write-back", failing, order)
     assert ranks.planner.stats.blocks_written_back["disk"] == 0, "a block one rank failed to write counted as written"
     ranks.planner.stored([FRESH])
     assert ranks.planner.orders(1) == (), "a write-back some rank failed was ordered again"
