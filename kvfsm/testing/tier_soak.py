@@ -73,12 +73,13 @@ class SoakShape:
 
 def soak_harness(master: str, shape: SoakShape, keep_history: bool = False) -> Harness:
     """An engine with a disk tier (written back on eviction) and a Mooncake tier (a tenant of its own, written back
-    eagerly), tier I/O on threads: each tier is then written and fetched from in some rounds."""
+    eagerly), tier I/O on threads, and checksums: each tier is then written and fetched from in some rounds."""
     return Harness(SimDevice(), num_gpu_blocks=shape.gpu_blocks, cpu_blocks=shape.cpu_blocks,
                    disk_slots=shape.disk_slots, writeback="on-evict", mooncake_master=master,
                    mooncake_options=dict(shape.timeouts, index_keys=shape.index_keys, max_pending=shape.max_pending,
                                          tenant=uuid.uuid4().hex, writeback="eager"),
-                   writeback_bound_blocks=shape.writeback_blocks, tier_threads=True, keep_history=keep_history)
+                   writeback_bound_blocks=shape.writeback_blocks, tier_threads=True, keep_history=keep_history,
+                   checksum=True)
 
 
 def retention_bound(h: Harness, live_requests: int) -> int:
@@ -132,7 +133,9 @@ def drive(h: Harness) -> None:
 def one_round(h: Harness, index: int, shape: SoakShape) -> None:
     """A fresh prefix served, pushed out of the CPU pool by another, and looked up again (fetched from a tier). By
     the round's place in four: disk writes fail in the first and third, and the lookup is aborted as its fetch is
-    ordered in the second and third (so each tier's fetches are loaded in some rounds and never in others)."""
+    ordered in the second and third (so each tier's fetches are loaded in some rounds and never in others). The
+    eighth round resets the connector's cache first (the disk forgets its keys; the store keeps them, to adopt);
+    only once, since a reset empties the structures a leak would fill."""
     h.tier_faults.io.full = index % 4 in (0, 2)
     tokens = 2 * shape.prompt_blocks  # two tokens per GPU block (`harness.SHAPE`)
     prefix = tuple(range(1000 + 2 * tokens * index, 1000 + 2 * tokens * index + tokens))
@@ -141,6 +144,8 @@ def one_round(h: Harness, index: int, shape: SoakShape) -> None:
         h.add_request(prompt, 1)
         drive(h)
     h.engine.reset_prefix_cache()
+    if index == 7:
+        h.connector.reset_cache()
     request = h.add_request(prefix + (3,), 1)
     h.engine.step()
     if index % 4 in (1, 2):
