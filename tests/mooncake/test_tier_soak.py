@@ -27,7 +27,8 @@ def soaked(mooncake: LocalMooncake) -> Iterator[dict[str, SoakReport]]:
     engines = {name: controlled_harness(str(mooncake.address), SHAPE, control)
                for name, control in [("production", None), *((c, c) for c in CONTROLS)]}
     logger = logging.getLogger("kvfsm")
-    level, logger.level = logger.level, logging.ERROR  # every failed write warns
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # every failed write warns
     try:
         yield soak(engines, mooncake, SHAPE)
     finally:
