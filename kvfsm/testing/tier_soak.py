@@ -1,23 +1,24 @@
 """A long run over failing tiers: does any bookkeeping structure grow with the run's length?
 
 The reference engine serves round after round of fresh prefixes through a CPU pool, a disk tier and a Mooncake tier
-(a real `mooncake_master`), with tier I/O on the tiers' own threads as in production. Every path that records
-something is taken over and over: in every other round every disk write fails (ENOSPC, through the tier's I/O
-seam), so write-backs fail and keys are given up; each round's prefix is pushed out of the CPU pool by another and
-looked up again, so it is fetched from the disk or the store; every other round that request is aborted as its
-fetch is ordered, so the fetched blocks are never loaded; and a third of the way in the master is killed (lookups,
-write-backs and fetches fail while it is down), then restarted two thirds in (the new master knows no object, so
-fetches of what the tier published before miss).
+(a real `mooncake_master`), with tier I/O on the tiers' own threads as in production and checksums on. Every path
+that records something is taken over and over: in every other round every disk write fails (ENOSPC, through the
+tier's I/O seam), so write-backs fail and keys are given up; each round's prefix is pushed out of the CPU pool by
+another and looked up again, so it is fetched from the disk or the store; every other round that request is aborted
+as its fetch is ordered, so the fetched blocks are never loaded; and a third of the way in the master is killed
+(lookups, write-backs and fetches fail while it is down), then restarted two thirds in (the new master knows no
+object, so fetches of what the tier published before miss). Once, the connector's cache is reset.
 
-After each round the census (`kvfsm.testing.census`) measures every structure reachable from the connector, and the
-exported metrics' label sets. With `keep_history=False` none may exceed `retention_bound`, a bound the configuration
-sets: every record the connector keeps exists for something the configuration sizes (a CPU slot, a GPU block, a disk
-slot, a published key the Mooncake index remembers, a request in flight), so a container holding more than all of
-them together keeps something whose reason ended, and grows with the run. Each of `CONTROLS` puts back one kind of
-growth, and the soak names what outgrew the bound.
+Every few rounds the census (`kvfsm.testing.census`) measures every structure reachable from the connector, and the
+exported metrics' label sets. With `keep_history=False` none may grow by more than `retention_bound`, which the
+configuration sets: every record the connector keeps exists for something the configuration sizes (a CPU slot, a GPU
+block, a disk slot, a published key the Mooncake index remembers, a call the Mooncake client queues, a request in
+flight), so a container holding more than all of them together keeps something whose reason ended, and grows with
+the run. Each of `CONTROLS` puts back one kind of growth, and the soak names what outgrew the bound. The production
+engine and the controls run in lockstep on one deployment, so they share the one outage (which costs seconds).
 
-`python -m kvfsm.testing.tier_soak --rounds 300` prints the figures; `tests/mooncake/test_tier_soak.py` runs a
-short soak and its controls.
+`python -m kvfsm.testing.tier_soak --rounds 300` prints the figures; `tests/mooncake/test_tier_soak.py` runs a short
+soak and its controls.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ STORE_BACK_S = 30.0
 class SoakShape:
     """The soak's configuration: small pools, so that every round evicts and the bound is tight."""
 
-    rounds: int = 36
+    rounds: int = 60
     cpu_blocks: int = 4
     gpu_blocks: int = 8
     disk_slots: int = 8

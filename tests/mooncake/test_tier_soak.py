@@ -18,7 +18,7 @@ pytest.importorskip("mooncake.store")
 from kvfsm.mooncake.local import LocalMooncake  # noqa: E402
 from kvfsm.testing.tier_soak import CONTROLS, SoakReport, SoakShape, controlled_harness, soak  # noqa: E402
 
-SHAPE = SoakShape(rounds=60)
+SHAPE = SoakShape()
 
 
 @pytest.fixture(scope="module")
