@@ -102,6 +102,10 @@ class MooncakeTierConfig(_TierConfig):
     """After the store was unreachable or slow, calls are refused at once (misses) for this long."""
     max_pending: PositiveInt = 32
     """Calls queued or running beyond this are refused at once (the write-back or fetch fails, nothing waits)."""
+    index_keys: PositiveInt = 65536
+    """Published keys this engine remembers of the store (written here or adopted by a lookup); the least recently
+    used beyond it is forgotten here (the store keeps it, and a later lookup adopts it again), so the index stays
+    bounded however many prefixes pass through a shared store."""
 
 
 LowerTierConfig = Annotated[Union[DiskTierConfig, MooncakeTierConfig], Field(discriminator="kind")]

@@ -18,6 +18,8 @@ How it differs from the disk tier, and why:
   when it returns, since until then it may still touch the CPU slot. After a failure the client refuses calls at
   once for a while, so a dead or slow master costs misses, never a blocked engine step.
 - `discard` forgets keys locally; it never removes them from the shared store, where other engines may use them.
+  The local index remembers at most `index_keys` published keys (least recently used forgotten first): the store
+  may hold far more than one engine ever needs again, and a forgotten key is adopted again by a lookup that meets it.
 - Jobs and the poll loop are `kvfsm.tiers.base.TierJobs`'s, as for every tier; a job's deadline is its client
   call's (`Pending.deadline`). This module keeps only the keys, the values' trailers and the client.
 
@@ -29,6 +31,7 @@ every write-back and fetch, which touch the CPU slots and trailers they were han
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -103,25 +106,29 @@ class MooncakeTier:
 
     def __init__(self, name: str, client: MooncakeClient, namespace: KvNamespace, block_bytes: int,
                  tenant: str | None = None, lookup_timeout_s: float = 0.05, keep_lookups: bool = False,
-                 pool: np.ndarray | None = None, *, machines: MachineSet, heads: HeadSplit | None = None) -> None:
-        """`machines`: the connector's machine set, which fires this tier's `tier-entry` transitions; `heads`: this
+                 pool: np.ndarray | None = None, index_keys: int = 65536, *, machines: MachineSet,
+                 heads: HeadSplit | None = None) -> None:
+        """`machines`: the connector's machine set, which fires this tier's `tier-entry` transitions; `index_keys`:
+        how many published keys of the store this tier remembers (`MooncakeTierConfig.index_keys`); `heads`: this
         rank's share of the KV heads, to store one value per head (None: one value per CPU block)."""
         self.name = name
         self.block_bytes = block_bytes
-        self.entries = TierEntries(name, machines, keep_lookups=keep_lookups)
+        self.entries = TierEntries(name, machines, keep_lookups=keep_lookups, bound=index_keys)
         self.client = client
         self.namespace = namespace
         self.tenant = tenant
         self.lookup_timeout_s = lookup_timeout_s
         self.heads = heads
+        self.index_keys = index_keys
         self._trailers = SlotArena(value.TRAILER_BYTES, TRAILERS_PER_CHUNK)
         self._shadows = SlotArena(block_bytes, max(1, SHADOW_CHUNK_BYTES // block_bytes))
         self._pool_units = [] if pool is None else [pool]
         """Registered whole with the first call, so every slot view handed in later is covered."""
         self._jobs = TierJobs(f"mooncake tier {name!r}", self.entries, block_bytes, failure_of, self._settled)
-        self._shunned: set[int] = set()
+        self._shunned: OrderedDict[int, None] = OrderedDict()
         """Keys whose stored value failed its check: not adopted again until this tier writes them itself (their
-        removal from the store is requested, but other engines may race it)."""
+        removal from the store is requested, but other engines may race it). At most `index_keys`, oldest forgotten
+        first: a forgotten one costs one more failed fetch if the bad value is still there."""
 
     def store_key(self, key: int) -> str:
         return object_key(self.namespace, key, self.tenant)
@@ -224,18 +231,21 @@ class MooncakeTier:
                         self.lookup_timeout_s)
             return
         width = len(per_block[0]) if per_block else 1
+        shown: list[int] = []
         for index, key in enumerate(keys):
             block = answers[index * width:(index + 1) * width]
             fault = next((a for a in block if isinstance(a, TierFault)), None)
             if fault is not None:
                 log.warning("mooncake tier %s: lookup: %s: %s", self.name, type(fault).__name__, fault)
-                return
-            if not all(answer is True for answer in block) or key in self._shunned:
-                return
+                break
+            entry = self.entries.get(key)
+            if (not all(answer is True for answer in block) or key in self._shunned
+                    or (entry is not None and entry.state != Entry.PUBLISHED)):
+                break
+            shown.append(key)
+        for key in reversed(shown):  # the head adopted last: the most recently used, the last `index_keys` forgets
             if self.entries.get(key) is None:
                 self.entries.adopt(key)
-            elif self.entries.get(key).state != Entry.PUBLISHED:  # type: ignore[union-attr]
-                return
 
     def _submit(self, kind: IoKind, entries: list[TierEntry], payloads: list[np.ndarray]) -> JobCalls:
         if not entries:
@@ -268,10 +278,12 @@ class MooncakeTier:
 
     def _settled(self, kind: IoKind, entry: TierEntry, failure: TierFailure | None) -> None:
         if failure is TierFailure.corrupt:  # the stored value failed its check: never adopt it again
-            self._shunned.add(entry.key)
+            self._shunned[entry.key] = None
+            while len(self._shunned) > self.index_keys:
+                self._shunned.popitem(last=False)
             self.client.remove(self.store_keys(entry.key))
         elif failure is None and kind == "write":
-            self._shunned.discard(entry.key)  # written by this tier itself: adoptable again
+            self._shunned.pop(entry.key, None)  # written by this tier itself: adoptable again
 
 
 def layout_of(caches: KVCaches) -> str:
@@ -324,4 +336,4 @@ def open_mooncake(config: MooncakeTierConfig, site: TierSite, io: IoExecutor | N
                                 layout=head_layout_of(site.caches, heads), block_tokens=offload.cpu_block_tokens)
     return MooncakeTier(config.tier_name, client, namespace, site.block_bytes, tenant=config.tenant,
                         lookup_timeout_s=config.lookup_timeout_s, keep_lookups=keep_lookups,
-                        pool=site.pool.buffer.numpy(), machines=machines, heads=heads)
+                        pool=site.pool.buffer.numpy(), index_keys=config.index_keys, machines=machines, heads=heads)
