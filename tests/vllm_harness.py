@@ -5,9 +5,9 @@ what only tests need. With tensor parallelism (`FakeRanks`) each rank is a fake 
 reach the scheduler through vLLM's own `KVOutputAggregator`, as vLLM's executors deliver them. After every
 scheduling and every output the harness checks the rule the adapter exists to keep: no GPU block read or written by
 an unfinished, unflushed job has left its request; and `SpecChecks` traces every transition against the spec,
-checks kvfsm's named invariants after every step and, once idle, that everything drained. With `async_scheduling`
-the driver runs vLLM's `AsyncScheduler` as vLLM's engine core does then: step N+1 is scheduled (and handed to the
-worker) before step N's output is processed.
+checks kvfsm's named invariants after every step and, once idle, that everything drained. When the configuration
+says `async_scheduling` the driver runs vLLM's `AsyncScheduler` as vLLM's engine core does then: step N+1 is
+scheduled (and handed to the worker) before step N's output is processed.
 """
 
 from __future__ import annotations
@@ -148,9 +148,10 @@ class Driver:
     """One vLLM scheduler with the kvfsm adapter, stepped by hand against a `FakeWorker` or an `AdapterWorker`."""
 
     def __init__(self, config: VllmConfig, worker: "FakeWorker | FakeRanks | AdapterWorker",
-                 cache: KVCacheConfig | None = None, async_scheduling: bool = False) -> None:
+                 cache: KVCacheConfig | None = None) -> None:
         init_none_hash(sha256)
         self.blocks = config.cache_config.num_gpu_blocks
+        async_scheduling = bool(config.scheduler_config.async_scheduling)
         kind = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = kind(config, cache or kv_cache_config(self.blocks), StructuredOutputManager(config),
                               block_size=BLOCK_SIZE, log_stats=True)

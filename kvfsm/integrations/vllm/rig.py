@@ -63,9 +63,12 @@ KVFSM_CONNECTOR = "KvfsmConnector"
 
 def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
                 connector: str | None = KVFSM_CONNECTOR, max_batched_tokens: int = 512,
-                max_seqs: int = 32, tensor_parallel_size: int = 1, prefix_caching: bool = True) -> VllmConfig:
+                max_seqs: int = 32, tensor_parallel_size: int = 1, prefix_caching: bool = True,
+                async_scheduling: bool = False) -> VllmConfig:
     """vLLM's configuration with `connector` (kvfsm's, one of vLLM's own by name, or None for none); without
-    `prefix_caching` vLLM's GPU prefix cache is off (every request looks its whole prefix up in the connector)."""
+    `prefix_caching` vLLM's GPU prefix cache is off (every request looks its whole prefix up in the connector).
+    `async_scheduling` is set after vLLM resolved its configuration: vLLM's CPU platform turns it off, where a GPU
+    platform leaves it on by default; the scheduler and the connector read it when they are built."""
     transfer = None if connector is None else KVTransferConfig(
         kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra,
         kv_connector_module_path="kvfsm.integrations.vllm" if connector == KVFSM_CONNECTOR else None,
@@ -76,6 +79,7 @@ def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
         kv_transfer_config=transfer, parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
     config.cache_config.num_gpu_blocks = num_gpu_blocks
+    config.scheduler_config.async_scheduling = async_scheduling
     return config
 
 
