@@ -85,6 +85,12 @@ def test_async_scheduling_is_vllms_and_a_contradiction_is_refused(model) -> None
         offload_config(vllm_config(model, {"cpu_blocks": 4, "async_scheduling": False}, 16, async_scheduling=True))
 
 
+def test_pipeline_parallelism_schedules_ahead_too(model) -> None:
+    """vLLM's engine core keeps a batch per pipeline stage in flight, async scheduling or not."""
+    config = offload_config(vllm_config(model, {"cpu_blocks": 4, "layer_loads": True}, 16, pipeline_parallel_size=2))
+    assert config.async_scheduling and not config.inline_loads
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_layer_loads_falling_back_is_logged_once_and_counted(make_driver, caplog, async_scheduling: bool) -> None:
     with caplog.at_level(logging.WARNING, logger="kvfsm.integrations.vllm.scheduler_side"):

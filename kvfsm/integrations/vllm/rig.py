@@ -64,7 +64,7 @@ KVFSM_CONNECTOR = "KvfsmConnector"
 def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
                 connector: str | None = KVFSM_CONNECTOR, max_batched_tokens: int = 512,
                 max_seqs: int = 32, tensor_parallel_size: int = 1, prefix_caching: bool = True,
-                async_scheduling: bool = False) -> VllmConfig:
+                async_scheduling: bool = False, pipeline_parallel_size: int = 1) -> VllmConfig:
     """vLLM's configuration with `connector` (kvfsm's, one of vLLM's own by name, or None for none); without
     `prefix_caching` vLLM's GPU prefix cache is off (every request looks its whole prefix up in the connector).
     `async_scheduling` is set after vLLM resolved its configuration: vLLM's CPU platform turns it off, where a GPU
@@ -77,7 +77,8 @@ def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
         model_config=model, cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_batched_tokens, max_num_seqs=max_seqs,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
-        kv_transfer_config=transfer, parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+        kv_transfer_config=transfer, parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                                                   pipeline_parallel_size=pipeline_parallel_size))
     config.cache_config.num_gpu_blocks = num_gpu_blocks
     config.scheduler_config.async_scheduling = async_scheduling
     return config

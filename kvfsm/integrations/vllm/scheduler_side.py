@@ -63,10 +63,10 @@ class SchedulerSide:
                                         num_gpu_blocks=kv_cache_config.num_blocks)
         self.kvfsm.load_reports_in_step = True  # vLLM reads invalid blocks only in the output of their step
         if config.layer_loads and not config.inline_loads:
-            log.warning("kvfsm: layer_loads is set but vLLM runs with async scheduling, which schedules the next step "
-                        "before a failed load's blocks can be taken back; CPU hits load asynchronously instead "
-                        "(kvfsm_loads_total{mode=\"async\"}). Start vLLM with --no-async-scheduling for per-layer "
-                        "loads.")
+            log.warning("kvfsm: layer_loads is set but vLLM schedules each step before it read the previous one's "
+                        "output (async scheduling, or pipeline parallelism), so a failed load's step could not be "
+                        "taken back; CPU hits load asynchronously instead (kvfsm_loads_total{mode=\"async\"}). Per-layer "
+                        "loads need --no-async-scheduling and no pipeline parallelism.")
         self.codec = HashCodec()
         self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage)
         self._matched: dict[str, RequestView] = {}
