@@ -40,7 +40,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
@@ -52,6 +51,7 @@ from kvfsm.integrations.vllm.rig import (
     BLOCK_SIZE,
     KVFSM_CONNECTOR,
     FakeWorker,
+    StepOutputs,
     kv_cache_config,
     model_config,
     model_output,
@@ -149,15 +149,13 @@ class Run:
         extra |= ADMISSION[admission].get(connector, {})
         config = vllm_config(model, extra, workload.gpu_blocks, connector=name, async_scheduling=async_scheduling,
                              max_batched_tokens=workload.max_batched_tokens, max_seqs=workload.max_seqs)
-        kind = AsyncScheduler if async_scheduling else Scheduler
-        self.scheduler = kind(config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config),
-                              block_size=BLOCK_SIZE)
+        self.scheduler: Scheduler = config.scheduler_config.get_scheduler_cls()(
+            config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config), block_size=BLOCK_SIZE)
         # A load computed in its own step is reported in that step (the adapter's worker waits for it).
         inline = connector == "kvfsm" and self.scheduler.connector.scheduler_side.kvfsm.inline_loads
         self.worker = (None if name is None else OffloadingFakeWorker() if connector == "vllm"
                        else FakeWorker(load_steps=1 if inline else LOAD_STEPS, store_steps=STORE_STEPS))
-        self._unprocessed: tuple[int, SchedulerOutput, Any] | None = None
-        """Under async scheduling: the step run but not processed yet, with its model output."""
+        self.outputs = StepOutputs(self._process, async_scheduling)
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.deferrals = 0
         if self.scheduler.connector is not None:
@@ -199,23 +197,13 @@ class Run:
         scheduled = time.thread_time()
         connector_output = None if self.worker is None else self.worker.step(self.step_no, output, self.scheduler)
         result = model_output(self.scheduler, output, connector_output)
-        earlier, self._unprocessed = self._unprocessed, (self.step_no, output, result)
         updating = time.thread_time()
-        if not isinstance(self.scheduler, AsyncScheduler):
-            self.flush()
-        elif earlier is not None:
-            self._process(*earlier)
+        self.outputs.ran(self.step_no, output, result)
         end = time.thread_time()
         if measured:
             self.step_us.append((scheduled - start + end - updating) * 1e6)
             self.jobs = [a + b for a, b in zip(self.jobs, job_counts(output))]
             self.preemptions += len(output.preempted_req_ids or ())
-
-    def flush(self) -> None:
-        """Process the step run but not processed yet, if any."""
-        earlier, self._unprocessed = self._unprocessed, None
-        if earlier is not None:
-            self._process(*earlier)
 
     def _process(self, step: int, output: SchedulerOutput, result: Any) -> None:
         outputs = self.scheduler.update_from_output(output, result)
@@ -253,7 +241,7 @@ def play(workload: Workload, connector: str, model: Any, admission: str = "every
         bench.add(arrival)
     while bench.scheduler.has_requests() or _due_jobs(bench.worker):
         bench.step(measured=False)
-    bench.flush()
+    bench.outputs.flush()
     bench.scheduler.reset_prefix_cache()
     measured: set[str] = set()
     gc.collect()
@@ -263,7 +251,7 @@ def play(workload: Workload, connector: str, model: Any, admission: str = "every
             bench.add(arrival)
             measured.add(arrival.req_id)
         bench.step(measured=workload.measure_from(bench.scheduler))
-    bench.flush()
+    bench.outputs.flush()
     return bench, measured
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -105,6 +105,35 @@ def model_output(scheduler: Scheduler, output: SchedulerOutput,
 def sampled_requests(outputs: dict[int, Any]) -> list[str]:
     """Requests that got a new token in `Scheduler.update_from_output`'s result."""
     return [out.request_id for engine in outputs.values() for out in engine.outputs if out.new_token_ids]
+
+
+class StepOutputs:
+    """When a scheduler's step outputs are processed, as vLLM's engine core does it: at once, or under async
+    scheduling (`ahead`) step N's only after step N+1 was scheduled and run."""
+
+    def __init__(self, process: Callable[[int, SchedulerOutput, ModelRunnerOutput], None], ahead: bool) -> None:
+        self._process = process
+        self.ahead = ahead
+        self._unprocessed: tuple[int, SchedulerOutput, ModelRunnerOutput] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """A step ran whose output is not processed yet."""
+        return self._unprocessed is not None
+
+    def ran(self, step: int, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Step `step` ran: process its output now, or under async scheduling the previous step's."""
+        earlier, self._unprocessed = self._unprocessed, (step, output, result)
+        if not self.ahead:
+            self.flush()
+        elif earlier is not None:
+            self._process(*earlier)
+
+    def flush(self) -> None:
+        """Process the step run but not processed yet, if any."""
+        earlier, self._unprocessed = self._unprocessed, None
+        if earlier is not None:
+            self._process(*earlier)
 
 
 @dataclass
