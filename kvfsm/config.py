@@ -154,6 +154,11 @@ class OffloadConfig(BaseModel):
     """With an engine that calls `wait_for_layer_load` before each layer reads KV: a CPU hit is computed in the step
     that loads it (the lookup says the load is not asynchronous), each layer waiting on the GPU for its own
     segment of the load. Off: the engine computes a hit once its load is reported, as without per-layer hooks."""
+    async_scheduling: bool = False
+    """The engine schedules step N+1 before it has read step N's output (vLLM's async scheduling, its default).
+    `layer_loads` then loads CPU hits asynchronously: a failed load computed in its own step would reach the engine
+    only after the next step, already scheduled, computed on the blocks that did not land
+    (`no-inline-load-under-async-scheduling`)."""
     layer_stores: bool = False
     """With an engine that calls `save_kv_layer`: start each layer's stores as soon as that layer's KV is written,
     instead of at the start of the next step. Off by default: on an H100 the sampled-token copy then waited
@@ -186,6 +191,11 @@ class OffloadConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"lower tier names must be unique, got {names}")
         return self
+
+    @property
+    def inline_loads(self) -> bool:
+        """Whether a CPU hit is computed in the step that loads it: `layer_loads`, unless the engine schedules ahead."""
+        return self.layer_loads and not self.async_scheduling
 
     @property
     def cpu_block_tokens(self) -> int:

@@ -179,9 +179,10 @@ class WorkerConnector:
 
     def wait_for_layer_load(self, layer: str) -> None:
         """Before `layer` reads KV: the compute stream waits on that layer's segment of this step's loads only.
-        Without `layer_loads` nothing this step computes reads them (loads are asynchronous), so nothing waits."""
+        Without inline loads (`layer_loads` off, or an engine that schedules ahead) nothing this step computes reads
+        them (loads are asynchronous), so nothing waits."""
         segment = self.transfers.segment_of(layer)  # an unknown layer is an error whatever the configuration
-        if not self.config.layer_loads:
+        if not self.config.inline_loads:
             return
         waited: set[int] = set()
         for job_id in self._step_loads:
