@@ -9,7 +9,10 @@ How it differs from the disk tier, and why:
   the keys this process does not know; a key it shows complete is *adopted* (`tier-entry` `adopt`): the store
   exposes an object only once its put ended, and the value carries its own sealed checksum.
 - Bytes move zero-copy between the CPU slots and the store (`kvfsm.mooncake.client`), each value sealed with a
-  trailer (key tag, length, CRC-32) and checked on read: a torn, foreign or corrupted value is `corrupt`.
+  trailer (the tenant's keyed MAC over key, length, the block's own checksum and bytes) and checked on read: a
+  forged, foreign, torn or corrupted value is `corrupt`, a miss the engine recomputes, counted in the planner's
+  `failures["corrupt"]` and in `rejected_values` here; its bytes never leave the CPU slot the fetch claimed. A key
+  a write-back finds present already is published only once the value there verifies.
 - All calls run on the client's I/O executor; a call still queued at its deadline is cancelled (`timeout`); one
   already running is reported failed at its deadline with `held=True` (the engine recomputes at once) and released
   when it returns, since until then it may still touch the CPU slot. After a failure the client refuses calls at
@@ -41,6 +44,8 @@ from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreFull, Store
 from kvfsm.mooncake.io_thread import Pending
 from kvfsm.mooncake.keys import KvNamespace, object_key
 from kvfsm.mooncake.local import MasterAddress
+from kvfsm.mooncake.secret import load_value_key
+from kvfsm.mooncake.value import ValueMac
 from kvfsm.records import TierEntry
 from kvfsm.states import TierEntryState as Entry
 from kvfsm.tiers.base import IoJob, IoKind, TierCompletion, TierFailure, TierJobs, TierSite
@@ -108,6 +113,8 @@ class MooncakeTier:
         self._shunned: set[int] = set()
         """Keys whose stored value failed its check: not adopted again until this tier writes them itself (their
         removal from the store is requested, but other engines may race it)."""
+        self.rejected_values = 0
+        """Values read from the store (by a fetch, or found present by a write-back) whose MAC did not verify."""
 
     def store_key(self, key: int) -> str:
         return object_key(self.namespace, key, self.tenant)
@@ -120,15 +127,17 @@ class MooncakeTier:
             self._adopt_from_store(keys[count:])
         return self.entries.lookup(keys)
 
-    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview]) -> None:
+    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview],
+                     checksums: Sequence[int | None] = ()) -> None:
         self._jobs.check(job_id, keys, sources)
-        entries, payloads = [], []
-        for key, view in zip(keys, sources):
+        entries, payloads, carried = [], [], []
+        for key, view, checksum in zip(keys, sources, checksums or [None] * len(keys)):
             entry = self.entries.reserve(key)
             if entry is not None:  # a key published or being written already counts as moved
                 entries.append(entry)
                 payloads.append(np.frombuffer(view, dtype=np.uint8))
-        self._jobs.start(job_id, IoJob("write", entries, self._submit("write", entries, payloads)))
+                carried.append(checksum)
+        self._jobs.start(job_id, IoJob("write", entries, self._submit("write", entries, payloads, carried)))
 
     def submit_read(self, job_id: int, keys: Sequence[int], destinations: Sequence[memoryview]) -> None:
         self._jobs.check(job_id, keys, destinations)
@@ -196,7 +205,8 @@ class MooncakeTier:
             elif self.entries.get(key).state != Entry.PUBLISHED:  # type: ignore[union-attr]
                 return
 
-    def _submit(self, kind: IoKind, entries: list[TierEntry], payloads: list[np.ndarray]) -> Pending[list[KeyResult]]:
+    def _submit(self, kind: IoKind, entries: list[TierEntry], payloads: list[np.ndarray],
+                carried: Sequence[int | None] = ()) -> Pending[list[KeyResult]]:
         if not entries:
             return Pending.answered([])
         keys = [self.store_key(entry.key) for entry in entries]
@@ -204,11 +214,12 @@ class MooncakeTier:
         trailers = [t for t, _ in pairs]
         units = self._pool_units + list({id(c): c for _, c in pairs}.values())
         if kind == "write":
-            return self.client.write_back(keys, payloads, trailers, units=units)
+            return self.client.write_back(keys, payloads, trailers, units=units, carried=carried)
         return self.client.fetch(keys, payloads, trailers, units=units)
 
     def _settled(self, kind: IoKind, entry: TierEntry, failure: TierFailure | None) -> None:
         if failure is TierFailure.corrupt:  # the stored value failed its check: never adopt it again
+            self.rejected_values += 1
             self._shunned.add(entry.key)
             self.client.remove([self.store_key(entry.key)])
         elif failure is None and kind == "write":
@@ -226,11 +237,13 @@ def layout_of(caches: KVCaches) -> str:
 def open_mooncake(config: MooncakeTierConfig, site: TierSite, io: IoExecutor | None, keep_lookups: bool,
                   machines: MachineSet) -> MooncakeTier:
     """Connect to the configured master (bounded by the client's connect timeout), register the CPU pool for
-    zero-copy calls, and open the tier. A master that cannot be reached is `StoreUnavailable` here, at start-up,
-    where a wrong address is best reported."""
+    zero-copy calls, and open the tier. A missing, unreadable or short tenant secret is `SecretUnavailable` and a
+    master that cannot be reached `StoreUnavailable`, both here, at start-up, where they are best reported."""
+    mac = ValueMac(load_value_key(config.secret_file, config.secret_env, config.tenant))
     client = MooncakeClient(ClientSettings(
         master=MasterAddress.parse(config.master), segment_bytes=config.segment_bytes,
-        op_timeout_s=config.op_timeout_s, retry_after_s=config.retry_after_s, max_pending=config.max_pending), io=io)
+        op_timeout_s=config.op_timeout_s, retry_after_s=config.retry_after_s, max_pending=config.max_pending,
+        hash_threads=config.hash_threads), mac, io=io)
     client.connect()
     offload = site.offload
     namespace = KvNamespace(model_id=config.model_id, dtype=config.kv_dtype, layout=layout_of(site.caches),
