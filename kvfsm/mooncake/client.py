@@ -270,7 +270,9 @@ class MooncakeClient:
         """Store each payload under its key, sealed with the tenant's MAC in its trailer (one object each),
         carrying `carried[i]`, the block's own checksum, if given. A key the store already holds counts as written
         only once the value there verifies (this tenant wrote it: keys name content, so it holds these bytes); a
-        value there that does not is `ChecksumMismatch`. `units` are buffers to register whole before the first use
+        value there that does not is `ChecksumMismatch`. Mooncake answers success to a put onto a present key and
+        keeps the value there, so presence is asked first (one `batch_is_exist` per chunk); a value planted between
+        that answer and the put is still refused by every fetch of it (docs/security.md). `units` are buffers to register whole before the first use
         of views into them."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
         sums = list(carried) or [None] * len(keys)
@@ -287,15 +289,18 @@ class MooncakeClient:
 
         def put(chunks: list[range], sealed: list[Future[list[int]]]) -> list[KeyResult]:
             results: list[KeyResult] = []
-            for chunk, tags in zip(chunks, sealed):
-                codes = self._store.batch_put_from_multi_buffers(
-                    [keys[i] for i in chunk], [[address(payloads[i]), address(trailers[i])] for i in chunk],
-                    [[payloads[i].nbytes, value.TRAILER_BYTES] for i in chunk])
-                faults = self._faults([keys[i] for i in chunk], codes, "write-back of")
-                for i, tag, code, fault in zip(chunk, tags.result(), codes, faults):
-                    present = code == StoreCode.OBJECT_ALREADY_EXISTS
-                    results.append(fault if fault is not None else
-                                   self._verify_present(keys[i], payloads[i].nbytes) if present else tag)
+            for chunk, seals in zip(chunks, sealed):
+                present = dict(zip(chunk, self._store.batch_is_exist([keys[i] for i in chunk])))
+                tags = seals.result()  # the chunk's trailers are sealed: only now may the store read them
+                fresh = [i for i in chunk if present[i] != 1]
+                codes = dict(zip(fresh, self._store.batch_put_from_multi_buffers(
+                    [keys[i] for i in fresh], [[address(payloads[i]), address(trailers[i])] for i in fresh],
+                    [[payloads[i].nbytes, value.TRAILER_BYTES] for i in fresh]) if fresh else []))
+                faults = dict(zip(fresh, self._faults([keys[i] for i in fresh], list(codes.values()),
+                                                      "write-back of")))
+                for i, tag in zip(chunk, tags):
+                    results.append(self._verify_present(keys[i], payloads[i].nbytes) if i not in codes
+                                   else faults[i] if faults[i] is not None else tag)
             return results
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
