@@ -271,7 +271,7 @@ class MooncakeClient:
         carrying `carried[i]`, the block's own checksum, if given. A key the store already holds counts as written
         only once the value there verifies (this tenant wrote it: keys name content, so it holds these bytes); a
         value there that does not is `ChecksumMismatch`. Mooncake answers success to a put onto a present key and
-        keeps the value there, so presence is asked first (one `batch_is_exist` per chunk); a value planted between
+        keeps the value there, so presence is asked first (one `batch_is_exist` per call); a value planted between
         that answer and the put is still refused by every fetch of it (docs/security.md). `units` are buffers to register whole before the first use
         of views into them."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
@@ -289,8 +289,8 @@ class MooncakeClient:
 
         def put(chunks: list[range], sealed: list[Future[list[int]]]) -> list[KeyResult]:
             results: list[KeyResult] = []
+            present = dict(enumerate(self._store.batch_is_exist(keys)))  # asked while the first chunk is sealed
             for chunk, seals in zip(chunks, sealed):
-                present = dict(zip(chunk, self._store.batch_is_exist([keys[i] for i in chunk])))
                 tags = seals.result()  # the chunk's trailers are sealed: only now may the store read them
                 fresh = [i for i in chunk if present[i] != 1]
                 codes = dict(zip(fresh, self._store.batch_put_from_multi_buffers(

@@ -16,6 +16,8 @@ from kvfsm.mooncake.errors import (  # noqa: E402
 from kvfsm.mooncake.host_memory import SlotRegion  # noqa: E402
 from kvfsm.mooncake.io_thread import Pending  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress, free_loopback_port  # noqa: E402
+from kvfsm.mooncake.secret import ValueKey  # noqa: E402
+from kvfsm.mooncake.value import ValueMac  # noqa: E402
 from kvfsm.testing.mooncake_store import tenant_mac  # noqa: E402
 from kvfsm.tiers.io import ManualIo  # noqa: E402
 
@@ -205,3 +207,22 @@ def test_connecting_to_no_master_fails_at_once() -> None:
         client.connect()
     assert time.monotonic() - started < 2.0
     assert client.close()
+
+
+class SlowSeal(ValueMac):
+    """A sealer that takes its time, as a loaded host's MAC threads do."""
+
+    def seal(self, *args, **kwargs) -> int:
+        time.sleep(0.05)
+        return super().seal(*args, **kwargs)
+
+
+def test_a_write_back_puts_no_value_before_its_trailer_is_sealed(mooncake, connect, request) -> None:
+    """The MACs of a chunk run on the MAC threads while earlier chunks move: a chunk put before its trailers were
+    sealed would store stale trailers, and every fetch of it would fail."""
+    key = ValueKey.derive(b"a test tenant's secret, 32 bytes or more", None)
+    client = connect(mooncake, mac=SlowSeal(key), pipeline_bytes=SLOT)
+    source, target = registered(client, seed=7), registered(client, seed=8)
+    keys = [f"{request.node.name}-{i}" for i in range(4)]
+    assert moved(write(client, source, keys, [0, 1, 2, 3]))
+    assert moved(read(client, target, keys, [0, 1, 2, 3]))
