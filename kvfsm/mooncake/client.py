@@ -272,8 +272,8 @@ class MooncakeClient:
         only once the value there verifies (this tenant wrote it: keys name content, so it holds these bytes); a
         value there that does not is `ChecksumMismatch`. Mooncake answers success to a put onto a present key and
         keeps the value there, so presence is asked first (one `batch_is_exist` per call); a value planted between
-        that answer and the put is still refused by every fetch of it (docs/security.md). `units` are buffers to register whole before the first use
-        of views into them."""
+        that answer and the put is still refused by every fetch of it (docs/security.md). `units` are buffers to
+        register whole before the first use of views into them."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
         sums = list(carried) or [None] * len(keys)
 
@@ -290,20 +290,27 @@ class MooncakeClient:
         def put(chunks: list[range], sealed: list[Future[list[int]]]) -> list[KeyResult]:
             results: list[KeyResult] = []
             present = dict(enumerate(self._store.batch_is_exist(keys)))  # asked while the first chunk is sealed
+            unasked = {i: self._unanswered(keys[i]) for i, answer in present.items() if answer < 0}
             for chunk, seals in zip(chunks, sealed):
                 tags = seals.result()  # the chunk's trailers are sealed: only now may the store read them
-                fresh = [i for i in chunk if present[i] != 1]
+                fresh = [i for i in chunk if present[i] == 0]
                 codes = dict(zip(fresh, self._store.batch_put_from_multi_buffers(
                     [keys[i] for i in fresh], [[address(payloads[i]), address(trailers[i])] for i in fresh],
                     [[payloads[i].nbytes, value.TRAILER_BYTES] for i in fresh]) if fresh else []))
                 faults = dict(zip(fresh, self._faults([keys[i] for i in fresh], list(codes.values()),
                                                       "write-back of")))
                 for i, tag in zip(chunk, tags):
-                    results.append(self._verify_present(keys[i], payloads[i].nbytes) if i not in codes
-                                   else faults[i] if faults[i] is not None else tag)
+                    results.append(unasked[i] if i in unasked else self._verify_present(keys[i], payloads[i].nbytes)
+                                   if i not in codes else faults[i] if faults[i] is not None else tag)
             return results
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
+
+    def _unanswered(self, key: str) -> TierFault:
+        """A key whose presence the store did not answer is not put (a stalled master would make the put wait out
+        its RPC timeout a second time); the store is refused for a while, as after any failed call."""
+        self._back_off()
+        return StoreUnavailable(f"write-back of {key}: the store did not say whether it holds the key")
 
     def _verify_present(self, key: str, nbytes: int) -> KeyResult:
         """The own checksum of the value already stored under `key` once it verifies, else the fault: a key another
