@@ -254,14 +254,16 @@ class MooncakeClient:
         return faults
 
     # -- operations -----------------------------------------------------------------------------------------------
-    def _chunks(self, payloads: Sequence[np.ndarray]) -> list[range]:
-        """The batch's indices cut into runs of about `pipeline_bytes`, at least one block each."""
-        chunks, start, size = [], 0, 0
+    def _chunks(self, payloads: Sequence[np.ndarray], growing: bool = False) -> list[range]:
+        """The batch's indices cut into runs of about `pipeline_bytes`, at least one block each; `growing`: each
+        run twice the one before (a write-back: the first put waits only for a small chunk's MACs, and a batch
+        costs few puts, each of which asks the master twice)."""
+        chunks, start, size, limit = [], 0, 0, self.settings.pipeline_bytes
         for i, payload in enumerate(payloads):
             size += payload.nbytes
-            if size >= self.settings.pipeline_bytes:
+            if size >= limit:
                 chunks.append(range(start, i + 1))
-                start, size = i + 1, 0
+                start, size, limit = i + 1, 0, 2 * limit if growing else limit
         return chunks + ([range(start, len(payloads))] if start < len(payloads) else [])
 
     def write_back(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
@@ -277,22 +279,21 @@ class MooncakeClient:
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
         sums = list(carried) or [None] * len(keys)
 
-        def seal(chunk: range) -> list[int]:
-            return [self.mac.seal(trailers[i], keys[i], payloads[i], sums[i]) for i in chunk]
+        def seal(i: int) -> int:
+            return self.mac.seal(trailers[i], keys[i], payloads[i], sums[i])
 
         def call() -> list[KeyResult]:
             self._ensure_registered(list(units) + payloads + trailers)
-            chunks = self._chunks(payloads)
-            sealed = [self._hashing.submit(seal, chunk) for chunk in chunks]
+            sealed = [self._hashing.submit(seal, i) for i in range(len(keys))]  # in order, on every MAC thread
             with _settling(sealed):
-                return put(chunks, sealed)
+                return put(sealed)
 
-        def put(chunks: list[range], sealed: list[Future[list[int]]]) -> list[KeyResult]:
+        def put(sealed: list[Future[int]]) -> list[KeyResult]:
             results: list[KeyResult] = []
             present = dict(enumerate(self._store.batch_is_exist(keys)))  # asked while the first chunk is sealed
             unasked = {i: self._unanswered(keys[i]) for i, answer in present.items() if answer < 0}
-            for chunk, seals in zip(chunks, sealed):
-                tags = seals.result()  # the chunk's trailers are sealed: only now may the store read them
+            for chunk in self._chunks(payloads, growing=True):
+                tags = [sealed[i].result() for i in chunk]  # the chunk's trailers are sealed: only now may it go
                 fresh = [i for i in chunk if present[i] == 0]
                 codes = dict(zip(fresh, self._store.batch_put_from_multi_buffers(
                     [keys[i] for i in fresh], [[address(payloads[i]), address(trailers[i])] for i in fresh],
@@ -341,21 +342,22 @@ class MooncakeClient:
         garbage and must not be used."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
 
-        def verify(chunk: range, codes: list[int], faults: list[TierFault | None]) -> list[KeyResult]:
-            return [fault if fault is not None else self._verified(keys[i], payloads[i], trailers[i], code)
-                    for i, code, fault in zip(chunk, codes, faults)]
+        def verify(i: int, code: int, fault: TierFault | None) -> KeyResult:
+            return fault if fault is not None else self._verified(keys[i], payloads[i], trailers[i], code)
 
         def call() -> list[KeyResult]:
             self._ensure_registered(list(units) + payloads + trailers)
-            checked: list[Future[list[KeyResult]]] = []
+            checked: list[Future[KeyResult]] = []
             with _settling(checked):
                 for chunk in self._chunks(payloads):
                     names = [keys[i] for i in chunk]
                     codes = self._store.batch_get_into_multi_buffers(
                         names, [[address(payloads[i]), address(trailers[i])] for i in chunk],
                         [[payloads[i].nbytes, value.TRAILER_BYTES] for i in chunk])
-                    checked.append(self._hashing.submit(verify, chunk, codes, self._faults(names, codes, "fetch of")))
-                return [result for future in checked for result in future.result()]
+                    faults = self._faults(names, codes, "fetch of")
+                    checked += [self._hashing.submit(verify, i, code, fault)
+                                for i, code, fault in zip(chunk, codes, faults)]
+                return [future.result() for future in checked]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 
