@@ -18,7 +18,10 @@ pytest.importorskip("mooncake.store")
 
 from test_mooncake_tier import PROMPT, clean, drive, engine, failures, from_store, serve  # noqa: E402
 
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+
 from kvfsm.config import MooncakeTierConfig  # noqa: E402
+from kvfsm.connector.prometheus import KvfsmCollector  # noqa: E402
 from kvfsm.mooncake.errors import ChecksumMismatch  # noqa: E402
 from kvfsm.mooncake.secret import SecretUnavailable, ValueKey, load_value_key  # noqa: E402
 from kvfsm.mooncake.value import TRAILER_BYTES, ValueMac  # noqa: E402
@@ -163,9 +166,11 @@ def test_the_secret_is_never_shown(tmp_path, monkeypatch, mooncake, caplog) -> N
     with caplog.at_level(logging.DEBUG):
         b = engine(mooncake, secret_env="KVFSM_TEST_SECRET")
         serve(b, PROMPT)
+    registry = CollectorRegistry()
+    registry.register(KvfsmCollector.of(b.connector.scheduler))
     shown = [repr(key), str(key), repr(ValueMac(key)), repr(config), repr(b.mooncake.client.mac), caplog.text,
-             repr(b.connector.scheduler.stats), repr(b.connector.scheduler.tiers.stats), repr(b.connector.take_events())
-             if hasattr(b.connector, "take_events") else ""]
+             repr(b.connector.scheduler.stats), repr(b.connector.scheduler.tiers.stats),
+             repr(b.connector.take_events()), generate_latest(registry).decode()]
     assert not any(SECRET in text or SECRET[:16] in text for text in shown)
     with pytest.raises(TypeError):
         __import__("pickle").dumps(key)
