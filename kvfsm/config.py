@@ -86,12 +86,21 @@ class MooncakeTierConfig(_TierConfig):
     kv_dtype: str = Field(min_length=1)
     """Element type of the KV cache (`bfloat16`, ...): part of every key."""
     tenant: str | None = None
-    """A salt mixed into every key (as vLLM's `cache_salt`): engines with different tenants never share KV."""
+    """A salt mixed into every key (as vLLM's `cache_salt`): engines with different tenants never share KV. Not a
+    secret: anyone who can reach the master may know it (docs/security.md)."""
     kv_heads: PositiveInt | None = None
     """The model's KV heads, all ranks together. Given, a block is stored as one value per KV head, keyed without
     the tensor-parallel rank or size, so engines of every TP size of the model share prefixes
     (`kvfsm.mooncake.heads`; layouts `kv-first` and `blocks-first`). Left out, a rank stores its whole CPU block
     under a key that names its rank and TP size: only engines of the same TP size share."""
+    secret_file: Path | None = Field(default=None, strict=False)
+    """A file holding the tenant's secret (at least 32 bytes; surrounding whitespace ignored): every value is
+    sealed and checked with a MAC keyed from it, so values written by anyone without it are refused. Read once,
+    when the tier opens. None: the secret is read from the environment variable `secret_env`."""
+    secret_env: str = Field(default="KVFSM_MOONCAKE_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The environment variable holding the tenant's secret when `secret_file` is None."""
+    hash_threads: PositiveInt = 2
+    """Threads that seal and check the values' MACs, overlapped with the transfers."""
     segment_bytes: int = Field(default=0, ge=0)
     """Memory this engine lends to the store; 0 leaves storage to segment hosts (the shared KV outlives engines)."""
     op_timeout_s: float = Field(default=2.0, gt=0)

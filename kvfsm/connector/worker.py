@@ -102,13 +102,14 @@ class WorkerConnector:
                                                k * caches.gpu_block_bytes))
             transfers = Transfers(self.device, caches, pool, block_size_factor=k, mechanism=self.config.mechanism,
                                   staging_bytes=self.config.staging_bytes)
+            checksums = SlotChecksums(pool) if self.config.checksum else None
             tiers = None
             if self.config.lower_tiers:  # `open_tiers` closes the tiers it opened if a later one fails
                 site = TierSite(self.config, pool.slot_bytes, self.worker, caches, pool)
-                tiers = TierRunner(open_tiers(site, self._tier_io, self._keep_lookups, self._machines), pool)
+                tiers = TierRunner(open_tiers(site, self._tier_io, self._keep_lookups, self._machines), pool,
+                                   checksums)
             undo.pop_all()  # registered: the pool now lives until `shutdown`
-        self._pool, self._transfers, self._tiers = pool, transfers, tiers
-        self._checksums = SlotChecksums(pool) if self.config.checksum else None
+        self._pool, self._transfers, self._tiers, self._checksums = pool, transfers, tiers, checksums
         self._caches = caches
         return caches
 

@@ -12,7 +12,10 @@ How it differs from the disk tier, and why:
   the keys this process does not know; a key it shows complete is *adopted* (`tier-entry` `adopt`): the store
   exposes an object only once its put ended, and the value carries its own sealed checksum.
 - Bytes move zero-copy between the CPU slots and the store (`kvfsm.mooncake.client`), each value sealed with a
-  trailer (key tag, length, CRC-32) and checked on read: a torn, foreign or corrupted value is `corrupt`.
+  trailer (the tenant's keyed MAC over key, length, the block's own checksum and bytes) and checked on read: a
+  forged, foreign, torn or corrupted value is `corrupt`, a miss the engine recomputes, counted in the planner's
+  `failures["corrupt"]` and in `rejected_values` here; its bytes never leave the CPU slot the fetch claimed. A key
+  a write-back finds present already is published only once the value there verifies.
 - All calls run on the client's I/O executor; a call still queued at its deadline is cancelled (`timeout`); one
   already running is reported failed at its deadline with `held=True` (the engine recomputes at once) and released
   when it returns, since until then it may still touch the CPU slot. After a failure the client refuses calls at
@@ -48,6 +51,8 @@ from kvfsm.mooncake.heads import HeadCalls, HeadsDoNotSplit, HeadSplit
 from kvfsm.mooncake.io_thread import Pending
 from kvfsm.mooncake.keys import KvNamespace, head_key, object_key
 from kvfsm.mooncake.local import MasterAddress
+from kvfsm.mooncake.secret import load_value_key
+from kvfsm.mooncake.value import ValueMac
 from kvfsm.records import TierEntry
 from kvfsm.states import TierEntryState as Entry
 from kvfsm.tiers.base import IoJob, IoKind, JobCalls, TierCompletion, TierFailure, TierJobs, TierSite
@@ -129,6 +134,8 @@ class MooncakeTier:
         """Keys whose stored value failed its check: not adopted again until this tier writes them itself (their
         removal from the store is requested, but other engines may race it). At most `index_keys`, oldest forgotten
         first: a forgotten one costs one more failed fetch if the bad value is still there."""
+        self.rejected_values = 0
+        """Values read from the store (by a fetch, or found present by a write-back) whose MAC did not verify."""
 
     def store_key(self, key: int) -> str:
         return object_key(self.namespace, key, self.tenant)
@@ -154,15 +161,17 @@ class MooncakeTier:
             self._adopt_from_store(keys[count:])
         return self.entries.lookup(keys)
 
-    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview]) -> None:
+    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview],
+                     checksums: Sequence[int | None] = ()) -> None:
         self._jobs.check(job_id, keys, sources)
-        entries, payloads = [], []
-        for key, view in zip(keys, sources):
+        entries, payloads, carried = [], [], []
+        for key, view, checksum in zip(keys, sources, checksums or [None] * len(keys)):
             entry = self.entries.reserve(key)
             if entry is not None:  # a key published or being written already counts as moved
                 entries.append(entry)
                 payloads.append(np.frombuffer(view, dtype=np.uint8))
-        self._jobs.start(job_id, IoJob("write", entries, self._submit("write", entries, payloads)))
+                carried.append(checksum)
+        self._jobs.start(job_id, IoJob("write", entries, self._submit("write", entries, payloads, carried)))
 
     def submit_read(self, job_id: int, keys: Sequence[int], destinations: Sequence[memoryview]) -> None:
         self._jobs.check(job_id, keys, destinations)
@@ -247,11 +256,14 @@ class MooncakeTier:
             if self.entries.get(key) is None:
                 self.entries.adopt(key)
 
-    def _submit(self, kind: IoKind, entries: list[TierEntry], payloads: list[np.ndarray]) -> JobCalls:
+    def _submit(self, kind: IoKind, entries: list[TierEntry], payloads: list[np.ndarray],
+                carried: Sequence[int | None] = ()) -> JobCalls:
         if not entries:
             return Pending.answered([])
         if self.heads is None:
-            return self._call(kind, [self.store_key(entry.key) for entry in entries], payloads, [])
+            return self._call(kind, [self.store_key(entry.key) for entry in entries], payloads, [], carried)
+        # A head's value carries no block checksum: a block's checksum covers one rank's heads, which another TP
+        # size splits differently. Its MAC covers its bytes; the reader's CPU pool checksums the landed block.
         heads = self.heads
         shadows = [self._shadows.item_for(payload) for payload in payloads]
         if kind == "write":  # the slot is pinned writing-back: its bytes hold still while copied
@@ -266,18 +278,20 @@ class MooncakeTier:
 
         return HeadCalls(call, heads.local_heads, landed if kind == "read" else None)
 
-    def _call(self, kind: IoKind, keys: list[str], payloads: list[np.ndarray],
-              chunks: list[np.ndarray]) -> Pending[list[KeyResult]]:
-        """One client call moving each payload under its key, each with its trailer."""
+    def _call(self, kind: IoKind, keys: list[str], payloads: list[np.ndarray], chunks: list[np.ndarray],
+              carried: Sequence[int | None] = ()) -> Pending[list[KeyResult]]:
+        """One client call moving each payload under its key, each with its trailer (and, written, the block
+        checksum `carried[i]`)."""
         pairs = [self._trailers.item_for(payload) for payload in payloads]
         trailers = [t for t, _ in pairs]
         units = self._pool_units + list({id(c): c for c in chunks + [c for _, c in pairs]}.values())
         if kind == "write":
-            return self.client.write_back(keys, payloads, trailers, units=units)
+            return self.client.write_back(keys, payloads, trailers, units=units, carried=carried)
         return self.client.fetch(keys, payloads, trailers, units=units)
 
     def _settled(self, kind: IoKind, entry: TierEntry, failure: TierFailure | None) -> None:
         if failure is TierFailure.corrupt:  # the stored value failed its check: never adopt it again
+            self.rejected_values += 1
             self._shunned[entry.key] = None
             while len(self._shunned) > self.index_keys:
                 self._shunned.popitem(last=False)
@@ -319,11 +333,13 @@ def head_layout_of(caches: KVCaches, heads: HeadSplit) -> str:
 def open_mooncake(config: MooncakeTierConfig, site: TierSite, io: IoExecutor | None, keep_lookups: bool,
                   machines: MachineSet) -> MooncakeTier:
     """Connect to the configured master (bounded by the client's connect timeout), register the CPU pool for
-    zero-copy calls, and open the tier. A master that cannot be reached is `StoreUnavailable` here, at start-up,
-    where a wrong address is best reported."""
+    zero-copy calls, and open the tier. A missing, unreadable or short tenant secret is `SecretUnavailable` and a
+    master that cannot be reached `StoreUnavailable`, both here, at start-up, where they are best reported."""
+    mac = ValueMac(load_value_key(config.secret_file, config.secret_env, config.tenant))
     client = MooncakeClient(ClientSettings(
         master=MasterAddress.parse(config.master), segment_bytes=config.segment_bytes,
-        op_timeout_s=config.op_timeout_s, retry_after_s=config.retry_after_s, max_pending=config.max_pending), io=io)
+        op_timeout_s=config.op_timeout_s, retry_after_s=config.retry_after_s, max_pending=config.max_pending,
+        hash_threads=config.hash_threads), mac, io=io)
     client.connect()
     offload = site.offload
     heads = None if config.kv_heads is None else head_split_of(site, config.kv_heads)
