@@ -62,3 +62,11 @@ def object_key(namespace: KvNamespace, block_hash: int, salt: str | None = None)
     digest = hashlib.blake2b(_framed(namespace._fields() + (salt or "", str(block_hash))),
                              digest_size=DIGEST_BYTES, person=b"kvfsm-block-key").hexdigest()
     return f"{KEY_PREFIX}-{digest}"
+
+
+def namespace_name(namespace: KvNamespace) -> str:
+    """`kvfsm1-<hex digest>` of the namespace alone: names what one producer stores, such as a shared disk tier's
+    directory, where each block's own name is its prefix hash."""
+    digest = hashlib.blake2b(_framed(namespace._fields()), digest_size=DIGEST_BYTES,
+                             person=b"kvfsm-namespace").hexdigest()
+    return f"{KEY_PREFIX}-{digest}"

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Literal, Mapping, Protocol, Sequence, run
 from kvfsm.config import OffloadConfig
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.executor.pool import HostPool
+from kvfsm.mooncake.keys import KvNamespace
 from kvfsm.records import TierEntry
 from kvfsm.tiers.entries import TierEntries
 
@@ -69,6 +70,9 @@ class TierCompletion:
     failed: Mapping[int, TierFailure] = field(default_factory=dict)
     held: bool = False
     release: bool = False
+    checksums: Mapping[int, int] = field(default_factory=dict)
+    """A read's keys that moved -> the CRC-32 (`zlib.crc32` of the whole block) taken when the block was first
+    stored in the tier, which the bytes read matched: the block's checksum travels with it into the CPU pool."""
 
     @property
     def ok(self) -> bool:
@@ -80,9 +84,10 @@ class TierCompletion:
         return cls(job_id, {**{key: TierFailure.timeout for key in keys}, **failed}, held=True)
 
     @classmethod
-    def ended(cls, job_id: int, held: bool, failed: Mapping[int, TierFailure]) -> TierCompletion:
+    def ended(cls, job_id: int, held: bool, failed: Mapping[int, TierFailure],
+              checksums: Mapping[int, int]) -> TierCompletion:
         """The report of a job whose every call returned: its release if it was reported at its deadline already."""
-        return cls(job_id, release=True) if held else cls(job_id, failed)
+        return cls(job_id, release=True) if held else cls(job_id, failed, checksums=checksums)
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,22 @@ class TierSite:
     """The registered KV caches: how the bytes of a block are laid out."""
     pool: HostPool
     """The CPU pool every view handed to the tier points into."""
+
+    def namespace(self, model_id: str, dtype: str) -> KvNamespace:
+        """What a block stored from this site is the KV of, beside its prefix hash: the model, dtype, layout, block
+        size and shard. A tier that stores blocks where other engines (or a later one) read them names them by it."""
+        offload = self.offload
+        return KvNamespace(model_id=model_id, dtype=dtype, layout=layout_of(self.caches),
+                           block_tokens=offload.cpu_block_tokens, tp_rank=self.worker,
+                           tp_world_size=offload.num_workers)
+
+
+def layout_of(caches: KVCaches) -> str:
+    """Where each piece of a block lives in a CPU block: layouts per group, then each plane's name, piece count,
+    piece size and offset. Two engines whose KV bytes are arranged differently get different namespaces."""
+    groups = ",".join(f"{group}={layout}" for group, layout in sorted(caches.layouts.items()))
+    planes = ",".join(f"{p.name}:{p.pieces}x{p.piece_bytes}@{p.offset}" for p in caches.planes)
+    return f"{groups};{planes}"
 
 
 class TierMisuse(ValueError):
@@ -156,7 +177,7 @@ class LowerTier(Protocol):
 
 class JobCalls(Protocol):
     """The I/O one job started: one answer per entry of the job, once every call of it returned (or will never
-    run). An answer is the call's value (a write's checksum) or the exception it ended with."""
+    run). An answer is the call's value (the checksum of the block written or read) or the exception it ended with."""
 
     @property
     def deadline(self) -> float:
@@ -190,6 +211,8 @@ class IoJob:
     failed: dict[int, TierFailure] = field(default_factory=dict)
     held: bool = False
     """Reported failed (`timeout`) at its deadline while its calls still run; released once they all returned."""
+    checksums: dict[int, int] = field(default_factory=dict)
+    """A read's keys that moved -> the checksum its call answered (taken when the block was first stored)."""
 
 
 Reason = Callable[[BaseException], TierFailure | None]
@@ -269,7 +292,7 @@ class TierJobs:
             del self._jobs[job_id]
             for entry, answer in reversed(list(zip(job.entries, answers, strict=True))):
                 self._settle(job, entry, answer, bugs)
-            finished.append(TierCompletion.ended(job_id, job.held, job.failed))
+            finished.append(TierCompletion.ended(job_id, job.held, job.failed, job.checksums))
         if bugs:
             self._unreported = finished
             raise bugs[0] if len(bugs) == 1 else ExceptionGroup(f"{self.label}: errors no I/O produces", bugs)
@@ -278,6 +301,8 @@ class TierJobs:
     def _settle(self, job: IoJob, entry: TierEntry, answer: object, bugs: list[BaseException]) -> None:
         if not isinstance(answer, BaseException):
             self.entries.settle(job.kind, entry, checksum=answer)  # type: ignore[arg-type]
+            if job.kind == "read" and isinstance(answer, int):
+                job.checksums[entry.key] = answer
             self.settled(job.kind, entry, None)
             return
         failure = self.reason(answer)

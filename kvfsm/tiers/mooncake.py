@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from kvfsm.config import MooncakeTierConfig
-from kvfsm.executor.layouts import KVCaches
 from kvfsm.io_executor import IoExecutor
 from kvfsm.machines import MachineSet
 from kvfsm.mooncake import value
@@ -115,7 +114,7 @@ class MooncakeTier:
     # --- LowerTier -------------------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[int]) -> int:
-        count = self._known_prefix(keys)
+        count = self.entries.published_prefix(keys)
         if count < len(keys) and self.entries.get(keys[count]) is None:
             self._adopt_from_store(keys[count:])
         return self.entries.lookup(keys)
@@ -169,15 +168,6 @@ class MooncakeTier:
 
     # --- helpers ---------------------------------------------------------------------------------------------
 
-    def _known_prefix(self, keys: Sequence[int]) -> int:
-        count = 0
-        for key in keys:
-            entry = self.entries.get(key)
-            if entry is None or entry.state != Entry.PUBLISHED:
-                break
-            count += 1
-        return count
-
     def _adopt_from_store(self, keys: Sequence[int]) -> None:
         """Adopt the leading `keys` the store shows complete, if it answers within `lookup_timeout_s`."""
         answers = self.client.contains([self.store_key(key) for key in keys]).wait(self.lookup_timeout_s)
@@ -215,14 +205,6 @@ class MooncakeTier:
             self._shunned.discard(entry.key)  # written by this tier itself: adoptable again
 
 
-def layout_of(caches: KVCaches) -> str:
-    """Where each piece of a block lives in a CPU block: layouts per group, then each plane's name, piece count,
-    piece size and offset. Two engines whose KV bytes are arranged differently get different keys."""
-    groups = ",".join(f"{group}={layout}" for group, layout in sorted(caches.layouts.items()))
-    planes = ",".join(f"{p.name}:{p.pieces}x{p.piece_bytes}@{p.offset}" for p in caches.planes)
-    return f"{groups};{planes}"
-
-
 def open_mooncake(config: MooncakeTierConfig, site: TierSite, io: IoExecutor | None, keep_lookups: bool,
                   machines: MachineSet) -> MooncakeTier:
     """Connect to the configured master (bounded by the client's connect timeout), register the CPU pool for
@@ -232,10 +214,7 @@ def open_mooncake(config: MooncakeTierConfig, site: TierSite, io: IoExecutor | N
         master=MasterAddress.parse(config.master), segment_bytes=config.segment_bytes,
         op_timeout_s=config.op_timeout_s, retry_after_s=config.retry_after_s, max_pending=config.max_pending), io=io)
     client.connect()
-    offload = site.offload
-    namespace = KvNamespace(model_id=config.model_id, dtype=config.kv_dtype, layout=layout_of(site.caches),
-                            block_tokens=offload.cpu_block_tokens, tp_rank=site.worker,
-                            tp_world_size=offload.num_workers)
+    namespace = site.namespace(config.model_id, config.kv_dtype)
     return MooncakeTier(config.tier_name, client, namespace, site.block_bytes, tenant=config.tenant,
                         lookup_timeout_s=config.lookup_timeout_s, keep_lookups=keep_lookups,
                         pool=site.pool.buffer.numpy(), machines=machines)
