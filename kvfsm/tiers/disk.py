@@ -3,8 +3,9 @@
 Why these choices:
 - Shared or private. Named by a model (`DiskTierConfig.model_id`, `kv_dtype`), the tier keeps its blocks in the
   directory of their namespace (model, dtype, layout, block size, shard: `TierSite.namespace`), where they outlive
-  the engine and every engine of that namespace on the host finds them: a restarted engine rebuilds its index from
-  the directory when it opens, and a lookup adopts (`tier-entry` `adopt`) a whole block another engine wrote since.
+  the engine and every engine of that namespace on the host finds them: a restarted engine lists the directory
+  when it opens (no block is read), and a lookup adopts (`tier-entry` `adopt`) a whole block it finds there,
+  written before the restart or by another engine since.
   Unnamed, it is private to the process: its directory is emptied when it opens and removed when it closes.
 - A block is visible only once whole and is loaded only once verified (`disk-block-whole`, `blockfile`): written
   under a temporary name and renamed into place, never changed in place, its record and CRC-32 checked by every
@@ -33,6 +34,7 @@ import os
 import shutil
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Sequence
@@ -94,6 +96,9 @@ class DiskTier:
         """The thread releasing the directory, once `close` began."""
         self.found = self._open()
         """What the directory held when the tier opened (a private tier's is emptied first)."""
+        self._dormant: OrderedDict[int, None] = OrderedDict.fromkeys(self.found.keys)
+        """Whole blocks found at open that no lookup asked for yet, least recently written first: they count
+        against the capacity and are the first evicted; a lookup adopts one into the index when it first asks."""
 
     def _open(self) -> Scan:
         """Create or list the directory, adopt the whole blocks it holds, and check the disk can hold the rest."""
@@ -113,8 +118,6 @@ class DiskTier:
                 shutil.rmtree(self.directory, ignore_errors=True)
             raise DiskTierError(f"disk tier {self.name!r}: cannot hold {self.capacity_blocks} blocks of "
                                 f"{self.block_bytes} bytes in {self.directory}: {error.strerror}") from error
-        for key in found.keys:  # least recently written first: the oldest is the first evicted
-            self.entries.adopt(key)
         if self.shared:
             log.info("disk tier %r: %d blocks in %s, %d torn and %d over capacity removed, in %.3f s", self.name,
                      len(found.keys), self.directory, found.torn, found.over_capacity, time.monotonic() - started)
@@ -133,6 +136,7 @@ class DiskTier:
         for key, source in zip(keys, sources):
             if self.entries.get(key) is not None:
                 continue  # published or being written already: nothing to move
+            self._dormant.pop(key, None)  # its file is written again
             if not self._make_room(keys):
                 failed[key] = TierFailure.full
                 continue
@@ -212,14 +216,20 @@ class DiskTier:
         """Adopt the leading `keys` this tier does not know whose whole files another engine put in the directory
         (their read verifies them). Stops at the first key held here in another state, absent, or with no room."""
         for key in keys[self.entries.published_prefix(keys):]:
-            if self.entries.get(key) is not None or not self.files.visible(key) or not self._make_room(keys):
+            if self.entries.get(key) is not None or not self.files.visible(key):
+                return
+            self._dormant.pop(key, None)
+            if not self._make_room(keys):
                 return
             self.entries.adopt(key)
 
     def _make_room(self, keep: Sequence[int]) -> bool:
-        """Whether the index can take one more key, evicting its least recent published key (none of `keep`, the
-        keys of the job or lookup asking) if it must."""
-        if len(self.entries) < self.capacity_blocks:
+        """Whether the tier can take one more block, removing a dormant block or evicting its least recent published
+        key (none of `keep`, the keys of the job or lookup asking) if it must."""
+        if len(self.entries) + len(self._dormant) < self.capacity_blocks:
+            return True
+        if self._dormant:
+            self.files.remove(self._dormant.popitem(last=False)[0])
             return True
         victim = self.entries.least_recent_evictable(set(keep))
         return victim is not None and self._evict(victim)
