@@ -105,6 +105,11 @@ class MooncakeTierConfig(_TierConfig):
     """Element type of the KV cache (`bfloat16`, ...): part of every key."""
     tenant: str | None = None
     """A salt mixed into every key (as vLLM's `cache_salt`): engines with different tenants never share KV."""
+    kv_heads: PositiveInt | None = None
+    """The model's KV heads, all ranks together. Given, a block is stored as one value per KV head, keyed without
+    the tensor-parallel rank or size, so engines of every TP size of the model share prefixes
+    (`kvfsm.mooncake.heads`; layouts `kv-first` and `blocks-first`). Left out, a rank stores its whole CPU block
+    under a key that names its rank and TP size: only engines of the same TP size share."""
     segment_bytes: int = Field(default=0, ge=0)
     """Memory this engine lends to the store; 0 leaves storage to segment hosts (the shared KV outlives engines)."""
     op_timeout_s: float = Field(default=2.0, gt=0)

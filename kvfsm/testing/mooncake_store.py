@@ -62,7 +62,8 @@ class MooncakeFaults:
         if not published:
             return
         key = published[choice % len(published)].key
-        store, name = self.tier.client.raw(), self.tier.store_key(key)  # type: ignore[union-attr]
+        names = self.tier.store_keys(key)  # type: ignore[union-attr]  # one per head with `kv_heads`: spoil one
+        store, name = self.tier.client.raw(), names[choice % len(names)]  # type: ignore[union-attr]
         raw = bytearray(store.get(name))
         if not raw:
             return
@@ -77,7 +78,8 @@ class MooncakeFaults:
         if not published:
             return
         key = published[choice % len(published)].key
-        self.tier.client.raw().remove(self.tier.store_key(key), True)  # type: ignore[union-attr]
+        names = self.tier.store_keys(key)  # type: ignore[union-attr]  # one per head with `kv_heads`: drop one
+        self.tier.client.raw().remove(names[choice % len(names)], True)  # type: ignore[union-attr]
         self.removed.add(key)
 
     def forget(self, choice: int) -> None:
