@@ -14,9 +14,10 @@ since the lookup end as a key listed in `TierCompletion.failed`, which the sched
 recomputes). Only misuse (a job id submitted twice, a view of the wrong size) raises, before anything changes; and a
 bug (an error no I/O produces) raises from `poll`, but only once every finished job has settled (see `TierJobs`).
 
-What every tier shares beyond the interface lives here too, so a tier writes only what is its own (a disk its slot
-file and offsets, Mooncake its keys, values and client): `TierJobs` keeps the jobs in flight, their deadline and the
-poll loop that settles them into `TierCompletion`s, including the held/release protocol of a job past its deadline.
+What every tier shares beyond the interface lives here too, so a tier writes only what is its own (a disk its
+directory of block files, Mooncake its keys, values and client): `TierJobs` keeps the jobs in flight, their deadline
+and the poll loop that settles them into `TierCompletion`s, including the held/release protocol of a job past its
+deadline.
 
 Threads: the tier's thread (the worker's, which owns the CPU pool) calls `submit_write`, `submit_read`, `poll`,
 `reads_in_flight`, `discard` and `close`; the scheduler's thread calls `lookup` (in-process, the same thread in the
@@ -220,7 +221,7 @@ Reason = Callable[[BaseException], TierFailure | None]
 bug, which must not pass as a miss)."""
 
 Settled = Callable[[IoKind, TierEntry, TierFailure | None], None]
-"""What a tier does of its own once an entry's call settled (a disk frees a failed key's slot)."""
+"""What a tier does of its own once an entry's call settled (Mooncake shuns a key whose value failed its check)."""
 
 
 def _nothing_more(kind: IoKind, entry: TierEntry, failure: TierFailure | None) -> None:

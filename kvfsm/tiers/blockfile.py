@@ -53,6 +53,14 @@ def _key_of(name: str) -> int | None:
         return None
 
 
+def _stat(item: os.DirEntry) -> os.stat_result | None:
+    """A listed file's status; None if another process removed it since it was listed."""
+    try:
+        return item.stat()
+    except FileNotFoundError:
+        return None
+
+
 class CorruptBlock(OSError):
     """A block's file is short or long, names another block, or holds bytes its record's checksum does not match."""
 
@@ -153,8 +161,8 @@ class BlockFiles:
     def torn(self) -> list[str]:
         """Names of files visible under a block's name that are not whole (what `disk-block-whole` rules out)."""
         with os.scandir(self.directory) as listing:
-            return sorted(item.name for item in listing
-                          if _key_of(item.name) is not None and item.stat().st_size != self.file_bytes)
+            return sorted(item.name for item in listing if _key_of(item.name) is not None
+                          and (stat := _stat(item)) is not None and stat.st_size != self.file_bytes)
 
     def remove(self, key: int) -> None:
         self.path(key).unlink(missing_ok=True)
@@ -174,7 +182,9 @@ class BlockFiles:
         now = time.time()
         with os.scandir(self.directory) as listing:
             for item in listing:
-                stat = item.stat()
+                stat = _stat(item)
+                if stat is None:
+                    continue  # removed since the listing, by another engine
                 if item.name.endswith(TEMPORARY):
                     if now - stat.st_mtime > stale_after_s:
                         found.torn += self._unlink(item.path)

@@ -19,7 +19,8 @@ Why these choices:
   this module keeps only the index's room and the directory.
 
 Threads: the worker's thread calls every `LowerTier` method (the reference engine's scheduler looks up on the same
-thread; a shared tier's lookup adds one `stat` per block it adopts); the executor's threads run the block files'
+thread; a shared tier's lookup adds one `stat` per block it adopts), and the index (the entries and the blocks found
+at open, `_dormant`) is that thread's alone; the executor's threads run the block files'
 `write` and `read` only, which touch their block's files and the CPU slot they were handed and nothing of the
 index. Removing a block's file (eviction, discard) happens on the tier's thread, so it never overtakes a later write
 of the same key. `close` hands the executor's shut-down (and a private directory's removal) to a thread of its own
