@@ -189,6 +189,10 @@ def test_closing_a_tier_waits_for_hung_io_no_longer_than_its_deadline(tmp_path: 
     {"cpu_blocks": 4, "lower_tiers": [{"kind": "tape", "path": "/tmp", "capacity_bytes": 64}]},
     {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 64}] * 2},
     {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/etc/hostname", "capacity_bytes": 64}]},
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 64, "model_id": "m"}]},
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 64, "kv_dtype": "bf16"}]},
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 64, "model_id": "",
+                                       "kv_dtype": "bf16"}]},
     {"cpu_blocks": 4, "writeback_max_bytes_in_flight": 0},
 ])
 def test_tier_settings_are_validated(bad: dict) -> None:

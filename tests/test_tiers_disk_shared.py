@@ -15,8 +15,11 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 import numpy as np
-import pytest
+import torch
 
+from kvfsm.config import DiskTierConfig, OffloadConfig
+from kvfsm.connector import Connector
+from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.executor.sim import SimDevice
 from kvfsm.machines import default_machines
 from kvfsm.mooncake.keys import KvNamespace
@@ -79,6 +82,16 @@ def test_a_restarted_tier_serves_what_it_wrote_and_hands_back_each_blocks_stored
     assert done.ok and all(np.array_equal(o, _block(k)) for o, k in zip(out, (1, 2, 3)))
     assert done.checksums == {k: zlib.crc32(_block(k)) for k in (1, 2, 3)}
     again.close()
+
+
+def test_a_named_disk_tier_opens_its_namespaces_directory_and_keeps_it_at_close(tmp_path: Path) -> None:
+    config = OffloadConfig(cpu_blocks=4, gpu_block_size=4, lower_tiers=[DiskTierConfig(
+        path=str(tmp_path), capacity_bytes=1 << 20, model_id="toy@1", kv_dtype="float32")])
+    connector = Connector(config, SimDevice())
+    connector.register_kv_caches(allocate_kv_caches("kv-first", 2, 8, 4, 1, 4, torch.float32, "cpu")[0], "kv-first")
+    (tier,) = connector.worker.lower_tiers
+    connector.worker.shutdown()
+    assert tier.shared and tier.directory.name.startswith("kvfsm1-") and tier.directory.is_dir()  # type: ignore
 
 
 def test_a_tier_of_another_namespace_sees_none_of_the_blocks(tmp_path: Path) -> None:
