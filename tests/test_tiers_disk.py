@@ -357,7 +357,8 @@ def _edges_of_a_returning_prefix(fault: str | None, reset: str | None) -> set[tu
 
 
 ONLY_A_SHARED_STORE_TAKES = {("tier-entry", "empty", "adopt", "published")}
-"""A disk holds only what its own process wrote; adoption is taken by the Mooncake tier's tests."""
+"""A private disk holds only what its own process wrote; adoption is taken by the shared disk's tests
+(`test_tiers_disk_shared.py`) and the Mooncake tier's."""
 
 
 def test_the_tier_scenarios_take_every_transition_of_the_tier_lifecycles() -> None:
