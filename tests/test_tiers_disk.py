@@ -3,7 +3,6 @@ meets in service ending as a miss or a failed fetch the engine recomputes, with 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
