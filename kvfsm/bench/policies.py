@@ -12,6 +12,8 @@ a block starting a prefix the pool does not hold only from its second offer on (
 
 The goal is judged per seed (`--seeds N`: the traces of seeds `--seed` .. `--seed + N - 1`): a setting meets it
 only if it does on every seed, since a margin of a few tenths of a point on one seed is inside seed-to-seed noise.
+`--setting policy:admission` (repeatable) replays only those settings, beside the baseline (ARC storing every
+block), which always runs: five full seeds of one setting are 40 replays instead of 400.
 
 Writes `policies.json` and `policies.png` (matplotlib; the console says why when it is not drawn; the first seed's
 hit rates) into `--out`.
