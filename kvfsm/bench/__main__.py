@@ -423,12 +423,21 @@ def vllm_side_by_side(ctx: typer.Context, out: Path | None = OUT, quick: bool = 
 
 @app.command("policies")
 def policy_comparison(ctx: typer.Context, out: Path | None = OUT, quick: bool = QUICK,
-                      seed: int = typer.Option(0, help="seed of the four traces")) -> None:
+                      seed: int = typer.Option(0, min=0, help="seed of the four traces (the first, with --seeds)"),
+                      seeds: int = typer.Option(1, min=1, help="how many seeds, from --seed on; the goal must hold "
+                                                                 "on each"),
+                      setting: list[str] = typer.Option([], help="only this policy:admission (repeatable; ARC "
+                                                                 "storing every block, the baseline, always runs)")
+                      ) -> None:
     """Every eviction policy and admission setting over four synthetic traces: hit rate, tokens served from CPU,
-    bytes stored per token served (policies.json, policies.png)."""
+    bytes stored per token served (policies.json, policies.png), and the goal judged seed by seed."""
     from kvfsm.bench import policies
 
-    policies.main(*_settings(ctx, out, quick), console, seed)
+    try:
+        chosen = [policies.parse_setting(text) for text in setting] or policies.EVERY_SETTING
+    except ValueError as bad:
+        raise typer.BadParameter(str(bad), ctx=ctx, param_hint="--setting") from bad
+    policies.main(*_settings(ctx, out, quick), console, range(seed, seed + seeds), chosen)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 
 from kvfsm.bindings import default_spec
 from kvfsm.checking import DEVICE_LOG_INVARIANTS, TraceRecorder
-from kvfsm.config import DiskTierConfig, LowerTierConfig, MooncakeTierConfig, OffloadConfig
+from kvfsm.config import DiskTierConfig, LowerTierConfig, MooncakeTierConfig, OffloadConfig, ThresholdScope
 from kvfsm.connector import Connector
 from kvfsm.engine.engine import Engine, EngineConfig
 from kvfsm.engine.model import ModelShape
@@ -63,6 +63,7 @@ class Harness:
                  writeback_bound_blocks: int = 2, report_lag: int = 0, mooncake_master: str | None = None,
                  mooncake_options: dict[str, object] | None = None, tier_threads: bool = False,
                  staging_blocks: int | None = None, store_threshold: int = 1,
+                 store_threshold_scope: ThresholdScope = "every-block",
                  keep_history: bool = True, eviction: str = "lru", shared_disk: Path | None = None) -> None:
         """`shared_disk`: a directory the disk tier (`disk_slots`) shares with other engines of the toy model and
         keeps when the harness closes, instead of a private one removed then."""
@@ -87,7 +88,7 @@ class Harness:
                                writeback_max_bytes_in_flight=writeback_bound_blocks * cpu_block_bytes,
                                num_workers=len(self.devices), eviction=eviction,
                                staging_bytes=staging_blocks * shape.gpu_block_bytes if staging_blocks else None,
-                               store_threshold=store_threshold)
+                               store_threshold=store_threshold, store_threshold_scope=store_threshold_scope)
         self.io = ManualIo()
         """The tiers' I/O queue: tests choose when each read or write runs, as they choose device streams (unless
         `tier_threads`: the tiers' own threads, as in production)."""
