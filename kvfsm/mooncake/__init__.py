@@ -6,7 +6,6 @@ Nothing here imports Mooncake at module load; `kvfsm.mooncake.available()` says 
 from __future__ import annotations
 
 
-
 def available() -> bool:
     """Whether Mooncake Store's Python bindings and the MAC's BLAKE3 load (the `mooncake` extra, and Debian's
     `libibverbs1`)."""
