@@ -167,7 +167,7 @@ class Driver:
         """The step after which each request was added: it can be scheduled from the next step on."""
         self.log: list[StepLog] = []
         kvfsm = self.connector.scheduler_side.kvfsm
-        self.checks = SpecChecks(kvfsm, kvfsm.machines)
+        self.checks = SpecChecks(kvfsm, kvfsm.machines, self.connector.scheduler_side.tier_index.tiers)
 
     @property
     def connector(self) -> KvfsmConnector:

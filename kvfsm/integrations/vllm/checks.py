@@ -3,13 +3,19 @@
 `SpecChecks` is `kvfsm.checking.RunChecks` on the adapter's scheduler half: every transition its machines fire is
 traced against the spec, kvfsm's named invariants are evaluated after every step and, once vLLM and the worker are
 idle, everything must have drained: no job in flight, no CPU block pinned or half-written, no GPU block fenced, and
-every request the connector saw released. The worker's device log lives in the worker process, out of sight here.
+every request the connector saw released. The lower tiers checked are the scheduler's indexes of them
+(`tier_index.ReportedTier`: their `tier-entry` records and the fetches each has in flight), beside every write-back
+and fetch the scheduler ordered; the tiers' own records and the worker's device log live in the worker processes,
+out of sight here.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 from kvfsm.checking import ConnectorWorld, InvariantViolation, RunChecks
 from kvfsm.connector.scheduler import SchedulerConnector
+from kvfsm.invariants import TierView
 from kvfsm.machines import MachineSet
 
 
@@ -17,13 +23,27 @@ class SpecViolation(InvariantViolation):
     """A run under vLLM broke a rule of the spec: an illegal or hidden transition, a named invariant, or drain."""
 
 
+class SchedulerWorld(ConnectorWorld):
+    """The scheduler half's records and the lower tiers as the scheduler process indexes them."""
+
+    def __init__(self, scheduler: SchedulerConnector, is_idle: Callable[[], bool],
+                 tiers: Sequence[TierView]) -> None:
+        super().__init__(scheduler, is_idle)
+        self._tiers = tuple(tiers)
+
+    @property
+    def tiers(self) -> Sequence[TierView]:
+        return self._tiers
+
+
 class SpecChecks(RunChecks):
     """Traces the machines from construction on; `after_step` and `after_idle` raise `SpecViolation`."""
 
-    def __init__(self, scheduler: SchedulerConnector, machines: MachineSet) -> None:
+    def __init__(self, scheduler: SchedulerConnector, machines: MachineSet, tiers: Sequence[TierView] = ()) -> None:
+        """`tiers`: the scheduler side's indexes of the lower tiers (`SchedulerSide.tier_index.tiers`)."""
         self.idle = False
         """Whether vLLM has no request left and the worker no job: only the caller knows."""
-        super().__init__(ConnectorWorld(scheduler, lambda: self.idle), machines, SpecViolation)
+        super().__init__(SchedulerWorld(scheduler, lambda: self.idle, tiers), machines, SpecViolation)
 
     def after_step(self, step: int) -> None:
         self.idle = False

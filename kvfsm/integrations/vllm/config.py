@@ -28,6 +28,10 @@ class InvalidExtraConfig(ValueError):
     """`kv_connector_extra_config` names an unknown key, a bad value, or contradicts vLLM's own settings."""
 
 
+class UnsupportedTier(InvalidExtraConfig):
+    """A lower tier configured in a way that cannot work under vLLM's process split (see docs/vllm.md)."""
+
+
 class UnsupportedKVCache(ValueError):
     """vLLM's KV cache has a shape kvfsm cannot offload (several groups, or a layout it cannot tell)."""
 
@@ -50,10 +54,19 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
         config = OffloadConfig(**extra)
     except ValidationError as error:
         raise InvalidExtraConfig(f"kv_connector_extra_config is not a valid kvfsm OffloadConfig:\n{error}") from None
-    if any(tier.kind == "disk" for tier in config.lower_tiers):
-        raise InvalidExtraConfig("a disk tier's index lives in the worker process, which vLLM's scheduler process "
-                                 "cannot look up; use it with kvfsm.Connector (see docs/tiers.md)")
+    _check_tiers(config, vllm_config.parallel_config.data_parallel_size)
     return config
+
+
+def _check_tiers(config: OffloadConfig, data_parallel_size: int) -> None:
+    """Refuse, by name, a lower tier that cannot work under vLLM's process split. A disk tier's slot files are named
+    by tier and rank (`kvfsm-<tier>-<rank>.slots`), and every data-parallel engine numbers its ranks from 0: two
+    engines would open, truncate and overwrite each other's files."""
+    for tier in config.lower_tiers:
+        if tier.kind == "disk" and data_parallel_size > 1:
+            raise UnsupportedTier(f"disk tier {tier.tier_name!r}: vLLM runs {data_parallel_size} data-parallel engines, "
+                                  f"whose workers would share the slot files in {tier.path}; give each engine its own "
+                                  "directory (one vLLM per engine) or use a mooncake tier")
 
 
 def _read_offload_prompt_only(extra: dict[str, Any]) -> None:

@@ -10,6 +10,8 @@ Two places where vLLM's protocol differs from kvfsm's, bridged here and nowhere 
   is a synchronous load: vLLM computes the request in the step that loads it and waits for nothing, so a finished
   load is news to vLLM only as a failed load's blocks, which the workers name themselves in that step's output
   (`load_reports_in_step`).
+The lower tiers' bytes live in the workers; this process plans every write-back and fetch against an index of each
+tier fed by the workers' reports (`tier_index`), whose orders and discards go out in the step's metadata.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.request import RequestStatus
 
+from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorOutput
 from kvfsm.connector.scheduler import SchedulerConnector
@@ -33,6 +36,8 @@ from kvfsm.integrations.vllm.convert import (
     scheduler_output,
 )
 from kvfsm.integrations.vllm.telemetry import StatsDelta
+from kvfsm.integrations.vllm.tier_index import TierIndexes
+from kvfsm.machines import MachineSet
 from kvfsm.manager.events import BlockStored as KvfsmBlockStored
 from kvfsm.states import RequestState
 
@@ -54,8 +59,12 @@ class UnexpectedAllocation(RuntimeError):
 
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
-        self.kvfsm = SchedulerConnector(config, gpu_block_bytes(kv_cache_config),
-                                        num_gpu_blocks=kv_cache_config.num_blocks)
+        block_bytes = gpu_block_bytes(kv_cache_config)
+        machines = MachineSet(default_spec())
+        self.tier_index = TierIndexes(config, config.block_size_factor * block_bytes, machines)
+        """The lower tiers' indexes: the workers hold the bytes, this process decides every write-back and fetch."""
+        self.kvfsm = SchedulerConnector(config, block_bytes, machines=machines,
+                                        num_gpu_blocks=kv_cache_config.num_blocks, tiers=self.tier_index.tiers)
         self.kvfsm.load_reports_in_step = True  # vLLM reads invalid blocks only in the output of their step
         self.codec = HashCodec()
         self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage)
@@ -85,13 +94,16 @@ class SchedulerSide:
         self.kvfsm.update_state_after_alloc(view, group_block_ids(blocks), num_external_tokens)
 
     def build_connector_meta(self, output: "SchedulerOutput") -> KvfsmMetadata:
-        return KvfsmMetadata(self.kvfsm.build_connector_meta(scheduler_output(output, self.block_tables)))
+        orders = self.kvfsm.build_connector_meta(scheduler_output(output, self.block_tables))
+        self.tier_index.ordered(orders.tier_orders, self.kvfsm.tier_jobs)
+        return KvfsmMetadata(orders, tier_discards=self.tier_index.take_discards())
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         meta = output.kv_connector_worker_meta
         if meta is not None and not isinstance(meta, KvfsmWorkerMetadata):
             raise TypeError(f"expected kvfsm worker metadata, got {type(meta).__name__}")
         result = self.kvfsm.update_connector_output(ConnectorOutput(workers=meta.reports if meta else ()))
+        self.tier_index.settle(meta.evicted if meta else ())
         self.kvfsm.get_block_ids_with_load_errors()  # the workers reported these blocks to vLLM themselves
         if result.loaded and not self.kvfsm.config.layer_loads:  # an inline load's request is running already
             output.finished_recving = set(output.finished_recving or ()) | result.loaded
@@ -115,3 +127,9 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         self.kvfsm.reset_cache()
         return True
+
+    @property
+    def moving_between_tiers(self) -> bool:
+        """A write-back or fetch is in flight: vLLM must keep stepping (`has_pending_push_work`) until every rank
+        reported it, even with no request left."""
+        return self.kvfsm.moving_between_tiers

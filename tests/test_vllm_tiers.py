@@ -1,0 +1,171 @@
+"""The disk tier under vLLM's real Scheduler: the scheduler process decides every write-back and fetch, the adapter's
+real worker role writes and reads the slot file, and a prefix the CPU pool evicted comes back disk -> CPU -> GPU with
+its writer's bytes. Every run is traced against the spec, checked by the named invariants after every step (the
+scheduler's tier indexes included) and required to drain. Skipped when vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvfsm.connector.metadata import LoadOrder  # noqa: E402
+from kvfsm.connector.tier_runner import TierRunner  # noqa: E402
+from kvfsm.integrations.vllm import InvalidExtraConfig, KvfsmConnector, UnsupportedTier  # noqa: E402
+from kvfsm.integrations.vllm.config import gpu_block_bytes, offload_config  # noqa: E402
+from kvfsm.integrations.vllm.rig import BLOCK_SIZE, kv_cache_config, vllm_config  # noqa: E402
+from vllm_harness import AdapterWorker, Driver  # noqa: E402
+from vllm_support import model  # noqa: E402,F401
+
+pytestmark = pytest.mark.vllm
+
+BLOCK_BYTES = gpu_block_bytes(kv_cache_config(1))
+PREFIX = list(range(400, 400 + 4 * BLOCK_SIZE))
+OTHERS = [list(range(1000 * (i + 1), 1000 * (i + 1) + 4 * BLOCK_SIZE)) for i in range(3)]
+"""Prefixes that push PREFIX out of an 8-block CPU pool."""
+MAX_STEPS = 400
+"""Steps a run may take: the tier's I/O runs on its own threads, and vLLM steps idle until every rank reported it."""
+
+
+def disk_tier(path: Path, blocks: int = 64, **extra: Any) -> dict[str, Any]:
+    return {"kind": "disk", "path": str(path), "capacity_bytes": blocks * BLOCK_BYTES, "writeback": "eager", **extra}
+
+
+def tiered_driver(model, tier: dict[str, Any], cpu_blocks: int = 8) -> tuple[Driver, AdapterWorker]:
+    config = vllm_config(model, {"cpu_blocks": cpu_blocks, "lower_tiers": [tier]}, 64)
+    worker = AdapterWorker(config)
+    return Driver(config, worker), worker
+
+
+def evict_from_cpu_then_reload(d: Driver, worker: AdapterWorker, prefix: list[int] = PREFIX) -> LoadOrder:
+    """The writer stores `prefix` (written back below the CPU pool), other prompts push it out of the CPU pool, vLLM's
+    GPU cache forgets everything and the GPU caches are zeroed; then a reader of the same prefix runs. Its load."""
+    d.add("writer", prefix + [1, 2, 3])
+    d.run(MAX_STEPS)
+    for i, other in enumerate(OTHERS):
+        d.add(f"other{i}", other + [1])
+        d.run(MAX_STEPS)
+    kvfsm = d.connector.scheduler_side.kvfsm
+    assert not any(h in kvfsm.manager.catalogue for h in prefix_keys(d, prefix)), "the CPU pool still holds it"
+    d.reset_gpu_prefix_cache()
+    for cache in worker.caches.values():
+        cache.zero_()  # whatever the reader finds now came through the CPU pool from below it
+    d.add("reader", prefix + [9])
+    d.run(MAX_STEPS)
+    (load,) = [o for log in d.log for o in log.orders.loads if o.req_id == "reader"]
+    return load
+
+
+def prefix_keys(d: Driver, prefix: list[int]) -> list[int]:
+    """The CPU-block keys of `prefix`'s full blocks, hashed as vLLM hashes a request's blocks."""
+    request = Request("keys", prefix, SamplingParams(max_tokens=1), None, block_hasher=d.hasher)
+    return [d.connector.scheduler_side.codec.to_int(h) for h in request.block_hashes]
+
+
+def holds_prefix(worker: AdapterWorker, load: LoadOrder, prefix: list[int] = PREFIX) -> bool:
+    return all(worker.block_tokens(block) == [t % 251 for t in prefix[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
+               for i, block in enumerate(load.gpu_blocks))
+
+
+def fetches(d: Driver) -> list[Any]:
+    return [o for log in d.log for o in log.orders.tier_orders if o.kind == "fetch"]
+
+
+def test_prefix_evicted_from_cpu_returns_from_disk_with_the_writers_bytes(model, tmp_path: Path) -> None:
+    d, worker = tiered_driver(model, disk_tier(tmp_path))
+    load = evict_from_cpu_then_reload(d, worker)
+    d.close()
+    assert len(load.gpu_blocks) == len(PREFIX) // BLOCK_SIZE
+    assert holds_prefix(worker, load)
+    (fetch,) = fetches(d)
+    assert fetch.tier == "disk" and list(fetch.keys) == prefix_keys(d, PREFIX)
+    stats = d.connector.scheduler_side.kvfsm.tiers.stats
+    assert stats.tokens_loaded_from["disk"] == len(PREFIX)
+    assert stats.blocks_written_back["disk"] >= len(PREFIX) // BLOCK_SIZE
+    assert d.cpu_pool_drained()
+
+
+def test_control_a_fetch_that_lands_in_the_wrong_cpu_slots_is_caught_by_the_bytes(
+        model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    submit: Callable[..., None] = TierRunner.submit
+
+    def misplaced(self: TierRunner, orders: Any) -> None:
+        submit(self, [o.model_copy(update={"cpu_slots": o.cpu_slots[::-1]}) if o.kind == "fetch" else o
+                      for o in orders])
+
+    monkeypatch.setattr(TierRunner, "submit", misplaced)
+    d, worker = tiered_driver(model, disk_tier(tmp_path))
+    load = evict_from_cpu_then_reload(d, worker)
+    d.close()
+    assert not holds_prefix(worker, load)
+
+
+def test_control_a_worker_that_never_reports_its_tier_jobs_never_drains(
+        model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Today's adapter before the tiers were wired: a write-back nobody hears of pins its CPU slots for ever."""
+    monkeypatch.setattr(TierRunner, "poll", lambda self: ())
+    d, _ = tiered_driver(model, disk_tier(tmp_path))
+    d.add("writer", PREFIX + [1])
+    with pytest.raises(AssertionError, match="not idle"):
+        d.run(MAX_STEPS)
+    d.close()
+
+
+def test_keys_a_full_disk_evicted_are_forgotten_by_the_scheduler(model, tmp_path: Path) -> None:
+    """A disk of 4 blocks holds one prefix: writing the next evicts the first on the worker, and the scheduler's
+    index, told by the worker's report, stops offering it (the reader recomputes, no fetch is ordered)."""
+    d, worker = tiered_driver(model, disk_tier(tmp_path, blocks=4))
+    d.add("writer", PREFIX + [1, 2, 3])
+    d.run(MAX_STEPS)
+    index = d.connector.scheduler_side.tier_index.tiers[0]
+    keys = prefix_keys(d, PREFIX)
+    assert index.lookup(keys) == len(keys)
+    for i, other in enumerate(OTHERS):
+        d.add(f"other{i}", other + [1])
+        d.run(MAX_STEPS)
+    assert index.lookup(keys) == 0
+    assert len(index.entries) <= 4
+    d.close()
+
+
+def test_cache_reset_drops_the_disk_tier_on_every_worker(model, tmp_path: Path) -> None:
+    d, worker = tiered_driver(model, disk_tier(tmp_path))
+    d.add("writer", PREFIX + [1, 2, 3])
+    d.run(MAX_STEPS)
+    d.reset_gpu_prefix_cache()
+    assert d.connector.reset_cache()
+    d.step()
+    (disk,) = worker.connector.worker_side.kvfsm.lower_tiers
+    assert d.connector.scheduler_side.tier_index.tiers[0].lookup(prefix_keys(d, PREFIX)) == 0
+    assert disk.lookup(prefix_keys(d, PREFIX)) == 0
+    d.run(MAX_STEPS)
+    d.close()
+
+
+def test_disk_tier_under_data_parallel_engines_is_refused_by_name(model, tmp_path: Path) -> None:
+    config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [disk_tier(tmp_path)]}, 64)
+    config.parallel_config.data_parallel_size = 2
+    with pytest.raises(UnsupportedTier, match="disk tier 'disk'.*2 data-parallel engines"):
+        offload_config(config)
+    assert not list(tmp_path.iterdir())  # nothing opened
+
+
+@pytest.mark.parametrize("tier, named", [
+    ({"kind": "disk", "path": "/nonexistent", "capacity_bytes": 0}, "capacity_bytes"),
+    ({"kind": "disk", "capacity_bytes": 1 << 20}, "path"),
+    ({"kind": "tape", "path": "/tmp"}, "kind"),
+    ({"kind": "disk", "path": "/tmp", "capacity_bytes": 1 << 20, "speed": 3}, "speed"),
+])
+def test_a_bad_tier_is_refused_at_start_up_naming_the_key(model, tier: dict[str, Any], named: str) -> None:
+    config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [tier]}, 64)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with pytest.raises(InvalidExtraConfig, match=named):
+        KvfsmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(64))
