@@ -7,20 +7,24 @@ scheduler's tier indexes included) and required to drain. Skipped when vLLM is n
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvfsm.connector.metadata import LoadOrder  # noqa: E402
 from kvfsm.connector.tier_runner import TierRunner  # noqa: E402
 from kvfsm.integrations.vllm import InvalidExtraConfig, KvfsmConnector, UnsupportedTier  # noqa: E402
+from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.config import gpu_block_bytes, offload_config  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, kv_cache_config, vllm_config  # noqa: E402
+from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
+from kvfsm.records import TierJob  # noqa: E402
 from vllm_harness import AdapterWorker, Driver  # noqa: E402
 from vllm_support import model  # noqa: E402,F401
 
@@ -42,6 +46,22 @@ def tiered_driver(model, tier: dict[str, Any], cpu_blocks: int = 8) -> tuple[Dri
     config = vllm_config(model, {"cpu_blocks": cpu_blocks, "lower_tiers": [tier]}, 64)
     worker = AdapterWorker(config)
     return Driver(config, worker), worker
+
+
+@pytest.fixture
+def tiered(model) -> Iterator[Callable[..., tuple[Driver, AdapterWorker]]]:
+    """`tiered(tier, cpu_blocks=8)`: a driver and its real worker role over one lower tier; each driver stops tracing
+    and each worker closes its tiers when the test ends."""
+    opened: list[tuple[Driver, AdapterWorker]] = []
+
+    def build(tier: dict[str, Any], cpu_blocks: int = 8) -> tuple[Driver, AdapterWorker]:
+        opened.append(tiered_driver(model, tier, cpu_blocks))
+        return opened[-1]
+
+    yield build
+    for d, worker in opened:
+        d.close()
+        worker.connector.shutdown()
 
 
 def evict_from_cpu_then_reload(d: Driver, worker: AdapterWorker, prefix: list[int] = PREFIX) -> LoadOrder:
@@ -74,14 +94,24 @@ def holds_prefix(worker: AdapterWorker, load: LoadOrder, prefix: list[int] = PRE
                for i, block in enumerate(load.gpu_blocks))
 
 
+def misplace_fetches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A control: every worker's tier reads each fetch's keys into the fetch's CPU slots in reverse order."""
+    submit: Callable[..., None] = TierRunner.submit
+
+    def misplaced(self: TierRunner, orders: Any) -> None:
+        submit(self, [o.model_copy(update={"cpu_slots": o.cpu_slots[::-1]}) if o.kind == "fetch" else o
+                      for o in orders])
+
+    monkeypatch.setattr(TierRunner, "submit", misplaced)
+
+
 def fetches(d: Driver) -> list[Any]:
     return [o for log in d.log for o in log.orders.tier_orders if o.kind == "fetch"]
 
 
-def test_prefix_evicted_from_cpu_returns_from_disk_with_the_writers_bytes(model, tmp_path: Path) -> None:
-    d, worker = tiered_driver(model, disk_tier(tmp_path))
+def test_prefix_evicted_from_cpu_returns_from_disk_with_the_writers_bytes(tiered, tmp_path: Path) -> None:
+    d, worker = tiered(disk_tier(tmp_path))
     load = evict_from_cpu_then_reload(d, worker)
-    d.close()
     assert len(load.gpu_blocks) == len(PREFIX) // BLOCK_SIZE
     assert holds_prefix(worker, load)
     (fetch,) = fetches(d)
@@ -93,35 +123,45 @@ def test_prefix_evicted_from_cpu_returns_from_disk_with_the_writers_bytes(model,
 
 
 def test_control_a_fetch_that_lands_in_the_wrong_cpu_slots_is_caught_by_the_bytes(
-        model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    submit: Callable[..., None] = TierRunner.submit
-
-    def misplaced(self: TierRunner, orders: Any) -> None:
-        submit(self, [o.model_copy(update={"cpu_slots": o.cpu_slots[::-1]}) if o.kind == "fetch" else o
-                      for o in orders])
-
-    monkeypatch.setattr(TierRunner, "submit", misplaced)
-    d, worker = tiered_driver(model, disk_tier(tmp_path))
+        tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    misplace_fetches(monkeypatch)
+    d, worker = tiered(disk_tier(tmp_path))
     load = evict_from_cpu_then_reload(d, worker)
-    d.close()
     assert not holds_prefix(worker, load)
 
 
 def test_control_a_worker_that_never_reports_its_tier_jobs_never_drains(
-        model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Today's adapter before the tiers were wired: a write-back nobody hears of pins its CPU slots for ever."""
     monkeypatch.setattr(TierRunner, "poll", lambda self: ())
-    d, _ = tiered_driver(model, disk_tier(tmp_path))
+    d, _ = tiered(disk_tier(tmp_path))
     d.add("writer", PREFIX + [1])
     with pytest.raises(AssertionError, match="not idle"):
         d.run(MAX_STEPS)
-    d.close()
 
 
-def test_keys_a_full_disk_evicted_are_forgotten_by_the_scheduler(model, tmp_path: Path) -> None:
+def test_control_an_index_that_offers_a_key_when_its_write_back_is_ordered_is_caught(
+        tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish-after-write across processes: the index offers a key before every rank reported writing it."""
+    ordered = ReportedTier.ordered
+
+    def eager(self: ReportedTier, job: TierJob) -> None:
+        ordered(self, job)
+        if job.kind == "write-back":
+            for key in job.keys:
+                self.entries.adopt(key)
+
+    monkeypatch.setattr(ReportedTier, "ordered", eager)
+    d, _ = tiered(disk_tier(tmp_path))
+    d.add("writer", PREFIX + [1])
+    with pytest.raises(SpecViolation, match="publish-after-write.*no write-back of it ended on every rank"):
+        d.run(MAX_STEPS)
+
+
+def test_keys_a_full_disk_evicted_are_forgotten_by_the_scheduler(tiered, tmp_path: Path) -> None:
     """A disk of 4 blocks holds one prefix: writing the next evicts the first on the worker, and the scheduler's
     index, told by the worker's report, stops offering it (the reader recomputes, no fetch is ordered)."""
-    d, worker = tiered_driver(model, disk_tier(tmp_path, blocks=4))
+    d, worker = tiered(disk_tier(tmp_path, blocks=4))
     d.add("writer", PREFIX + [1, 2, 3])
     d.run(MAX_STEPS)
     index = d.connector.scheduler_side.tier_index.tiers[0]
@@ -132,11 +172,10 @@ def test_keys_a_full_disk_evicted_are_forgotten_by_the_scheduler(model, tmp_path
         d.run(MAX_STEPS)
     assert index.lookup(keys) == 0
     assert len(index.entries) <= 4
-    d.close()
 
 
-def test_cache_reset_drops_the_disk_tier_on_every_worker(model, tmp_path: Path) -> None:
-    d, worker = tiered_driver(model, disk_tier(tmp_path))
+def test_cache_reset_drops_the_disk_tier_on_every_worker(tiered, tmp_path: Path) -> None:
+    d, worker = tiered(disk_tier(tmp_path))
     d.add("writer", PREFIX + [1, 2, 3])
     d.run(MAX_STEPS)
     d.reset_gpu_prefix_cache()
@@ -146,7 +185,6 @@ def test_cache_reset_drops_the_disk_tier_on_every_worker(model, tmp_path: Path) 
     assert d.connector.scheduler_side.tier_index.tiers[0].lookup(prefix_keys(d, PREFIX)) == 0
     assert disk.lookup(prefix_keys(d, PREFIX)) == 0
     d.run(MAX_STEPS)
-    d.close()
 
 
 def test_disk_tier_under_data_parallel_engines_is_refused_by_name(model, tmp_path: Path) -> None:
@@ -165,7 +203,5 @@ def test_disk_tier_under_data_parallel_engines_is_refused_by_name(model, tmp_pat
 ])
 def test_a_bad_tier_is_refused_at_start_up_naming_the_key(model, tier: dict[str, Any], named: str) -> None:
     config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [tier]}, 64)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
     with pytest.raises(InvalidExtraConfig, match=named):
         KvfsmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(64))

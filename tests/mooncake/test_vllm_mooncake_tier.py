@@ -6,24 +6,27 @@ Skipped when vLLM or Mooncake is not installed.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.store")
 
-from kvfsm.connector.tier_runner import TierRunner  # noqa: E402
 from kvfsm.mooncake.local import LocalMooncake  # noqa: E402
 from test_vllm_tiers import (  # noqa: E402
     PREFIX,
     evict_from_cpu_then_reload,
     fetches,
     holds_prefix,
+    misplace_fetches,
     prefix_keys,
-    tiered_driver,
+    tiered,
 )
 from vllm_support import model  # noqa: E402,F401
+
+__all__ = ["model", "tiered"]
+"""Fixtures used here, defined beside the vLLM tests."""
 
 pytestmark = pytest.mark.vllm
 
@@ -34,13 +37,9 @@ def mooncake_tier(deployment: LocalMooncake, model_id: str) -> dict[str, Any]:
             "writeback": "eager", "op_timeout_s": 10.0, "lookup_timeout_s": 1.0}
 
 
-def test_prefix_evicted_from_cpu_returns_from_mooncake_with_the_writers_bytes(model, mooncake: LocalMooncake) -> None:
-    d, worker = tiered_driver(model, mooncake_tier(mooncake, "tiny-reload"))
-    try:
-        load = evict_from_cpu_then_reload(d, worker)
-    finally:
-        d.close()
-        worker.connector.shutdown()
+def test_prefix_evicted_from_cpu_returns_from_mooncake_with_the_writers_bytes(tiered, mooncake: LocalMooncake) -> None:
+    d, worker = tiered(mooncake_tier(mooncake, "tiny-reload"))
+    load = evict_from_cpu_then_reload(d, worker)
     assert holds_prefix(worker, load)
     (fetch,) = fetches(d)
     assert fetch.tier == "mooncake" and list(fetch.keys) == prefix_keys(d, PREFIX)
@@ -49,18 +48,8 @@ def test_prefix_evicted_from_cpu_returns_from_mooncake_with_the_writers_bytes(mo
 
 
 def test_control_a_mooncake_fetch_that_lands_in_the_wrong_cpu_slots_is_caught_by_the_bytes(
-        model, mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch) -> None:
-    submit: Callable[..., None] = TierRunner.submit
-
-    def misplaced(self: TierRunner, orders: Any) -> None:
-        submit(self, [o.model_copy(update={"cpu_slots": o.cpu_slots[::-1]}) if o.kind == "fetch" else o
-                      for o in orders])
-
-    monkeypatch.setattr(TierRunner, "submit", misplaced)
-    d, worker = tiered_driver(model, mooncake_tier(mooncake, "tiny-misplaced"))
-    try:
-        load = evict_from_cpu_then_reload(d, worker)
-    finally:
-        d.close()
-        worker.connector.shutdown()
+        tiered, mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch) -> None:
+    misplace_fetches(monkeypatch)
+    d, worker = tiered(mooncake_tier(mooncake, "tiny-misplaced"))
+    load = evict_from_cpu_then_reload(d, worker)
     assert not holds_prefix(worker, load)

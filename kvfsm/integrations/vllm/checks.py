@@ -6,7 +6,8 @@ idle, everything must have drained: no job in flight, no CPU block pinned or hal
 every request the connector saw released. The lower tiers checked are the scheduler's indexes of them
 (`tier_index.ReportedTier`: their `tier-entry` records and the fetches each has in flight), beside every write-back
 and fetch the scheduler ordered; the tiers' own records and the worker's device log live in the worker processes,
-out of sight here.
+out of sight here. An index adopts what the workers wrote, so `publish-after-write` is read there across processes
+too (`reported_publish_after_write`): a key the index offers was written back on every rank.
 """
 
 from __future__ import annotations
@@ -17,10 +18,23 @@ from kvfsm.checking import ConnectorWorld, InvariantViolation, RunChecks
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.invariants import TierView
 from kvfsm.machines import MachineSet
+from kvfsm.states import TierEntryState, TierJobState
 
 
 class SpecViolation(InvariantViolation):
     """A run under vLLM broke a rule of the spec: an illegal or hidden transition, a named invariant, or drain."""
+
+
+def reported_publish_after_write(world: ConnectorWorld) -> list[str]:
+    """`publish-after-write` for the scheduler's indexes: every key an index publishes (or a fetch reads) was carried
+    by a write-back of that tier that every rank reported done, or failed for other keys only. An index that offered a
+    key earlier would order a fetch of bytes some rank has not written (read with `keep_history`, as every check)."""
+    landed = {(job.tier, key) for job in world.tier_jobs.values() if job.kind == "write-back"
+              and (job.state == TierJobState.DONE or job.state == TierJobState.FAILED)
+              for key in job.keys if key not in job.failed_keys}
+    return [f"{tier.name}: key {entry.key:#x} is {entry.state} in the scheduler's index, but no write-back of it "
+            "ended on every rank" for tier in world.tiers for entry in tier.entries
+            if entry.state in (TierEntryState.PUBLISHED, TierEntryState.READING) and (tier.name, entry.key) not in landed]
 
 
 class SchedulerWorld(ConnectorWorld):
@@ -44,6 +58,12 @@ class SpecChecks(RunChecks):
         self.idle = False
         """Whether vLLM has no request left and the worker no job: only the caller knows."""
         super().__init__(SchedulerWorld(scheduler, lambda: self.idle, tiers), machines, SpecViolation)
+
+    def violations(self) -> dict[str, list[str]]:
+        found = super().violations()
+        if reported := reported_publish_after_write(self.world):
+            found["publish-after-write"] = found.get("publish-after-write", []) + reported
+        return found
 
     def after_step(self, step: int) -> None:
         self.idle = False
