@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.request import RequestStatus
 
-from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorOutput
+from kvfsm.connector import scheduler
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.integrations.vllm.config import gpu_block_bytes
 from kvfsm.integrations.vllm.convert import (
@@ -60,7 +60,7 @@ class UnexpectedAllocation(RuntimeError):
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
         block_bytes = gpu_block_bytes(kv_cache_config)
-        machines = MachineSet(default_spec())
+        machines = MachineSet(scheduler.default_spec())  # the spec the connector would load (tests swap it there)
         self.tier_index = TierIndexes(config, config.block_size_factor * block_bytes, machines)
         """The lower tiers' indexes: the workers hold the bytes, this process decides every write-back and fetch."""
         self.kvfsm = SchedulerConnector(config, block_bytes, machines=machines,
