@@ -17,7 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+import kvfsm.connector.tier_planner as tier_planner  # noqa: E402
+import kvfsm.integrations.vllm.connector as connector_module  # noqa: E402
 from kvfsm.connector.metadata import LoadOrder  # noqa: E402
+from kvfsm.connector.ranks import TierOutcome, every_rank_tier_outcome  # noqa: E402
 from kvfsm.connector.tier_runner import TierRunner  # noqa: E402
 from kvfsm.integrations.vllm import InvalidExtraConfig, KvfsmConnector, UnsupportedTier  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
@@ -25,7 +28,7 @@ from kvfsm.integrations.vllm.config import gpu_block_bytes, offload_config  # no
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, kv_cache_config, vllm_config  # noqa: E402
 from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
 from kvfsm.records import TierJob  # noqa: E402
-from vllm_harness import AdapterWorker, Driver  # noqa: E402
+from vllm_harness import AdapterWorker, Driver, FakeRanks  # noqa: E402
 from vllm_support import model  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
@@ -42,45 +45,49 @@ def disk_tier(path: Path, blocks: int = 64, **extra: Any) -> dict[str, Any]:
     return {"kind": "disk", "path": str(path), "capacity_bytes": blocks * BLOCK_BYTES, "writeback": "eager", **extra}
 
 
-def tiered_driver(model, tier: dict[str, Any], cpu_blocks: int = 8) -> tuple[Driver, AdapterWorker]:
-    config = vllm_config(model, {"cpu_blocks": cpu_blocks, "lower_tiers": [tier]}, 64)
-    worker = AdapterWorker(config)
-    return Driver(config, worker), worker
-
-
 @pytest.fixture
-def tiered(model) -> Iterator[Callable[..., tuple[Driver, AdapterWorker]]]:
-    """`tiered(tier, cpu_blocks=8)`: a driver and its real worker role over one lower tier; each driver stops tracing
-    and each worker closes its tiers when the test ends."""
-    opened: list[tuple[Driver, AdapterWorker]] = []
+def tiered(model, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Driver, list[AdapterWorker]]]]:
+    """`tiered(tier, ranks=1)`: a driver over one lower tier and its real worker roles, one per tensor-parallel rank
+    (each its own slot file; several ranks' outputs combined by vLLM's `KVOutputAggregator`). Each driver stops
+    tracing and each worker closes its tiers when the test ends."""
+    opened: list[tuple[Driver, list[AdapterWorker]]] = []
 
-    def build(tier: dict[str, Any], cpu_blocks: int = 8) -> tuple[Driver, AdapterWorker]:
-        opened.append(tiered_driver(model, tier, cpu_blocks))
+    def build(tier: dict[str, Any], ranks: int = 1) -> tuple[Driver, list[AdapterWorker]]:
+        config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [tier]}, 64, tensor_parallel_size=ranks)
+        workers = []
+        for rank in range(ranks):
+            monkeypatch.setattr(connector_module, "worker_rank", lambda world_size, rank=rank: rank)
+            workers.append(AdapterWorker(config))
+        driven = workers[0] if ranks == 1 else FakeRanks(workers)  # type: ignore[arg-type]
+        opened.append((Driver(config, driven), workers))
         return opened[-1]
 
     yield build
-    for d, worker in opened:
+    for d, workers in opened:
         d.close()
-        worker.connector.shutdown()
+        for worker in workers:
+            worker.connector.shutdown()
 
 
-def evict_from_cpu_then_reload(d: Driver, worker: AdapterWorker, prefix: list[int] = PREFIX) -> LoadOrder:
-    """The writer stores `prefix` (written back below the CPU pool), other prompts push it out of the CPU pool, vLLM's
-    GPU cache forgets everything and the GPU caches are zeroed; then a reader of the same prefix runs. Its load."""
-    d.add("writer", prefix + [1, 2, 3])
+def evict_from_cpu_then_reload(d: Driver, workers: list[AdapterWorker],
+                               meanwhile: Callable[[], None] = lambda: None) -> list[LoadOrder]:
+    """The writer stores PREFIX (written back below the CPU pool), other prompts push it out of the CPU pool,
+    `meanwhile` runs, vLLM's GPU cache forgets everything and every rank's GPU caches are zeroed; then a reader of
+    the same prefix runs. Its loads."""
+    d.add("writer", PREFIX + [1, 2, 3])
     d.run(MAX_STEPS)
     for i, other in enumerate(OTHERS):
         d.add(f"other{i}", other + [1])
         d.run(MAX_STEPS)
     kvfsm = d.connector.scheduler_side.kvfsm
-    assert not any(h in kvfsm.manager.catalogue for h in prefix_keys(d, prefix)), "the CPU pool still holds it"
+    assert not any(h in kvfsm.manager.catalogue for h in prefix_keys(d, PREFIX)), "the CPU pool still holds it"
+    meanwhile()
     d.reset_gpu_prefix_cache()
-    for cache in worker.caches.values():
+    for cache in (c for worker in workers for c in worker.caches.values()):
         cache.zero_()  # whatever the reader finds now came through the CPU pool from below it
-    d.add("reader", prefix + [9])
+    d.add("reader", PREFIX + [9])
     d.run(MAX_STEPS)
-    (load,) = [o for log in d.log for o in log.orders.loads if o.req_id == "reader"]
-    return load
+    return [o for log in d.log for o in log.orders.loads if o.req_id == "reader"]
 
 
 def prefix_keys(d: Driver, prefix: list[int]) -> list[int]:
@@ -110,8 +117,8 @@ def fetches(d: Driver) -> list[Any]:
 
 
 def test_prefix_evicted_from_cpu_returns_from_disk_with_the_writers_bytes(tiered, tmp_path: Path) -> None:
-    d, worker = tiered(disk_tier(tmp_path))
-    load = evict_from_cpu_then_reload(d, worker)
+    d, (worker,) = tiered(disk_tier(tmp_path))
+    (load,) = evict_from_cpu_then_reload(d, [worker])
     assert len(load.gpu_blocks) == len(PREFIX) // BLOCK_SIZE
     assert holds_prefix(worker, load)
     (fetch,) = fetches(d)
@@ -125,8 +132,8 @@ def test_prefix_evicted_from_cpu_returns_from_disk_with_the_writers_bytes(tiered
 def test_control_a_fetch_that_lands_in_the_wrong_cpu_slots_is_caught_by_the_bytes(
         tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     misplace_fetches(monkeypatch)
-    d, worker = tiered(disk_tier(tmp_path))
-    load = evict_from_cpu_then_reload(d, worker)
+    d, (worker,) = tiered(disk_tier(tmp_path))
+    (load,) = evict_from_cpu_then_reload(d, [worker])
     assert not holds_prefix(worker, load)
 
 
@@ -161,7 +168,7 @@ def test_control_an_index_that_offers_a_key_when_its_write_back_is_ordered_is_ca
 def test_keys_a_full_disk_evicted_are_forgotten_by_the_scheduler(tiered, tmp_path: Path) -> None:
     """A disk of 4 blocks holds one prefix: writing the next evicts the first on the worker, and the scheduler's
     index, told by the worker's report, stops offering it (the reader recomputes, no fetch is ordered)."""
-    d, worker = tiered(disk_tier(tmp_path, blocks=4))
+    d, (worker,) = tiered(disk_tier(tmp_path, blocks=4))
     d.add("writer", PREFIX + [1, 2, 3])
     d.run(MAX_STEPS)
     index = d.connector.scheduler_side.tier_index.tiers[0]
@@ -175,7 +182,7 @@ def test_keys_a_full_disk_evicted_are_forgotten_by_the_scheduler(tiered, tmp_pat
 
 
 def test_cache_reset_drops_the_disk_tier_on_every_worker(tiered, tmp_path: Path) -> None:
-    d, worker = tiered(disk_tier(tmp_path))
+    d, (worker,) = tiered(disk_tier(tmp_path))
     d.add("writer", PREFIX + [1, 2, 3])
     d.run(MAX_STEPS)
     d.reset_gpu_prefix_cache()
@@ -185,6 +192,40 @@ def test_cache_reset_drops_the_disk_tier_on_every_worker(tiered, tmp_path: Path)
     assert d.connector.scheduler_side.tier_index.tiers[0].lookup(prefix_keys(d, PREFIX)) == 0
     assert disk.lookup(prefix_keys(d, PREFIX)) == 0
     d.run(MAX_STEPS)
+
+
+def corrupt_slot_file(worker: AdapterWorker) -> None:
+    """Every byte of this rank's disk tier file overwritten: each block it reads fails its checksum."""
+    (disk,) = worker.connector.worker_side.kvfsm.lower_tiers
+    disk.file.write_bytes(b"\xa5" * disk.file.stat().st_size)  # type: ignore[attr-defined]
+
+
+def test_with_two_ranks_each_fetches_its_own_share_from_its_own_file(tiered, tmp_path: Path) -> None:
+    d, workers = tiered(disk_tier(tmp_path), ranks=2)
+    (load,) = evict_from_cpu_then_reload(d, workers)
+    assert all(holds_prefix(worker, load) for worker in workers)
+    assert d.connector.scheduler_side.kvfsm.tiers.stats.tokens_loaded_from["disk"] == len(PREFIX)
+
+
+def test_a_fetch_one_rank_failed_fails_on_both_and_the_prefix_is_recomputed(tiered, tmp_path: Path) -> None:
+    d, workers = tiered(disk_tier(tmp_path), ranks=2)
+    loads = evict_from_cpu_then_reload(d, workers, lambda: corrupt_slot_file(workers[1]))
+    assert fetches(d) and not loads, "the reader loaded blocks rank 1 never fetched"
+    stats = d.connector.scheduler_side.kvfsm.tiers.stats
+    assert stats.failures["corrupt"] > 0 and stats.tokens_loaded_from["disk"] == 0
+    assert "reader" in d.first_token and d.cpu_pool_drained()
+
+
+def test_control_a_planner_that_hears_only_rank_zeros_failures_loads_rank_ones_garbage(
+        tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def rank_zero_only(job: Any, num_workers: int) -> TierOutcome | None:
+        outcome = every_rank_tier_outcome(job, num_workers)
+        return None if outcome is None else TierOutcome(dict(job.reports[0].failed), outcome.held)
+
+    monkeypatch.setattr(tier_planner, "every_rank_tier_outcome", rank_zero_only)
+    d, workers = tiered(disk_tier(tmp_path), ranks=2)
+    (load,) = evict_from_cpu_then_reload(d, workers, lambda: corrupt_slot_file(workers[1]))
+    assert holds_prefix(workers[0], load) and not holds_prefix(workers[1], load)
 
 
 def test_disk_tier_under_data_parallel_engines_is_refused_by_name(model, tmp_path: Path) -> None:

@@ -38,8 +38,8 @@ def mooncake_tier(deployment: LocalMooncake, model_id: str) -> dict[str, Any]:
 
 
 def test_prefix_evicted_from_cpu_returns_from_mooncake_with_the_writers_bytes(tiered, mooncake: LocalMooncake) -> None:
-    d, worker = tiered(mooncake_tier(mooncake, "tiny-reload"))
-    load = evict_from_cpu_then_reload(d, worker)
+    d, (worker,) = tiered(mooncake_tier(mooncake, "tiny-reload"))
+    (load,) = evict_from_cpu_then_reload(d, [worker])
     assert holds_prefix(worker, load)
     (fetch,) = fetches(d)
     assert fetch.tier == "mooncake" and list(fetch.keys) == prefix_keys(d, PREFIX)
@@ -50,6 +50,6 @@ def test_prefix_evicted_from_cpu_returns_from_mooncake_with_the_writers_bytes(ti
 def test_control_a_mooncake_fetch_that_lands_in_the_wrong_cpu_slots_is_caught_by_the_bytes(
         tiered, mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch) -> None:
     misplace_fetches(monkeypatch)
-    d, worker = tiered(mooncake_tier(mooncake, "tiny-misplaced"))
-    load = evict_from_cpu_then_reload(d, worker)
+    d, (worker,) = tiered(mooncake_tier(mooncake, "tiny-misplaced"))
+    (load,) = evict_from_cpu_then_reload(d, [worker])
     assert not holds_prefix(worker, load)

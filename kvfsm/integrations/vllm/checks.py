@@ -34,7 +34,8 @@ def reported_publish_after_write(world: ConnectorWorld) -> list[str]:
               for key in job.keys if key not in job.failed_keys}
     return [f"{tier.name}: key {entry.key:#x} is {entry.state} in the scheduler's index, but no write-back of it "
             "ended on every rank" for tier in world.tiers for entry in tier.entries
-            if entry.state in (TierEntryState.PUBLISHED, TierEntryState.READING) and (tier.name, entry.key) not in landed]
+            if entry.state in (TierEntryState.PUBLISHED, TierEntryState.READING)
+            and (tier.name, entry.key) not in landed]
 
 
 class SchedulerWorld(ConnectorWorld):

@@ -64,9 +64,9 @@ def _check_tiers(config: OffloadConfig, data_parallel_size: int) -> None:
     engines would open, truncate and overwrite each other's files."""
     for tier in config.lower_tiers:
         if tier.kind == "disk" and data_parallel_size > 1:
-            raise UnsupportedTier(f"disk tier {tier.tier_name!r}: vLLM runs {data_parallel_size} data-parallel engines, "
-                                  f"whose workers would share the slot files in {tier.path}; give each engine its own "
-                                  "directory (one vLLM per engine) or use a mooncake tier")
+            raise UnsupportedTier(f"disk tier {tier.tier_name!r}: vLLM runs {data_parallel_size} data-parallel "
+                                  f"engines, whose workers would share the slot files in {tier.path}; give each "
+                                  "engine its own directory (one vLLM per engine) or use a mooncake tier")
 
 
 def _read_offload_prompt_only(extra: dict[str, Any]) -> None:
