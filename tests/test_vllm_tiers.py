@@ -66,7 +66,7 @@ def tiered(model, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tup
     for d, workers in opened:
         d.close()
         for worker in workers:
-            worker.connector.shutdown()
+            worker.close()
 
 
 def evict_from_cpu_then_reload(d: Driver, workers: list[AdapterWorker],

@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from rich.console import Console
 from rich.table import Table
@@ -57,6 +57,9 @@ from kvfsm.integrations.vllm.rig import (
     sampled_requests,
     vllm_config,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 CONNECTORS: dict[str, str | None] = {"none": None, "vllm": "OffloadingConnector", "kvfsm": KVFSM_CONNECTOR}
 ADMISSION: dict[str, dict[str, dict[str, Any]]] = {
@@ -138,17 +141,21 @@ class Run:
     """One workload through one vLLM scheduler; everything it measured."""
 
     def __init__(self, workload: Workload, connector: str, model: Any, admission: str = "every-block",
-                 layer_loads: bool = False) -> None:
+                 layer_loads: bool = False, extra: Mapping[str, Any] | None = None,
+                 worker: Callable[[VllmConfig], Any] | None = None) -> None:
+        """`extra`: more of the connector's `kv_connector_extra_config` (over the defaults); `worker`: builds the
+        worker that completes the jobs instead of the fake one (the tiered bench's real worker role)."""
         init_none_hash(sha256)
         name = CONNECTORS[connector]
-        extra = {"cpu_blocks": CPU_BLOCKS, "layer_loads": layer_loads} if name == KVFSM_CONNECTOR else {
+        settings = {"cpu_blocks": CPU_BLOCKS, "layer_loads": layer_loads} if name == KVFSM_CONNECTOR else {
             "cpu_bytes_to_use": CPU_BLOCKS * gpu_block_bytes(kv_cache_config(1))}
-        extra |= ADMISSION[admission].get(connector, {})
+        extra = settings | ADMISSION[admission].get(connector, {}) | dict(extra or {})
         config = vllm_config(model, extra, workload.gpu_blocks, connector=name,
                              max_batched_tokens=workload.max_batched_tokens, max_seqs=workload.max_seqs)
         self.scheduler = Scheduler(config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config),
                                    block_size=BLOCK_SIZE)
-        self.worker = (None if name is None else OffloadingFakeWorker() if connector == "vllm"
+        self.worker = (worker(config) if worker is not None else None if name is None
+                       else OffloadingFakeWorker() if connector == "vllm"
                        else FakeWorker(load_steps=1 if layer_loads else LOAD_STEPS, store_steps=STORE_STEPS))
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.deferrals = 0
@@ -225,9 +232,10 @@ def run(workload: Workload, connector: str, model: Any, admission: str = "every-
 
 
 def play(workload: Workload, connector: str, model: Any, admission: str = "every-block",
-         layer_loads: bool = False) -> tuple[Run, set[str]]:
-    """The workload through one connector; the run and the requests it measured."""
-    bench = Run(workload, connector, model, admission, layer_loads)
+         layer_loads: bool = False, **options: Any) -> tuple[Run, set[str]]:
+    """The workload through one connector; the run and the requests it measured. `options`: `Run`'s `extra` and
+    `worker`."""
+    bench = Run(workload, connector, model, admission, layer_loads, **options)
     for arrival in workload.warm:
         bench.add(arrival)
     while bench.scheduler.has_requests() or _due_jobs(bench.worker):
