@@ -47,3 +47,14 @@ def test_returning_prefixes_reach_first_token_sooner_with_layer_loads_for_every_
     assert rows["kvfsm"]["fewest_steps_gained"] == 0  # asynchronous loads: as vLLM's connector
     assert all(row["same_tokens"] and row["cpu_hit_blocks"] > 0 for row in rows.values())
     assert "| returning-prefixes | kvfsm layer_loads |" in bench_inline.markdown(list(rows.values()))
+
+
+def test_a_prefix_set_larger_than_the_cpu_tier_returns_from_below_dram_through_each_connector() -> None:
+    """The plumbing of the tiered comparison: vLLM's `fs` tier and kvfsm's disk tier (both write-back policies) each
+    serve returning prefixes from below DRAM (how many is the benchmark's figure: vLLM's lookups run on threads)."""
+    from kvfsm.integrations.vllm import bench_tiers
+
+    rows = {row["run"]: row for row in bench_tiers.compare_tiers(quick=True)}
+    assert tuple(rows) == bench_tiers.RUNS
+    assert all(row["tokens_from_below"] > 0 for row in rows.values())
+    assert "| tiered-prefixes | kvfsm disk eager |" in bench_tiers.markdown(list(rows.values()))

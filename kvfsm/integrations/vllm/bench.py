@@ -90,6 +90,9 @@ class Workload:
     arrivals: Callable[[int], list[Arrival]]
     warm: list[Arrival] = field(default_factory=list)
     """Requests run to the end first (their blocks reach the CPU pool), then vLLM's GPU prefix cache is reset."""
+    warm_one_by_one: bool = False
+    """Each warm-up request arrives once the one before ran to the end (and everything it started ended); else all
+    arrive before the first step."""
     measure_from: Callable[[Scheduler], bool] = lambda scheduler: True
     aborts: Callable[[int], list[str]] = lambda step: []
     """Requests aborted before that step (those already finished are ignored)."""
@@ -232,14 +235,18 @@ def run(workload: Workload, connector: str, model: Any, admission: str = "every-
 
 
 def play(workload: Workload, connector: str, model: Any, admission: str = "every-block",
-         layer_loads: bool = False, **options: Any) -> tuple[Run, set[str]]:
-    """The workload through one connector; the run and the requests it measured. `options`: `Run`'s `extra` and
-    `worker`."""
+         layer_loads: bool = False, hooks: Callable[[Run], None] | None = None,
+         **options: Any) -> tuple[Run, set[str]]:
+    """The workload through one connector; the run and the requests it measured. `hooks` instruments the run before
+    its first step; `options`: `Run`'s `extra` and `worker`."""
     bench = Run(workload, connector, model, admission, layer_loads, **options)
-    for arrival in workload.warm:
-        bench.add(arrival)
-    while bench.scheduler.has_requests() or _due_jobs(bench.worker):
-        bench.step(measured=False)
+    if hooks is not None:
+        hooks(bench)
+    for batch in [[a] for a in workload.warm] if workload.warm_one_by_one else [workload.warm]:
+        for arrival in batch:
+            bench.add(arrival)
+        while bench.scheduler.has_requests() or _due_jobs(bench.worker):
+            bench.step(measured=False)
     bench.scheduler.reset_prefix_cache()
     measured: set[str] = set()
     gc.collect()
