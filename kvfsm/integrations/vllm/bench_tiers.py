@@ -5,7 +5,7 @@ Sixteen prefixes of 32 blocks are each computed once, one after the other (the w
 stores started run to the end before the next arrives; vLLM's GPU prefix cache is then reset), through a CPU tier of
 64 blocks: the pool ends holding the last two prefixes at most, and each connector
 writes what it stored below it (kvfsm: every stored block written back, `eager`, or the pool's next eviction victims,
-`on-evict`; vLLM: every stored chunk cascaded to its `fs` tier). Then every prefix returns once, with one new token.
+`on-evict`; vLLM: every stored chunk cascaded to its `fs` tier). Then every prefix returns once, one a step, with one new token.
 Counted in that second pass: the prefix tokens each connector loaded, and how many of them came from below DRAM
 (kvfsm: tokens loaded from CPU blocks a disk fetch brought; vLLM: chunks its `fs` tier promoted to CPU, in tokens),
 loads, deferrals, steps to first token, and the scheduler thread's CPU µs per step (`schedule()` +
@@ -38,7 +38,7 @@ BLOCK_BYTES = gpu_block_bytes(kv_cache_config(1))
 RUNS = ("vllm fs", "kvfsm disk eager", "kvfsm disk on-evict")
 
 
-def tiered_prefixes(prefixes: int = 16, prefix_blocks: int = 32, per_step: int = 2,
+def tiered_prefixes(prefixes: int = 16, prefix_blocks: int = 32, per_step: int = 1,
                     tail_steps: int = 160) -> Workload:
     """`prefixes` prompts of `prefix_blocks` blocks computed in the warm-up, then each returning once with one more
     token, `per_step` a step; `tail_steps` more steps let the last fetches land and their requests finish."""
