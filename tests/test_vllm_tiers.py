@@ -52,14 +52,15 @@ def tiered(model, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tup
     tracing and each worker closes its tiers when the test ends."""
     opened: list[tuple[Driver, list[AdapterWorker]]] = []
 
-    def build(tier: dict[str, Any], ranks: int = 1) -> tuple[Driver, list[AdapterWorker]]:
+    def build(tier: dict[str, Any], ranks: int = 1, async_scheduling: bool = False
+              ) -> tuple[Driver, list[AdapterWorker]]:
         config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [tier]}, 64, tensor_parallel_size=ranks)
         workers = []
         for rank in range(ranks):
             monkeypatch.setattr(connector_module, "worker_rank", lambda world_size, rank=rank: rank)
             workers.append(AdapterWorker(config))
         driven = workers[0] if ranks == 1 else FakeRanks(workers)  # type: ignore[arg-type]
-        opened.append((Driver(config, driven), workers))
+        opened.append((Driver(config, driven, async_scheduling=async_scheduling), workers))
         return opened[-1]
 
     yield build
@@ -127,6 +128,14 @@ def test_prefix_evicted_from_cpu_returns_from_disk_with_the_writers_bytes(tiered
     assert stats.tokens_loaded_from["disk"] == len(PREFIX)
     assert stats.blocks_written_back["disk"] >= len(PREFIX) // BLOCK_SIZE
     assert d.cpu_pool_drained()
+
+
+def test_under_async_scheduling_the_prefix_returns_from_disk_with_the_writers_bytes(tiered, tmp_path: Path) -> None:
+    """vLLM schedules step N+1 before it reads step N's output: tier reports reach the index a step later."""
+    d, (worker,) = tiered(disk_tier(tmp_path), async_scheduling=True)
+    (load,) = evict_from_cpu_then_reload(d, [worker])
+    assert holds_prefix(worker, load)
+    assert d.connector.scheduler_side.kvfsm.tiers.stats.tokens_loaded_from["disk"] == len(PREFIX)
 
 
 def test_control_a_fetch_that_lands_in_the_wrong_cpu_slots_is_caught_by_the_bytes(
@@ -226,6 +235,21 @@ def test_control_a_planner_that_hears_only_rank_zeros_failures_loads_rank_ones_g
     d, workers = tiered(disk_tier(tmp_path), ranks=2)
     (load,) = evict_from_cpu_then_reload(d, workers, lambda: corrupt_slot_file(workers[1]))
     assert holds_prefix(workers[0], load) and not holds_prefix(workers[1], load)
+
+
+def test_a_write_back_in_flight_at_a_cache_reset_is_never_offered(tiered, tmp_path: Path) -> None:
+    """What it wrote is from before the reset: the index does not adopt it when it ends, and every worker's tier
+    drops it (the stale write-back's keys are discarded in a later step's metadata)."""
+    d, (worker,) = tiered(disk_tier(tmp_path))
+    d.add("writer", PREFIX + [1, 2, 3])
+    while not any(o.kind == "write-back" for log in d.log for o in log.orders.tier_orders):
+        d.step()
+    assert d.connector.scheduler_side.moving_between_tiers
+    d.connector.reset_cache()
+    d.run(MAX_STEPS)
+    keys = prefix_keys(d, PREFIX)
+    (disk,) = worker.connector.worker_side.kvfsm.lower_tiers
+    assert d.connector.scheduler_side.tier_index.tiers[0].lookup(keys) == 0 and disk.lookup(keys) == 0
 
 
 def test_disk_tier_under_data_parallel_engines_is_refused_by_name(model, tmp_path: Path) -> None:

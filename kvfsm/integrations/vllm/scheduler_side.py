@@ -130,6 +130,6 @@ class SchedulerSide:
 
     @property
     def moving_between_tiers(self) -> bool:
-        """A write-back or fetch is in flight: vLLM must keep stepping (`has_pending_push_work`) until every rank
-        reported it, even with no request left."""
-        return self.kvfsm.moving_between_tiers
+        """A write-back or fetch is in flight, or discards wait for the next metadata: vLLM must keep stepping
+        (`has_pending_push_work`) until every rank reported the job or got the discards, even with no request left."""
+        return self.kvfsm.moving_between_tiers or self.tier_index.discards_pending

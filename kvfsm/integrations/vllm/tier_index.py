@@ -119,9 +119,8 @@ class ReportedTier:
         return discards
 
     @property
-    def busy(self) -> bool:
-        """A job of this tier has not been reported by every rank yet."""
-        return bool(self._writes or self._reads)
+    def discards_pending(self) -> bool:
+        return bool(self._discards)
 
 
 class TierIndexes:
@@ -141,6 +140,11 @@ class TierIndexes:
             tier.settle()
         for name, key in evicted:
             self._by_name[name].evicted((key,))
+
+    @property
+    def discards_pending(self) -> bool:
+        """Some tier has discards the workers have not been sent: vLLM must step once more to send them."""
+        return any(tier.discards_pending for tier in self.tiers)
 
     def take_discards(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """(tier, keys) every worker's tier must discard before this step's tier orders."""
