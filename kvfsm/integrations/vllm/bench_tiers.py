@@ -3,13 +3,12 @@ with its `fs` tier, both under vLLM 0.32's real `Scheduler` on the same request 
 
 Sixteen prefixes of 32 blocks are each computed once, one after the other (the warm-up: each request and what its
 stores started run to the end before the next arrives; vLLM's GPU prefix cache is then reset), through a CPU tier of
-64 blocks: the pool ends holding the last two prefixes at most, and each connector
-writes what it stored below it (kvfsm: every stored block written back, `eager`, or the pool's next eviction victims,
-`on-evict`; vLLM: every stored chunk cascaded to its `fs` tier). Then every prefix returns once, one a step, with one new token.
-Counted in that second pass: the prefix tokens each connector loaded, and how many of them came from below DRAM
-(kvfsm: tokens loaded from CPU blocks a disk fetch brought; vLLM: chunks its `fs` tier promoted to CPU, in tokens),
-loads, deferrals, steps to first token, and the scheduler thread's CPU µs per step (`schedule()` +
-`update_from_output()`, as in `bench.py`).
+64 blocks: the pool ends holding the last two prefixes at most, and each connector writes what it stored below it
+(kvfsm: every stored block written back, `eager`, or the pool's next eviction victims, `on-evict`; vLLM: every stored
+chunk cascaded to its `fs` tier). Then every prefix returns once, one a step, with one new token. Counted in that
+second pass: the prefix tokens each connector loaded, and how many of them came from below DRAM (kvfsm: tokens loaded
+from CPU blocks a disk fetch brought; vLLM: chunks its `fs` tier promoted to CPU, in tokens), loads, deferrals, steps
+to first token, and the scheduler thread's CPU µs per step (`schedule()` + `update_from_output()`, as in `bench.py`).
 
 Where the bytes move: vLLM's `fs` tier reads and writes files on threads of the scheduler process, over a host region
 it shares with the workers, so its fake worker (`bench.OffloadingFakeWorker`) only completes GPU<->CPU jobs. kvfsm's
@@ -20,15 +19,12 @@ writes nothing), and the GPU<->CPU copies are simulated; the tiers' file I/O is 
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from rich.console import Console
-from rich.table import Table
-
+from kvfsm.integrations.vllm import bench_table
 from kvfsm.integrations.vllm.bench import Arrival, Run, Workload, _tokens, play
 from kvfsm.integrations.vllm.config import gpu_block_bytes
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, WorkerRole, kv_cache_config, model_config
@@ -121,27 +117,8 @@ COLUMNS = {
 }
 
 
-def _cells(row: dict[str, Any]) -> list[str]:
-    return [f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in COLUMNS]
-
-
-def markdown(rows: list[dict[str, Any]]) -> str:
-    """The table as docs/benchmarks.md shows it."""
-    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def main(out: Path = Path("bench-out"), quick: bool = False) -> list[dict[str, Any]]:
     """Run, print the table, and write `vllm-tiers.json` and `vllm-tiers.md` under `out`."""
-    rows = list(compare_tiers(quick))
-    table = Table(title="vLLM 0.32 Scheduler, a prefix set larger than the CPU tier, returning: who serves it")
-    for title in COLUMNS.values():
-        table.add_column(title, justify="left" if title in ("workload", "connector + tier") else "right")
-    for row in rows:
-        table.add_row(*_cells(row))
-    Console(width=200).print(table)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vllm-tiers.json").write_text(json.dumps({"quick": quick, "rows": rows}, indent=2))
-    (out / "vllm-tiers.md").write_text(markdown(rows))
-    return rows
+    title = "vLLM 0.32 Scheduler, a prefix set larger than the CPU tier, returning: who serves it"
+    return bench_table.publish(list(compare_tiers(quick)), COLUMNS, title, ("workload", "connector + tier"),
+                               out, "vllm-tiers", quick)
