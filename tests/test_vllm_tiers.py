@@ -6,6 +6,7 @@ scheduler's tier indexes included) and required to drain. Skipped when vLLM is n
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -28,6 +29,7 @@ from kvfsm.integrations.vllm.config import gpu_block_bytes, offload_config  # no
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, kv_cache_config, vllm_config  # noqa: E402
 from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
 from kvfsm.records import TierJob  # noqa: E402
+from kvfsm.tiers.disk import DiskIo  # noqa: E402
 from vllm_harness import AdapterWorker, Driver, FakeRanks  # noqa: E402
 from vllm_support import model  # noqa: E402,F401
 
@@ -66,6 +68,7 @@ def tiered(model, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tup
     yield build
     for d, workers in opened:
         d.close()
+        d.connector.shutdown()
         for worker in workers:
             worker.close()
 
@@ -158,7 +161,8 @@ def test_control_a_worker_that_never_reports_its_tier_jobs_never_drains(
 
 def test_control_an_index_that_offers_a_key_when_its_write_back_is_ordered_is_caught(
         tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """publish-after-write across processes: the index offers a key before every rank reported writing it."""
+    """publish-after-write across processes: the index offers a key before every rank reported writing it. The disk
+    refuses every write, so the key is never written and the check cannot be outrun by a fast disk."""
     ordered = ReportedTier.ordered
 
     def eager(self: ReportedTier, job: TierJob) -> None:
@@ -167,7 +171,11 @@ def test_control_an_index_that_offers_a_key_when_its_write_back_is_ordered_is_ca
             for key in job.keys:
                 self.entries.adopt(key)
 
+    def refused(self: DiskIo, fd: int, data: memoryview, offset: int) -> None:
+        raise OSError(errno.EIO, "the disk refuses every write")
+
     monkeypatch.setattr(ReportedTier, "ordered", eager)
+    monkeypatch.setattr(DiskIo, "write", refused)
     d, _ = tiered(disk_tier(tmp_path))
     d.add("writer", PREFIX + [1])
     with pytest.raises(SpecViolation, match="publish-after-write.*no write-back of it ended on every rank"):

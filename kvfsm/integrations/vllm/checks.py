@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from kvfsm.checking import ConnectorWorld, InvariantViolation, RunChecks
 from kvfsm.connector.scheduler import SchedulerConnector
-from kvfsm.invariants import TierView
+from kvfsm.integrations.vllm.tier_index import ReportedTier
 from kvfsm.machines import MachineSet
 from kvfsm.states import TierEntryState, TierJobState
 
@@ -25,36 +25,38 @@ class SpecViolation(InvariantViolation):
     """A run under vLLM broke a rule of the spec: an illegal or hidden transition, a named invariant, or drain."""
 
 
-def reported_publish_after_write(world: ConnectorWorld) -> list[str]:
+def reported_publish_after_write(world: SchedulerWorld) -> list[str]:
     """`publish-after-write` for the scheduler's indexes: every key an index publishes (or a fetch reads) was carried
-    by a write-back of that tier that every rank reported done, or failed for other keys only. An index that offered a
-    key earlier would order a fetch of bytes some rank has not written (read with `keep_history`, as every check)."""
+    by a write-back of that tier that every rank reported done (or failed for other keys only), or was shown complete
+    for every rank by the tier's master. An index that offered a key earlier would order a fetch of bytes some rank
+    has not written (read with `keep_history`, as every check)."""
     landed = {(job.tier, key) for job in world.tier_jobs.values() if job.kind == "write-back"
               and (job.state == TierJobState.DONE or job.state == TierJobState.FAILED)
               for key in job.keys if key not in job.failed_keys}
     return [f"{tier.name}: key {entry.key:#x} is {entry.state} in the scheduler's index, but no write-back of it "
             "ended on every rank" for tier in world.tiers for entry in tier.entries
             if entry.state in (TierEntryState.PUBLISHED, TierEntryState.READING)
-            and (tier.name, entry.key) not in landed]
+            and (tier.name, entry.key) not in landed and entry.key not in tier.shown]
 
 
 class SchedulerWorld(ConnectorWorld):
     """The scheduler half's records and the lower tiers as the scheduler process indexes them."""
 
     def __init__(self, scheduler: SchedulerConnector, is_idle: Callable[[], bool],
-                 tiers: Sequence[TierView]) -> None:
+                 tiers: Sequence[ReportedTier]) -> None:
         super().__init__(scheduler, is_idle)
         self._tiers = tuple(tiers)
 
     @property
-    def tiers(self) -> Sequence[TierView]:
+    def tiers(self) -> Sequence[ReportedTier]:
         return self._tiers
 
 
 class SpecChecks(RunChecks):
     """Traces the machines from construction on; `after_step` and `after_idle` raise `SpecViolation`."""
 
-    def __init__(self, scheduler: SchedulerConnector, machines: MachineSet, tiers: Sequence[TierView] = ()) -> None:
+    def __init__(self, scheduler: SchedulerConnector, machines: MachineSet,
+                 tiers: Sequence[ReportedTier] = ()) -> None:
         """`tiers`: the scheduler side's indexes of the lower tiers (`SchedulerSide.tier_index.tiers`)."""
         self.idle = False
         """Whether vLLM has no request left and the worker no job: only the caller knows."""
@@ -62,7 +64,7 @@ class SpecChecks(RunChecks):
 
     def violations(self) -> dict[str, list[str]]:
         found = super().violations()
-        if reported := reported_publish_after_write(self.world):
+        if reported := reported_publish_after_write(self.world):  # type: ignore[arg-type]
             found["publish-after-write"] = found.get("publish-after-write", []) + reported
         return found
 

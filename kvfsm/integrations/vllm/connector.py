@@ -110,6 +110,8 @@ class KvfsmConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # --- scheduler role --------------------------------------------------------------------------------------
 

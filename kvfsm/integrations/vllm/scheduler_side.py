@@ -103,7 +103,7 @@ class SchedulerSide:
         if meta is not None and not isinstance(meta, KvfsmWorkerMetadata):
             raise TypeError(f"expected kvfsm worker metadata, got {type(meta).__name__}")
         result = self.kvfsm.update_connector_output(ConnectorOutput(workers=meta.reports if meta else ()))
-        self.tier_index.settle(meta.evicted if meta else ())
+        self.tier_index.settle(meta.evicted if meta else (), meta.namespaces if meta else ())
         self.kvfsm.get_block_ids_with_load_errors()  # the workers reported these blocks to vLLM themselves
         if result.loaded and not self.kvfsm.config.layer_loads:  # an inline load's request is running already
             output.finished_recving = set(output.finished_recving or ()) | result.loaded
@@ -127,6 +127,10 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         self.kvfsm.reset_cache()
         return True
+
+    def close(self) -> None:
+        """Close the shared tiers' master clients."""
+        self.tier_index.close()
 
     @property
     def moving_between_tiers(self) -> bool:

@@ -19,6 +19,10 @@ rest), as this process learns what the ranks did:
   before a reset are never adopted again; a write-back in flight at the reset is not adopted when it ends.
 A key some rank lost without saying (a store's own eviction, another engine's removal) stays published here until
 a fetch of it fails on that rank: a miss, never wrong bytes, since every rank verifies what it reads.
+A shared tier (Mooncake) also asks its master, within a bounded wait, for keys other engines wrote
+(`master_lookup.MasterLookup`): those the master holds for every rank are adopted here too, except a key a fetch
+here failed on (the master may hold a value some rank cannot read: adopting it again would fetch and fail it every
+step, and the request waiting on it would never run) until this engine writes it back itself.
 
 Threads: everything here runs on vLLM's scheduler thread (lookups in `get_num_new_matched_tokens`, orders in
 `build_connector_meta`, reports in `update_connector_output`).
@@ -26,27 +30,39 @@ Threads: everything here runs on vLLM's scheduler thread (lookups in `get_num_ne
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Iterable, Mapping, Sequence
 
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import TierOrder
+from kvfsm.integrations.vllm.master_lookup import MasterLookup
 from kvfsm.machines import MachineSet
+from kvfsm.mooncake.keys import KvNamespace
 from kvfsm.records import TierEntry, TierJob
 from kvfsm.states import TierEntryState, TierJobState
 from kvfsm.tiers.entries import TierEntries
 
 _RUNNING = frozenset({TierJobState.CREATED, TierJobState.SUBMITTED})
 """A tier job's states before its ranks' outcome is known: the index waits for it."""
+SHUNNED_KEYS = 1 << 16
+"""How many keys a fetch failed on are kept from being adopted from the master again; the oldest beyond it may be."""
 
 
 class ReportedTier:
     """One lower tier's index in the scheduler process: the `LowerTier` calls the planner makes, answered from what
     the workers reported."""
 
-    def __init__(self, name: str, block_bytes: int, machines: MachineSet) -> None:
+    def __init__(self, name: str, block_bytes: int, machines: MachineSet, master: MasterLookup | None = None) -> None:
+        """`master`: a shared tier's store, asked for keys this index does not know."""
         self.name = name
         self.block_bytes = block_bytes
         self.entries = TierEntries(name, machines)
+        self.master = master
+        self.shown: set[int] = set()
+        """Keys adopted because the master held them for every rank (not because this engine wrote them), while
+        this index holds them."""
+        self._shunned: OrderedDict[int, None] = OrderedDict()
+        """Keys a fetch here failed on, not adopted from the master again (oldest first)."""
         self._writes: dict[int, TierJob] = {}
         """Write-backs ordered and not yet ended on every rank."""
         self._reads: dict[int, tuple[TierJob, list[TierEntry]]] = {}
@@ -61,12 +77,19 @@ class ReportedTier:
     # --- what the planner calls ------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[int]) -> int:
+        count = self.entries.lookup(keys)
+        if self.master is None or count == len(keys) or self.entries.get(keys[count]) is not None:
+            return count
+        for key in keys[count:count + self.master.present(keys[count:])]:
+            if key in self._shunned or self.entries.adopt(key) is None:
+                break
+            self.shown.add(key)
         return self.entries.lookup(keys)
 
     def discard(self, keys: Sequence[int]) -> None:
         writing = {key for job in self._writes.values() for key in job.keys}
         for key in keys:
-            self.entries.evict(key)
+            self._forget(key)
             if key in writing:
                 self._stale.add(key)
         self._discards.extend(keys)
@@ -94,6 +117,7 @@ class ReportedTier:
             for key in job.keys:
                 if key not in failed and key not in self._stale:
                     self.entries.adopt(key)
+                    self._shunned.pop(key, None)
             self._stale.difference_update(job.keys)
         for job_id, (job, pinned) in list(self._reads.items()):
             if job.state in _RUNNING:
@@ -101,7 +125,12 @@ class ReportedTier:
             del self._reads[job_id]
             failed = set(job.failed_keys)
             for entry in pinned:
-                self.entries.read_failed(entry) if entry.key in failed else self.entries.read_done(entry)
+                if entry.key in failed:
+                    self.entries.read_failed(entry)
+                    self.shown.discard(entry.key)
+                    self._shun(entry.key)
+                else:
+                    self.entries.read_done(entry)
             self.evicted([entry.key for entry in pinned if entry.key in self._evict_after_read])
 
     def evicted(self, keys: Iterable[int]) -> None:
@@ -112,7 +141,16 @@ class ReportedTier:
                 self._evict_after_read.add(key)
             else:
                 self._evict_after_read.discard(key)
-                self.entries.evict(key)
+                self._forget(key)
+
+    def _shun(self, key: int) -> None:
+        self._shunned[key] = None
+        while len(self._shunned) > SHUNNED_KEYS:
+            self._shunned.popitem(last=False)
+
+    def _forget(self, key: int) -> None:
+        if self.entries.evict(key) is not None:
+            self.shown.discard(key)
 
     def take_discards(self) -> tuple[int, ...]:
         discards, self._discards = tuple(self._discards), []
@@ -127,19 +165,30 @@ class TierIndexes:
     """Every configured lower tier's `ReportedTier`, in lookup order, and the traffic between them and the step."""
 
     def __init__(self, config: OffloadConfig, block_bytes: int, machines: MachineSet) -> None:
-        self.tiers = tuple(ReportedTier(tier.tier_name, block_bytes, machines) for tier in config.lower_tiers)
+        self.tiers = tuple(ReportedTier(tier.tier_name, block_bytes, machines, MasterLookup(tier, config.num_workers)
+                                        if tier.kind == "mooncake" else None) for tier in config.lower_tiers)
         self._by_name = {tier.name: tier for tier in self.tiers}
 
     def ordered(self, orders: Sequence[TierOrder], jobs: Mapping[int, TierJob]) -> None:
         for order in orders:
             self._by_name[order.tier].ordered(jobs[order.job_id])
 
-    def settle(self, evicted: Iterable[tuple[str, int]]) -> None:
-        """After the step's reports reached the planner: the jobs they ended, then the keys ranks evicted."""
+    def settle(self, evicted: Iterable[tuple[str, int]], namespaces: Iterable[tuple[str, int, KvNamespace]]) -> None:
+        """After the step's reports reached the planner: the jobs they ended, then the keys ranks evicted, and the
+        key namespaces ranks of a shared tier told (once each)."""
         for tier in self.tiers:
             tier.settle()
         for name, key in evicted:
             self._by_name[name].evicted((key,))
+        for name, rank, namespace in namespaces:
+            master = self._by_name[name].master
+            assert master is not None, f"tier {name!r} has no master to look keys up in"
+            master.learn(rank, namespace)
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            if tier.master is not None:
+                tier.master.close()
 
     @property
     def discards_pending(self) -> bool:

@@ -8,13 +8,13 @@ step that loads it and reads that step's load errors only in that step's output,
 for the step's loads before it reports (`inline-load-in-step`): the compute stream waits on each layer's segment
 anyway, so the wait ends no later than the layer that needs the last segment.
 The lower tiers open here (the worker owns the CPU pool's bytes) and run the scheduler's tier orders; their job
-reports travel with the transfer jobs', and so do the keys a tier evicted on its own (`TierEvictions`), which the
-scheduler's index must forget (`kvfsm.integrations.vllm.tier_index`). Everything here runs on the worker's thread.
+reports travel with the transfer jobs', and what else the scheduler's index of each tier must hear is
+`worker_tiers`'. Everything here runs on the worker's thread.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,8 +27,8 @@ from kvfsm.executor.device import Device
 from kvfsm.executor.sim import SimDevice
 from kvfsm.integrations.vllm.config import UnsupportedKVCache, cache_layout, gpu_block_bytes
 from kvfsm.integrations.vllm.convert import KvfsmMetadata, KvfsmWorkerMetadata
+from kvfsm.integrations.vllm.worker_tiers import WorkerTiers
 from kvfsm.machines import MachineSet
-from kvfsm.tiers.base import LowerTier
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -50,34 +50,15 @@ def worker_rank(world_size: int) -> int:
     return engine_rank(torch.distributed.get_rank(), world_size) if torch.distributed.is_initialized() else 0
 
 
-class TierEvictions:
-    """Observes the worker's `tier-entry` machine for keys its tiers evicted (a write that found no free slot made
-    room), by tier; `take` hands over those the tier still does not hold (a key written again since is news to no
-    one). The scheduler's own discards come back too, which its index ignores."""
-
-    def __init__(self, machines: MachineSet) -> None:
-        self.tiers: Sequence[LowerTier] = ()
-        self._evicted: list[tuple[str, int]] = []
-        machines["tier-entry"].observers.append(self)
-
-    def __call__(self, lifecycle: str, entry: Any, source: str, trigger: str, dest: str) -> None:
-        if trigger == "evict":  # called before the index forgets the entry: the tier holding it is still known
-            self._evicted += [(tier.name, entry.key) for tier in self.tiers if tier.entries.get(entry.key) is entry]
-
-    def take(self) -> tuple[tuple[str, int], ...]:
-        evicted, self._evicted = self._evicted, []
-        held = {tier.name: tier.entries for tier in self.tiers}
-        return tuple((name, key) for name, key in evicted if held[name].get(key) is None)
-
-
 class WorkerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig", device: Device,
                  rank: int) -> None:
         self.config = config
         self.device = device
         machines = MachineSet(default_spec())
-        self._evictions = TierEvictions(machines)
+        self._tiers = WorkerTiers(machines, [t.tier_name for t in config.lower_tiers if t.kind == "mooncake"])
         self.kvfsm = WorkerConnector(config, device, worker=rank, machines=machines)
+        self._rank = rank
         self._num_blocks = kv_cache_config.num_blocks
         self._scheduler_block_bytes = gpu_block_bytes(kv_cache_config)
         self._loads: dict[int, tuple[int, ...]] = {}
@@ -92,15 +73,13 @@ class WorkerSide:
             raise UnsupportedKVCache(
                 f"this worker's caches hold {caches.gpu_block_bytes} bytes per block, the scheduler sized the pool for "
                 f"{self._scheduler_block_bytes}: the pools would differ ({ours} vs {theirs} CPU blocks)")
-        self._evictions.tiers = self.kvfsm.lower_tiers
+        self._tiers.opened(self.kvfsm.lower_tiers, self._rank)
 
     def bind(self, meta: object) -> None:
         if not isinstance(meta, KvfsmMetadata):
             raise TypeError(f"expected kvfsm connector metadata, got {type(meta).__name__}")
         self.kvfsm.bind_connector_metadata(meta.orders)
-        tiers = {tier.name: tier for tier in self.kvfsm.lower_tiers}
-        for name, keys in meta.tier_discards:
-            tiers[name].discard(keys)
+        self._tiers.apply(meta)
         self._loads.update((order.job_id, order.gpu_blocks) for order in meta.orders.loads)
         self._step_loads = tuple(order.job_id for order in meta.orders.loads)
 
@@ -140,8 +119,8 @@ class WorkerSide:
 
     def take_worker_meta(self) -> KvfsmWorkerMetadata | None:
         reports, self._reports = tuple(self._reports), []
-        evicted = self._evictions.take()
-        return KvfsmWorkerMetadata(reports, evicted) if reports or evicted else None
+        evicted, namespaces = self._tiers.take()
+        return KvfsmWorkerMetadata(reports, evicted, namespaces) if reports or evicted or namespaces else None
 
     def shutdown(self) -> None:
         self.kvfsm.shutdown()
