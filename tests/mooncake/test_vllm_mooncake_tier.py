@@ -13,7 +13,12 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.store")
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvfsm.integrations.vllm import KvfsmConnector  # noqa: E402
+from kvfsm.integrations.vllm.rig import kv_cache_config, vllm_config  # noqa: E402
 from kvfsm.integrations.vllm.worker_tiers import WorkerTiers  # noqa: E402
+from kvfsm.mooncake.errors import StoreUnavailable  # noqa: E402
 from kvfsm.mooncake.local import LocalMooncake  # noqa: E402
 from test_vllm_tiers import (  # noqa: E402
     MAX_STEPS,
@@ -97,3 +102,11 @@ def test_control_workers_that_do_not_adopt_a_shared_fetchs_keys_serve_the_second
     b, _ = read_in_a_second_engine(tiered, tier, tier)
     assert fetches(b) and not [o for log in b.log for o in log.orders.loads if o.req_id == "reader"]
     assert b.connector.scheduler_side.kvfsm.tiers.stats.failures["missing"] > 0
+
+
+def test_an_unreachable_master_stops_the_scheduler_at_start_up_by_name(model) -> None:
+    config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [
+        {"kind": "mooncake", "master": "127.0.0.1:1", "model_id": "tiny", "kv_dtype": "float16"}]}, 64)
+    with pytest.raises(StoreUnavailable) as refused:
+        KvfsmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(64))
+    assert "127.0.0.1:1" in str(refused.value) and "\n" not in str(refused.value)
