@@ -86,7 +86,21 @@ class MooncakeTierConfig(_TierConfig):
     kv_dtype: str = Field(min_length=1)
     """Element type of the KV cache (`bfloat16`, ...): part of every key."""
     tenant: str | None = None
-    """A salt mixed into every key (as vLLM's `cache_salt`): engines with different tenants never share KV."""
+    """A salt mixed into every key (as vLLM's `cache_salt`): engines with different tenants never share KV. Not a
+    secret: anyone who can reach the master may know it (docs/security.md)."""
+    kv_heads: PositiveInt | None = None
+    """The model's KV heads, all ranks together. Given, a block is stored as one value per KV head, keyed without
+    the tensor-parallel rank or size, so engines of every TP size of the model share prefixes
+    (`kvfsm.mooncake.heads`; layouts `kv-first` and `blocks-first`). Left out, a rank stores its whole CPU block
+    under a key that names its rank and TP size: only engines of the same TP size share."""
+    secret_file: Path | None = Field(default=None, strict=False)
+    """A file holding the tenant's secret (at least 32 bytes; surrounding whitespace ignored): every value is
+    sealed and checked with a MAC keyed from it, so values written by anyone without it are refused. Read once,
+    when the tier opens. None: the secret is read from the environment variable `secret_env`."""
+    secret_env: str = Field(default="KVFSM_MOONCAKE_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The environment variable holding the tenant's secret when `secret_file` is None."""
+    hash_threads: PositiveInt = 2
+    """Threads that seal and check the values' MACs, overlapped with the transfers."""
     segment_bytes: int = Field(default=0, ge=0)
     """Memory this engine lends to the store; 0 leaves storage to segment hosts (the shared KV outlives engines)."""
     op_timeout_s: float = Field(default=2.0, gt=0)
@@ -97,6 +111,10 @@ class MooncakeTierConfig(_TierConfig):
     """After the store was unreachable or slow, calls are refused at once (misses) for this long."""
     max_pending: PositiveInt = 32
     """Calls queued or running beyond this are refused at once (the write-back or fetch fails, nothing waits)."""
+    index_keys: PositiveInt = 65536
+    """Published keys this engine remembers of the store (written here or adopted by a lookup); the least recently
+    used beyond it is forgotten here (the store keeps it, and a later lookup adopts it again), so the index stays
+    bounded however many prefixes pass through a shared store."""
 
 
 LowerTierConfig = Annotated[Union[DiskTierConfig, MooncakeTierConfig], Field(discriminator="kind")]
@@ -145,6 +163,11 @@ class OffloadConfig(BaseModel):
     """With an engine that calls `wait_for_layer_load` before each layer reads KV: a CPU hit is computed in the step
     that loads it (the lookup says the load is not asynchronous), each layer waiting on the GPU for its own
     segment of the load. Off: the engine computes a hit once its load is reported, as without per-layer hooks."""
+    async_scheduling: bool = False
+    """The engine schedules step N+1 before it has read step N's output (vLLM's async scheduling, its default).
+    `layer_loads` then loads CPU hits asynchronously: a failed load computed in its own step would reach the engine
+    only after the next step, already scheduled, computed on the blocks that did not land
+    (`no-inline-load-under-async-scheduling`)."""
     layer_stores: bool = False
     """With an engine that calls `save_kv_layer`: start each layer's stores as soon as that layer's KV is written,
     instead of at the start of the next step. Off by default: on an H100 the sampled-token copy then waited
@@ -177,6 +200,11 @@ class OffloadConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"lower tier names must be unique, got {names}")
         return self
+
+    @property
+    def inline_loads(self) -> bool:
+        """Whether a CPU hit is computed in the step that loads it: `layer_loads`, unless the engine schedules ahead."""
+        return self.layer_loads and not self.async_scheduling
 
     @property
     def cpu_block_tokens(self) -> int:

@@ -55,6 +55,8 @@ class TransferJob:
     landed_segments: int = 0
     reports: dict[int, bool] = field(default_factory=dict)
     """The scheduler's log of which ranks reported the job and whether it succeeded there (empty on a worker)."""
+    inline: bool = False
+    """A load the engine computes on in the step that loads it (`loading-inline`), not once it is reported."""
     due_output: int | None = None
     """The engine output that must report this load (`inline-load-in-step`): set for a load computed in its own
     step when the engine reads load errors only in that step's output; None where a later report is fine."""

@@ -56,13 +56,14 @@ def tiered(model, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tup
 
     def build(tier: dict[str, Any], ranks: int = 1, async_scheduling: bool = False
               ) -> tuple[Driver, list[AdapterWorker]]:
-        config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [tier]}, 64, tensor_parallel_size=ranks)
+        config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [tier]}, 64, tensor_parallel_size=ranks,
+                             async_scheduling=async_scheduling)
         workers = []
         for rank in range(ranks):
             monkeypatch.setattr(connector_module, "worker_rank", lambda world_size, rank=rank: rank)
             workers.append(AdapterWorker(config))
         driven = workers[0] if ranks == 1 else FakeRanks(workers)  # type: ignore[arg-type]
-        opened.append((Driver(config, driven, async_scheduling=async_scheduling), workers))
+        opened.append((Driver(config, driven), workers))
         return opened[-1]
 
     yield build
@@ -233,14 +234,19 @@ def test_a_fetch_one_rank_failed_fails_on_both_and_the_prefix_is_recomputed(tier
     assert "reader" in d.first_token and d.cpu_pool_drained()
 
 
-def test_control_a_planner_that_hears_only_rank_zeros_failures_loads_rank_ones_garbage(
+def test_control_a_planner_that_hears_only_rank_zeros_failures_is_caught_and_loads_rank_ones_garbage(
         tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caught by `tier-job-every-rank`; with the checks silenced, the hazard: rank 1 loads bytes it never fetched."""
     def rank_zero_only(job: Any, num_workers: int) -> TierOutcome | None:
         outcome = every_rank_tier_outcome(job, num_workers)
         return None if outcome is None else TierOutcome(dict(job.reports[0].failed), outcome.held)
 
     monkeypatch.setattr(tier_planner, "every_rank_tier_outcome", rank_zero_only)
     d, workers = tiered(disk_tier(tmp_path), ranks=2)
+    with pytest.raises(SpecViolation, match="tier-job-every-rank"):
+        evict_from_cpu_then_reload(d, workers, lambda: corrupt_slot_file(workers[1]))
+    d, workers = tiered(disk_tier(tmp_path / "silenced"), ranks=2)
+    d.checks.violations = dict  # type: ignore[method-assign]
     (load,) = evict_from_cpu_then_reload(d, workers, lambda: corrupt_slot_file(workers[1]))
     assert holds_prefix(workers[0], load) and not holds_prefix(workers[1], load)
 

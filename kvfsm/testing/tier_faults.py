@@ -21,8 +21,12 @@ class FaultyDiskIo(DiskIo):
     def __init__(self) -> None:
         self.write_errno: int | None = None
         self.read_errno: int | None = None
+        self.full = False
+        """Every write fails with ENOSPC while set: a disk other files filled up (the soak's failing disk)."""
 
     def write(self, fd: int, data: memoryview, offset: int) -> None:
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if self.write_errno is not None:
             code, self.write_errno = self.write_errno, None
             raise OSError(code, os.strerror(code))

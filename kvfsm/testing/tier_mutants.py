@@ -9,10 +9,11 @@ import zlib
 from typing import Any, Callable, Iterable, Sequence
 
 from kvfsm.connector import Connector
+from kvfsm.connector.ranks import TierOutcome
 from kvfsm.engine.engine import Engine
 from kvfsm.tiers.disk import DiskIo, DiskTier
 from kvfsm.connector.tier_planner import TierPlanner
-from kvfsm.records import TierEntry
+from kvfsm.records import TierEntry, TierJob
 
 
 def _disk(connector: Connector) -> DiskTier:
@@ -138,3 +139,21 @@ TIER_MUTANTS: tuple[tuple[str, str, Callable[[Engine, Connector], None]], ...] =
     ("free-at-deadline", "late-io-holds-slot (a late read lands in a reused CPU slot)", free_at_deadline),
     ("unbounded-write-back", "writeback-bounded (write-backs flood the disk)", unbounded_write_back),
 )
+
+
+def tier_first_report(planner: TierPlanner) -> None:
+    """A tier job ends on the first rank's report (later ones are only logged): a fetch one rank read and another
+    failed is loadable, or freed while another rank's read still lands in it. A control for tensor parallelism:
+    with one worker it is kvfsm, so it is not among `TIER_MUTANTS` (the one-worker interleavings)."""
+
+    def first_report(job: TierJob) -> TierOutcome | None:
+        if len(job.reports) != 1:
+            return None
+        report = next(iter(job.reports.values()))
+        return TierOutcome(failed=dict(report.failed), held=report.held)
+
+    planner._outcome = first_report  # type: ignore[method-assign]
+
+
+TIER_RANK_CONTROLS: dict[str, Callable[[TierPlanner], None]] = {"tier-first-report": tier_first_report}
+"""Controls of the tier planner that differ from kvfsm only with several workers (`tier-job-every-rank`)."""

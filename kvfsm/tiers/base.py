@@ -69,6 +69,10 @@ class TierCompletion:
     failed: Mapping[int, TierFailure] = field(default_factory=dict)
     held: bool = False
     release: bool = False
+    checksums: Mapping[int, int | None] = field(default_factory=dict)
+    """Of a read, for each key it moved: the block checksum the tier keeps with the key's bytes, i.e. the one its
+    write was handed (taken when the block was first stored in the CPU pool); where it was handed none, a CRC-32
+    the tier took of the bytes it wrote, or None. The worker checks the CPU slot's next load against it."""
 
     @property
     def ok(self) -> bool:
@@ -80,9 +84,10 @@ class TierCompletion:
         return cls(job_id, {**{key: TierFailure.timeout for key in keys}, **failed}, held=True)
 
     @classmethod
-    def ended(cls, job_id: int, held: bool, failed: Mapping[int, TierFailure]) -> TierCompletion:
+    def ended(cls, job_id: int, held: bool, failed: Mapping[int, TierFailure],
+              checksums: Mapping[int, int | None]) -> TierCompletion:
         """The report of a job whose every call returned: its release if it was reported at its deadline already."""
-        return cls(job_id, release=True) if held else cls(job_id, failed)
+        return cls(job_id, release=True) if held else cls(job_id, failed, checksums=checksums)
 
 
 @dataclass(frozen=True)
@@ -121,16 +126,20 @@ class LowerTier(Protocol):
         the scheduler's thread once per lookup: it answers from a local index or one batched query, never waits on
         the bytes."""
 
-    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview]) -> None:
+    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview],
+                     checksums: Sequence[int | None] = ()) -> None:
         """Start writing each `sources[i]` (a CPU slot, pinned by the caller until this job is reported) under
         `keys[i]`; return at once. A key is published only once its bytes and their checksum are complete in the
         tier. A key already published or being written is skipped (it counts as moved). A key with no room, even
-        after the tier's own eviction of published, unpinned keys, fails with `full`."""
+        after the tier's own eviction of published, unpinned keys, fails with `full`. `checksums[i]` (when given:
+        the engine runs with `OffloadConfig.checksum`) is the block's checksum taken when it was first stored: the
+        tier keeps it with the bytes and hands it back with every read of them (`TierCompletion.checksums`)."""
 
     def submit_read(self, job_id: int, keys: Sequence[int], destinations: Sequence[memoryview]) -> None:
         """Start reading each key's bytes into `destinations[i]` (a CPU slot only this job touches); return at once.
         A key not published now fails with `missing` (it was evicted or dropped since the lookup); a read whose
-        bytes do not match their checksum fails with `corrupt`. A failed key is dropped from the tier, so the next
+        bytes do not match their checksum fails with `corrupt`. The job's completion hands back, per key moved, the
+        block checksum its write was handed. A failed key is dropped from the tier, so the next
         lookup misses it instead of fetching it again. While a key is read it is pinned: not evicted, not
         rewritten."""
 
@@ -163,7 +172,8 @@ class JobCalls(Protocol):
         """When the job counts as hung if its calls have not all returned (on the clock of its `TierJobs`)."""
 
     def poll(self, now: float) -> Sequence[object] | None:
-        """Each entry's answer, in the job's entry order; None while a call may still touch the job's buffers."""
+        """Each entry's answer (a write's: the entry's checksum; a read's: the block checksum stored with the key,
+        or None), in the job's entry order; None while a call may still touch the job's buffers."""
 
 
 class FutureCalls:
@@ -190,6 +200,8 @@ class IoJob:
     failed: dict[int, TierFailure] = field(default_factory=dict)
     held: bool = False
     """Reported failed (`timeout`) at its deadline while its calls still run; released once they all returned."""
+    checksums: dict[int, int | None] = field(default_factory=dict)
+    """Of a read: the block checksum each key's call answered, for `TierCompletion.checksums`."""
 
 
 Reason = Callable[[BaseException], TierFailure | None]
@@ -269,14 +281,16 @@ class TierJobs:
             del self._jobs[job_id]
             for entry, answer in reversed(list(zip(job.entries, answers, strict=True))):
                 self._settle(job, entry, answer, bugs)
-            finished.append(TierCompletion.ended(job_id, job.held, job.failed))
+            finished.append(TierCompletion.ended(job_id, job.held, job.failed, job.checksums))
         if bugs:
             self._unreported = finished
             raise bugs[0] if len(bugs) == 1 else ExceptionGroup(f"{self.label}: errors no I/O produces", bugs)
         return finished
 
     def _settle(self, job: IoJob, entry: TierEntry, answer: object, bugs: list[BaseException]) -> None:
-        if not isinstance(answer, BaseException):
+        if not isinstance(answer, BaseException):  # a write's answer: the entry's checksum; a read's: the block's
+            if job.kind == "read":
+                job.checksums[entry.key] = answer  # type: ignore[assignment]
             self.entries.settle(job.kind, entry, checksum=answer)  # type: ignore[arg-type]
             self.settled(job.kind, entry, None)
             return

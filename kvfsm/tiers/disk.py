@@ -122,10 +122,11 @@ class DiskTier:
     def lookup(self, keys: Sequence[int]) -> int:
         return self.entries.lookup(keys)
 
-    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview]) -> None:
+    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview],
+                     checksums: Sequence[int | None] = ()) -> None:
         self._jobs.check(job_id, keys, sources)
         entries, futures, failed = [], [], {}
-        for key, source in zip(keys, sources):
+        for key, source, carried in zip(keys, sources, checksums or [None] * len(keys)):
             if self.entries.get(key) is not None:
                 continue  # published or being written already: nothing to move
             slot = self._take_slot()
@@ -135,7 +136,7 @@ class DiskTier:
             entry = self.entries.reserve(key, slot)
             assert entry is not None
             entries.append(entry)
-            futures.append(self._io.submit(lambda s=slot, b=source: self._write(s, b)))
+            futures.append(self._io.submit(lambda s=slot, b=source, c=carried: self._write(s, b, c)))
         self._start(job_id, "write", entries, futures, failed)
 
     def submit_read(self, job_id: int, keys: Sequence[int], destinations: Sequence[memoryview]) -> None:
@@ -220,14 +221,19 @@ class DiskTier:
         assert entry is not None
         return entry.slot
 
-    def _write(self, slot: int, source: memoryview) -> int:
-        checksum = zlib.crc32(source)
+    def _write(self, slot: int, source: memoryview, carried: int | None) -> int:
+        """The checksum the slot's bytes are read back against: the one the block was first stored with when the
+        engine carries one (the CPU pool's CRC-32, so bytes changed since then fail their read), else the CRC-32 of
+        the bytes written."""
+        checksum = zlib.crc32(source) if carried is None else carried
         self._disk.write(self._fd, source, slot * self.block_bytes)
         return checksum
 
-    def _read(self, slot: int, destination: memoryview, checksum: int | None) -> None:
+    def _read(self, slot: int, destination: memoryview, checksum: int | None) -> int | None:
+        """Read the slot into `destination`; the checksum its bytes matched (handed back to the worker)."""
         count = self._disk.read(self._fd, destination, slot * self.block_bytes)
         if count != self.block_bytes:
             raise CorruptBlock(errno.EIO, f"slot {slot}: read {count} of {self.block_bytes} bytes")
         if zlib.crc32(destination) != checksum:
             raise CorruptBlock(errno.EIO, f"slot {slot}: checksum mismatch")
+        return checksum

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput
 
 from kvfsm.connector.metadata import ConnectorMetadata, SchedulerOutput, WorkerOutput
-from kvfsm.mooncake.keys import KvNamespace
+from kvfsm.integrations.vllm.master_lookup import KeyScheme
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -91,9 +91,9 @@ class KvfsmWorkerMetadata(KVConnectorWorkerMetadata):
     """(tier, key) a worker's tier evicted on its own since its last report (a full disk making room): the
     scheduler's index forgets the key, for every rank, since one rank no longer holds its share."""
 
-    namespaces: tuple[tuple[str, int, KvNamespace], ...] = ()
-    """(tier, rank, key namespace) of each shared tier a worker opened, in its first report: the scheduler asks the
-    tier's master for keys under every rank's namespace (`master_lookup`)."""
+    namespaces: tuple[tuple[str, int, KeyScheme], ...] = ()
+    """(tier, rank, key scheme) of each shared tier a worker opened, in its first report: the scheduler asks the
+    tier's master for keys named as every rank names them (`master_lookup`)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvfsmWorkerMetadata":
         if not isinstance(other, KvfsmWorkerMetadata):

@@ -35,9 +35,8 @@ from typing import Iterable, Mapping, Sequence
 
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import TierOrder
-from kvfsm.integrations.vllm.master_lookup import MasterLookup
+from kvfsm.integrations.vllm.master_lookup import KeyScheme, MasterLookup
 from kvfsm.machines import MachineSet
-from kvfsm.mooncake.keys import KvNamespace
 from kvfsm.records import TierEntry, TierJob
 from kvfsm.states import TierEntryState, TierJobState
 from kvfsm.tiers.entries import TierEntries
@@ -173,17 +172,17 @@ class TierIndexes:
         for order in orders:
             self._by_name[order.tier].ordered(jobs[order.job_id])
 
-    def settle(self, evicted: Iterable[tuple[str, int]], namespaces: Iterable[tuple[str, int, KvNamespace]]) -> None:
+    def settle(self, evicted: Iterable[tuple[str, int]], schemes: Iterable[tuple[str, int, KeyScheme]]) -> None:
         """After the step's reports reached the planner: the jobs they ended, then the keys ranks evicted, and the
-        key namespaces ranks of a shared tier told (once each)."""
+        key schemes ranks of a shared tier told (once each)."""
         for tier in self.tiers:
             tier.settle()
         for name, key in evicted:
             self._by_name[name].evicted((key,))
-        for name, rank, namespace in namespaces:
+        for name, rank, scheme in schemes:
             master = self._by_name[name].master
             assert master is not None, f"tier {name!r} has no master to look keys up in"
-            master.learn(rank, namespace)
+            master.learn(rank, scheme)
 
     def close(self) -> None:
         for tier in self.tiers:

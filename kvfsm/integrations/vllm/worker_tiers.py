@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvfsm.integrations.vllm.convert import KvfsmMetadata
+from kvfsm.integrations.vllm.master_lookup import KeyScheme
 from kvfsm.machines import MachineSet
-from kvfsm.mooncake.keys import KvNamespace
 from kvfsm.tiers.base import LowerTier
 
 
@@ -44,20 +44,24 @@ class TierEvictions:
         return tuple((name, key) for name, key in evicted if held[name].get(key) is None)
 
 
+def _scheme(tier: Any) -> KeyScheme:
+    """How a Mooncake tier names a block's values (`MooncakeTier.namespace`, and its head split if per head)."""
+    return KeyScheme(tier.namespace, None if tier.heads is None else tier.heads.kv_heads)
+
+
 class WorkerTiers:
     def __init__(self, machines: MachineSet, shared: Sequence[str]) -> None:
         """`shared`: the names of the tiers other engines write too (Mooncake)."""
         self.evictions = TierEvictions(machines)
         self._shared = frozenset(shared)
         self._tiers: dict[str, LowerTier] = {}
-        self._namespaces: tuple[tuple[str, int, KvNamespace], ...] = ()
+        self._namespaces: tuple[tuple[str, int, KeyScheme], ...] = ()
 
     def opened(self, tiers: Sequence[LowerTier], rank: int) -> None:
         """The worker registered its caches and opened `tiers`: the shared ones' namespaces go out first."""
         self._tiers = {tier.name: tier for tier in tiers}
         self.evictions.tiers = tiers
-        self._namespaces = tuple((tier.name, rank, tier.namespace) for tier in tiers  # type: ignore[attr-defined]
-                                 if tier.name in self._shared)
+        self._namespaces = tuple((tier.name, rank, _scheme(tier)) for tier in tiers if tier.name in self._shared)
 
     def apply(self, meta: KvfsmMetadata) -> None:
         """Before the step's tier orders run: drop what the scheduler dropped, adopt what it fetches from a shared
@@ -71,7 +75,7 @@ class WorkerTiers:
                     if entries.get(key) is None:
                         entries.adopt(key)
 
-    def take(self) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int, KvNamespace], ...]]:
+    def take(self) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int, KeyScheme], ...]]:
         """Keys evicted since the last report, and the shared tiers' namespaces if not sent yet."""
         namespaces, self._namespaces = self._namespaces, ()
         return self.evictions.take(), namespaces
