@@ -53,13 +53,20 @@ class _TierConfig(BaseModel):
 
 
 class DiskTierConfig(_TierConfig):
-    """A local disk below the CPU pool: preallocated slot files in `path`, emptied when the process starts."""
+    """A local disk below the CPU pool: one file per block in `path`. With `model_id` and `kv_dtype` the blocks
+    outlive the engine and are shared by every engine of that model on the host that names the same `path`;
+    without them the tier is private to the process and starts empty (see docs/tiers.md)."""
 
     kind: Literal["disk"] = "disk"
     path: Path = Field(strict=False)
-    """A directory (created if absent); kvfsm owns the files named `kvfsm-<tier>-<worker>.slots` in it."""
+    """A directory (created if absent); kvfsm owns the directories named `kvfsm2-*` and `private-*` in it."""
     capacity_bytes: PositiveInt
-    """Size of the slot file per worker, rounded down to whole CPU blocks."""
+    """Most bytes of blocks one worker keeps, rounded down to whole CPU blocks (each file adds a 72-byte record)."""
+    model_id: str | None = Field(default=None, min_length=1)
+    """The model and revision whose KV this engine computes: names the shared directory, so models never share KV.
+    Give it with `kv_dtype` to keep the blocks across restarts and share them; leave both out for a private tier."""
+    kv_dtype: str | None = Field(default=None, min_length=1)
+    """Element type of the KV cache (`bfloat16`, ...): part of the shared directory's name, as `model_id` is."""
     io_threads: PositiveInt = 4
     """Threads doing this tier's reads and writes, off the engine's thread."""
     io_timeout_s: PositiveFloat = 30.0
@@ -72,6 +79,17 @@ class DiskTierConfig(_TierConfig):
         if path.exists() and not path.is_dir():
             raise ValueError(f"disk tier path {path} exists and is not a directory")
         return path
+
+    @model_validator(mode="after")
+    def _shared_names_both(self) -> DiskTierConfig:
+        if (self.model_id is None) != (self.kv_dtype is None):
+            raise ValueError("a shared disk tier names both model_id and kv_dtype (a private one names neither)")
+        return self
+
+    @property
+    def shared(self) -> bool:
+        """Whether the blocks outlive the engine and are shared by engines of the same model on the host."""
+        return self.model_id is not None
 
 
 class MooncakeTierConfig(_TierConfig):

@@ -299,7 +299,8 @@ IN_FLIGHT_TIER_JOB_STATES = frozenset({"created", "submitted", "abandoned"})  # 
 
 @dataclass(slots=True, eq=False)
 class TierEntry:
-    """One key of one lower tier; `slot` is where a slotted tier (disk) keeps its bytes, None for a keyed store."""
+    """One key of one lower tier; `slot` is where a slotted tier keeps its bytes, None for a keyed store (a disk's
+    file per block, Mooncake's object)."""
 
     key: int
     slot: int | None = None

@@ -172,7 +172,7 @@ def test_control_an_index_that_offers_a_key_when_its_write_back_is_ordered_is_ca
             for key in job.keys:
                 self.entries.adopt(key)
 
-    def refused(self: DiskIo, fd: int, data: memoryview, offset: int) -> None:
+    def refused(self: DiskIo, fd: int, parts: Any) -> None:
         raise OSError(errno.EIO, "the disk refuses every write")
 
     monkeypatch.setattr(ReportedTier, "ordered", eager)
@@ -213,9 +213,10 @@ def test_cache_reset_drops_the_disk_tier_on_every_worker(tiered, tmp_path: Path)
 
 
 def corrupt_slot_file(worker: AdapterWorker) -> None:
-    """Every byte of this rank's disk tier file overwritten: each block it reads fails its checksum."""
+    """Every byte of this rank's disk tier files overwritten: each block it reads fails its check."""
     (disk,) = worker.connector.worker_side.kvfsm.lower_tiers
-    disk.file.write_bytes(b"\xa5" * disk.file.stat().st_size)  # type: ignore[attr-defined]
+    for block in (f for f in disk.directory.rglob("*") if f.is_file()):  # type: ignore[attr-defined]
+        block.write_bytes(b"\xa5" * block.stat().st_size)
 
 
 def test_with_two_ranks_each_fetches_its_own_share_from_its_own_file(tiered, tmp_path: Path) -> None:
@@ -271,6 +272,10 @@ def test_disk_tier_under_data_parallel_engines_is_refused_by_name(model, tmp_pat
     config.parallel_config.data_parallel_size = 2
     with pytest.raises(UnsupportedTier, match="disk tier 'disk'.*2 data-parallel engines"):
         offload_config(config)
+    named = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [
+        disk_tier(tmp_path, model_id="tiny", kv_dtype="float16")]}, 64)
+    named.parallel_config.data_parallel_size = 2
+    assert offload_config(named).lower_tiers[0].model_id == "tiny"  # shared by design: allowed
     assert not list(tmp_path.iterdir())  # nothing opened
 
 

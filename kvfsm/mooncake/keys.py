@@ -81,3 +81,11 @@ def head_key(namespace: KvNamespace, block_hash: int, head: int, salt: str | Non
 def _key(parts: tuple[str, ...]) -> str:
     digest = hashlib.blake2b(_framed(parts), digest_size=DIGEST_BYTES, person=b"kvfsm-block-key").hexdigest()
     return f"{KEY_PREFIX}-{digest}"
+
+
+def namespace_name(namespace: KvNamespace) -> str:
+    """`kvfsm2-<hex digest>` of the namespace alone: names what one producer stores, such as a shared disk tier's
+    directory, where each block's own name is its prefix hash."""
+    digest = hashlib.blake2b(_framed(namespace._fields()), digest_size=DIGEST_BYTES,
+                             person=b"kvfsm-namespace").hexdigest()
+    return f"{KEY_PREFIX}-{digest}"

@@ -14,9 +14,10 @@ since the lookup end as a key listed in `TierCompletion.failed`, which the sched
 recomputes). Only misuse (a job id submitted twice, a view of the wrong size) raises, before anything changes; and a
 bug (an error no I/O produces) raises from `poll`, but only once every finished job has settled (see `TierJobs`).
 
-What every tier shares beyond the interface lives here too, so a tier writes only what is its own (a disk its slot
-file and offsets, Mooncake its keys, values and client): `TierJobs` keeps the jobs in flight, their deadline and the
-poll loop that settles them into `TierCompletion`s, including the held/release protocol of a job past its deadline.
+What every tier shares beyond the interface lives here too, so a tier writes only what is its own (a disk its
+directory of block files, Mooncake its keys, values and client): `TierJobs` keeps the jobs in flight, their deadline
+and the poll loop that settles them into `TierCompletion`s, including the held/release protocol of a job past its
+deadline.
 
 Threads: the tier's thread (the worker's, which owns the CPU pool) calls `submit_write`, `submit_read`, `poll`,
 `reads_in_flight`, `discard` and `close`; the scheduler's thread calls `lookup` (in-process, the same thread in the
@@ -37,6 +38,7 @@ from typing import Callable, Iterable, Literal, Mapping, Protocol, Sequence, run
 from kvfsm.config import OffloadConfig
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.executor.pool import HostPool
+from kvfsm.mooncake.keys import KvNamespace
 from kvfsm.records import TierEntry
 from kvfsm.tiers.entries import TierEntries
 
@@ -104,6 +106,22 @@ class TierSite:
     pool: HostPool
     """The CPU pool every view handed to the tier points into."""
 
+    def namespace(self, model_id: str, dtype: str) -> KvNamespace:
+        """What a block stored from this site is the KV of, beside its prefix hash: the model, dtype, layout, block
+        size and shard. A tier that stores blocks where other engines (or a later one) read them names them by it."""
+        offload = self.offload
+        return KvNamespace(model_id=model_id, dtype=dtype, layout=layout_of(self.caches),
+                           block_tokens=offload.cpu_block_tokens, tp_rank=self.worker,
+                           tp_world_size=offload.num_workers)
+
+
+def layout_of(caches: KVCaches) -> str:
+    """Where each piece of a block lives in a CPU block: layouts per group, then each plane's name, piece count,
+    piece size and offset. Two engines whose KV bytes are arranged differently get different namespaces."""
+    groups = ",".join(f"{group}={layout}" for group, layout in sorted(caches.layouts.items()))
+    planes = ",".join(f"{p.name}:{p.pieces}x{p.piece_bytes}@{p.offset}" for p in caches.planes)
+    return f"{groups};{planes}"
+
 
 class TierMisuse(ValueError):
     """A tier was called with arguments no correct caller passes (a job id twice, mismatched lengths, a view of the
@@ -165,7 +183,7 @@ class LowerTier(Protocol):
 
 class JobCalls(Protocol):
     """The I/O one job started: one answer per entry of the job, once every call of it returned (or will never
-    run). An answer is the call's value (a write's checksum) or the exception it ended with."""
+    run). An answer is the call's value (the checksum of the block written or read) or the exception it ended with."""
 
     @property
     def deadline(self) -> float:
@@ -209,7 +227,7 @@ Reason = Callable[[BaseException], TierFailure | None]
 bug, which must not pass as a miss)."""
 
 Settled = Callable[[IoKind, TierEntry, TierFailure | None], None]
-"""What a tier does of its own once an entry's call settled (a disk frees a failed key's slot)."""
+"""What a tier does of its own once an entry's call settled (Mooncake shuns a key whose value failed its check)."""
 
 
 def _nothing_more(kind: IoKind, entry: TierEntry, failure: TierFailure | None) -> None:
@@ -292,6 +310,8 @@ class TierJobs:
             if job.kind == "read":
                 job.checksums[entry.key] = answer  # type: ignore[assignment]
             self.entries.settle(job.kind, entry, checksum=answer)  # type: ignore[arg-type]
+            if job.kind == "read" and isinstance(answer, int):
+                job.checksums[entry.key] = answer
             self.settled(job.kind, entry, None)
             return
         failure = self.reason(answer)

@@ -15,7 +15,7 @@ Threads: used only from its tier's thread (`lookup` from the scheduler's, which 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 from kvfsm.machines import LifecycleMachine, MachineSet
 from kvfsm.records import TierEntry
@@ -49,14 +49,19 @@ class TierEntries:
     def get(self, key: int) -> TierEntry | None:
         return self.by_key.get(key)
 
-    def lookup(self, keys: Sequence[int]) -> int:
-        """Leading keys that are published now."""
+    def published_prefix(self, keys: Sequence[int]) -> int:
+        """Leading keys that are published now (what `lookup` answers, without logging it)."""
         count = 0
         for key in keys:
             entry = self.by_key.get(key)
             if entry is None or entry.state != PUBLISHED:
                 break
             count += 1
+        return count
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        """Leading keys that are published now."""
+        count = self.published_prefix(keys)
         if self.keep_lookups:
             self.lookups.extend((key, self.by_key[key].state) for key in keys[:count])
         return count
@@ -122,9 +127,9 @@ class TierEntries:
         self._forget_if_empty(entry, self._machine.fire(entry, "evict"))
         return entry
 
-    def least_recent_evictable(self) -> int | None:
-        """The published key used longest ago; reading keys are pinned and skipped."""
-        return next((k for k in self._recency if self.by_key[k].state == PUBLISHED), None)
+    def least_recent_evictable(self, keep: Collection[int] = ()) -> int | None:
+        """The published key used longest ago, other than those in `keep`; reading keys are pinned and skipped."""
+        return next((k for k in self._recency if self.by_key[k].state == PUBLISHED and k not in keep), None)
 
     def _forget_beyond_bound(self) -> None:
         """Evict the least recently used published keys while more than `bound` are remembered; keys being read

@@ -156,7 +156,7 @@ class MooncakeTier:
     # --- LowerTier -------------------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[int]) -> int:
-        count = self._known_prefix(keys)
+        count = self.entries.published_prefix(keys)
         if count < len(keys) and self.entries.get(keys[count]) is None:
             self._adopt_from_store(keys[count:])
         return self.entries.lookup(keys)
@@ -221,15 +221,6 @@ class MooncakeTier:
         return self._jobs.reads_in_flight()
 
     # --- helpers ---------------------------------------------------------------------------------------------
-
-    def _known_prefix(self, keys: Sequence[int]) -> int:
-        count = 0
-        for key in keys:
-            entry = self.entries.get(key)
-            if entry is None or entry.state != Entry.PUBLISHED:
-                break
-            count += 1
-        return count
 
     def _adopt_from_store(self, keys: Sequence[int]) -> None:
         """Adopt the leading `keys` the store shows complete, if it answers within `lookup_timeout_s`."""
@@ -300,14 +291,6 @@ class MooncakeTier:
             self._shunned.pop(entry.key, None)  # written by this tier itself: adoptable again
 
 
-def layout_of(caches: KVCaches) -> str:
-    """Where each piece of a block lives in a CPU block: layouts per group, then each plane's name, piece count,
-    piece size and offset. Two engines whose KV bytes are arranged differently get different keys."""
-    groups = ",".join(f"{group}={layout}" for group, layout in sorted(caches.layouts.items()))
-    planes = ",".join(f"{p.name}:{p.pieces}x{p.piece_bytes}@{p.offset}" for p in caches.planes)
-    return f"{groups};{planes}"
-
-
 def head_split_of(site: TierSite, kv_heads: int) -> HeadSplit:
     """This rank's share of `kv_heads`, its rows measured from the registered caches: in `kv-first` and
     `blocks-first` every layer's block is K then V of `block_tokens` rows; other layouts are `HeadsDoNotSplit`."""
@@ -344,9 +327,7 @@ def open_mooncake(config: MooncakeTierConfig, site: TierSite, io: IoExecutor | N
     offload = site.offload
     heads = None if config.kv_heads is None else head_split_of(site, config.kv_heads)
     if heads is None:
-        namespace = KvNamespace(model_id=config.model_id, dtype=config.kv_dtype, layout=layout_of(site.caches),
-                                block_tokens=offload.cpu_block_tokens, tp_rank=site.worker,
-                                tp_world_size=offload.num_workers)
+        namespace = site.namespace(config.model_id, config.kv_dtype)
     else:
         namespace = KvNamespace(model_id=config.model_id, dtype=config.kv_dtype,
                                 layout=head_layout_of(site.caches, heads), block_tokens=offload.cpu_block_tokens)

@@ -63,14 +63,15 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
 
 
 def _check_tiers(config: OffloadConfig, data_parallel_size: int) -> None:
-    """Refuse, by name, a lower tier that cannot work under vLLM's process split. A disk tier's slot files are named
-    by tier and rank (`kvfsm-<tier>-<rank>.slots`), and every data-parallel engine numbers its ranks from 0: two
-    engines would open, truncate and overwrite each other's files."""
+    """Refuse, by name, a lower tier that cannot work under vLLM's process split. A private disk tier (no `model_id`)
+    keeps its blocks in a directory named by tier and rank (`private-<tier>-<rank>`), emptied when it opens, and every
+    data-parallel engine numbers its ranks from 0: two engines would empty and overwrite each other's. A named disk
+    tier is shared by design (its directory is its namespace's), so data-parallel engines may share it."""
     for tier in config.lower_tiers:
-        if tier.kind == "disk" and data_parallel_size > 1:
+        if tier.kind == "disk" and tier.model_id is None and data_parallel_size > 1:
             raise UnsupportedTier(f"disk tier {tier.tier_name!r}: vLLM runs {data_parallel_size} data-parallel "
-                                  f"engines, whose workers would share the slot files in {tier.path}; give each "
-                                  "engine its own directory (one vLLM per engine) or use a mooncake tier")
+                                  f"engines, whose workers would empty each other's private directories in "
+                                  f"{tier.path}; name the tier's model (model_id, kv_dtype) to share it")
 
 
 def _read_offload_prompt_only(extra: dict[str, Any]) -> None:
