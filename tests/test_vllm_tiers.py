@@ -7,6 +7,7 @@ scheduler's tier indexes included) and required to drain. Skipped when vLLM is n
 from __future__ import annotations
 
 import errno
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -252,15 +253,26 @@ def test_control_a_planner_that_hears_only_rank_zeros_failures_is_caught_and_loa
     assert holds_prefix(workers[0], load) and not holds_prefix(workers[1], load)
 
 
-def test_a_write_back_in_flight_at_a_cache_reset_is_never_offered(tiered, tmp_path: Path) -> None:
+def test_a_write_back_in_flight_at_a_cache_reset_is_never_offered(tiered, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """What it wrote is from before the reset: the index does not adopt it when it ends, and every worker's tier
-    drops it (the stale write-back's keys are discarded in a later step's metadata)."""
+    drops it (the stale write-back's keys are discarded in a later step's metadata). The disk's writes wait for the
+    reset, so the write-back is in flight at it however fast the disk is."""
+    reset = threading.Event()
+    write = DiskIo.write
+
+    def after_the_reset(self: DiskIo, fd: int, parts: Any) -> None:
+        reset.wait(30)
+        write(self, fd, parts)
+
+    monkeypatch.setattr(DiskIo, "write", after_the_reset)
     d, (worker,) = tiered(disk_tier(tmp_path))
     d.add("writer", PREFIX + [1, 2, 3])
     while not any(o.kind == "write-back" for log in d.log for o in log.orders.tier_orders):
         d.step()
     assert d.connector.scheduler_side.moving_between_tiers
     d.connector.reset_cache()
+    reset.set()
     d.run(MAX_STEPS)
     keys = prefix_keys(d, PREFIX)
     (disk,) = worker.connector.worker_side.kvfsm.lower_tiers
