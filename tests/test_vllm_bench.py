@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvfsm.integrations.vllm import bench  # noqa: E402
+from kvfsm.integrations.vllm.bench_table import markdown  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -49,4 +50,15 @@ def test_returning_prefixes_reach_first_token_sooner_with_layer_loads_for_every_
     for scheduling in bench_inline.SCHEDULING:  # asynchronous loads: as vLLM's connector
         assert rows[scheduling, "kvfsm"]["fewest_steps_gained"] == 0
     assert all(row["same_tokens"] and row["cpu_hit_blocks"] > 0 for row in rows.values())
-    assert "| returning-prefixes | sync | kvfsm layer_loads |" in bench_inline.markdown(list(rows.values()))
+    assert "| returning-prefixes | sync | kvfsm layer_loads |" in markdown(list(rows.values()), bench_inline.COLUMNS)
+
+
+def test_a_prefix_set_larger_than_the_cpu_tier_returns_from_below_dram_through_each_connector() -> None:
+    """The plumbing of the tiered comparison: vLLM's `fs` tier and kvfsm's disk tier (both write-back policies) each
+    serve returning prefixes from below DRAM (how many is the benchmark's figure: vLLM's lookups run on threads)."""
+    from kvfsm.integrations.vllm import bench_tiers
+
+    rows = {row["run"]: row for row in bench_tiers.compare_tiers(quick=True)}
+    assert tuple(rows) == bench_tiers.RUNS
+    assert all(row["tokens_from_below"] > 0 for row in rows.values())
+    assert "| tiered-prefixes | kvfsm disk eager |" in markdown(list(rows.values()), bench_tiers.COLUMNS)

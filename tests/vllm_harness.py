@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.sampling_params import SamplingParams
@@ -34,11 +33,10 @@ from kvfsm.integrations.vllm.connector import KvfsmConnector
 from kvfsm.integrations.vllm.convert import computed_before
 from kvfsm.integrations.vllm.rig import (
     BLOCK_SIZE,
-    HEAD_SIZE,
-    NUM_KV_HEADS,
     FakeJob,
     FakeWorker,
     StepOutputs,
+    WorkerRole,
     kv_cache_config,
     model_output,
     sampled_requests,
@@ -88,36 +86,13 @@ class StepLog:
     """Every request scheduled this step, with its computed tokens before it."""
 
 
-class AdapterWorker:
+class AdapterWorker(WorkerRole):
     """The adapter's real worker role on `SimDevice` tensors shaped as vLLM allocates them (K and V planes first).
 
     Its forward pass writes, at every computed position, the token id there (mod 251) into every K and V entry, so
     the bytes of a loaded block show whether they came from the right prefix."""
 
-    def __init__(self, config: VllmConfig) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-        blocks = config.cache_config.num_gpu_blocks
-        self.connector = KvfsmConnector(config, KVConnectorRole.WORKER, kv_cache_config(blocks))
-        self.caches = {name: torch.zeros(2, blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
-                       for name in kv_cache_config(blocks).kv_cache_groups[0].layer_names}
-        self.connector.register_kv_caches(self.caches)
-        self.pending: dict[int, Any] = {}
-
-    def step(self, step: int, output: SchedulerOutput, scheduler: Scheduler) -> KVConnectorOutput:
-        meta = output.kv_connector_metadata
-        self.connector.handle_preemptions(meta)
-        self.connector.bind_connector_metadata(meta)
-        self.connector.start_load_kv(None)  # type: ignore[arg-type]
-        self._forward(output, scheduler)
-        self.connector.wait_for_save()
-        self.connector.get_finished(set(output.finished_req_ids))
-        result = KVConnectorOutput(invalid_block_ids=self.connector.get_block_ids_with_load_errors(),
-                                   kv_connector_worker_meta=self.connector.build_connector_worker_meta())
-        self.connector.clear_connector_metadata()
-        return result
-
-    def _forward(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
+    def forward(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
         """Layer by layer, as vLLM's attention layers run: wait for the layer's load, write it, save it. A position
         whose token is not sampled yet (async scheduling) is written as 0."""
         before = computed_before(output)
@@ -165,7 +140,7 @@ class Driver:
         """The step after which each request was added: it can be scheduled from the next step on."""
         self.log: list[StepLog] = []
         kvfsm = self.connector.scheduler_side.kvfsm
-        self.checks = SpecChecks(kvfsm, kvfsm.machines)
+        self.checks = SpecChecks(kvfsm, kvfsm.machines, self.connector.scheduler_side.tier_index.tiers)
 
     @property
     def connector(self) -> KvfsmConnector:

@@ -8,7 +8,7 @@ Enable it with::
 `kv_connector_extra_config` is validated as `kvfsm.config.OffloadConfig` when vLLM starts.
 """
 
-from kvfsm.integrations.vllm.config import InvalidExtraConfig, UnsupportedKVCache
+from kvfsm.integrations.vllm.config import InvalidExtraConfig, UnsupportedKVCache, UnsupportedTier
 from kvfsm.integrations.vllm.connector import KvfsmConnector, WrongRole
 
-__all__ = ["InvalidExtraConfig", "KvfsmConnector", "UnsupportedKVCache", "WrongRole"]
+__all__ = ["InvalidExtraConfig", "KvfsmConnector", "UnsupportedKVCache", "UnsupportedTier", "WrongRole"]

@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from rich.console import Console
 from rich.table import Table
@@ -58,6 +58,9 @@ from kvfsm.integrations.vllm.rig import (
     sampled_requests,
     vllm_config,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 CONNECTORS: dict[str, str | None] = {"none": None, "vllm": "OffloadingConnector", "kvfsm": KVFSM_CONNECTOR}
 ADMISSION: dict[str, dict[str, dict[str, Any]]] = {
@@ -88,6 +91,9 @@ class Workload:
     arrivals: Callable[[int], list[Arrival]]
     warm: list[Arrival] = field(default_factory=list)
     """Requests run to the end first (their blocks reach the CPU pool), then vLLM's GPU prefix cache is reset."""
+    warm_one_by_one: bool = False
+    """Each warm-up request arrives once the one before ran to the end (and everything it started ended); else all
+    arrive before the first step."""
     measure_from: Callable[[Scheduler], bool] = lambda scheduler: True
     aborts: Callable[[int], list[str]] = lambda step: []
     """Requests aborted before that step (those already finished are ignored)."""
@@ -139,21 +145,25 @@ class Run:
     """One workload through one vLLM scheduler; everything it measured."""
 
     def __init__(self, workload: Workload, connector: str, model: Any, admission: str = "every-block",
-                 layer_loads: bool = False, async_scheduling: bool = False) -> None:
+                 layer_loads: bool = False, async_scheduling: bool = False, extra: Mapping[str, Any] | None = None,
+                 worker: Callable[[VllmConfig], Any] | None = None) -> None:
         """With `async_scheduling` vLLM's `AsyncScheduler` runs as vLLM's engine core drives it then: step N+1 is
-        scheduled before step N's output is processed."""
+        scheduled before step N's output is processed. `extra`: more of the connector's `kv_connector_extra_config`
+        (over the defaults); `worker`: builds the worker that completes the jobs instead of the fake one (the tiered
+        bench's real worker role)."""
         init_none_hash(sha256)
         name = CONNECTORS[connector]
-        extra = {"cpu_blocks": CPU_BLOCKS, "layer_loads": layer_loads} if name == KVFSM_CONNECTOR else {
+        settings = {"cpu_blocks": CPU_BLOCKS, "layer_loads": layer_loads} if name == KVFSM_CONNECTOR else {
             "cpu_bytes_to_use": CPU_BLOCKS * gpu_block_bytes(kv_cache_config(1))}
-        extra |= ADMISSION[admission].get(connector, {})
+        extra = settings | ADMISSION[admission].get(connector, {}) | dict(extra or {})
         config = vllm_config(model, extra, workload.gpu_blocks, connector=name, async_scheduling=async_scheduling,
                              max_batched_tokens=workload.max_batched_tokens, max_seqs=workload.max_seqs)
         self.scheduler: Scheduler = config.scheduler_config.get_scheduler_cls()(
             config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config), block_size=BLOCK_SIZE)
         # A load computed in its own step is reported in that step (the adapter's worker waits for it).
         inline = connector == "kvfsm" and self.scheduler.connector.scheduler_side.kvfsm.inline_loads
-        self.worker = (None if name is None else OffloadingFakeWorker() if connector == "vllm"
+        self.worker = (worker(config) if worker is not None else None if name is None
+                       else OffloadingFakeWorker() if connector == "vllm"
                        else FakeWorker(load_steps=1 if inline else LOAD_STEPS, store_steps=STORE_STEPS))
         self.outputs = StepOutputs(self._process, async_scheduling)
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
@@ -234,14 +244,19 @@ def run(workload: Workload, connector: str, model: Any, admission: str = "every-
 
 
 def play(workload: Workload, connector: str, model: Any, admission: str = "every-block",
-         layer_loads: bool = False, async_scheduling: bool = False) -> tuple[Run, set[str]]:
-    """The workload through one connector; the run and the requests it measured."""
-    bench = Run(workload, connector, model, admission, layer_loads, async_scheduling)
-    for arrival in workload.warm:
-        bench.add(arrival)
-    while bench.scheduler.has_requests() or _due_jobs(bench.worker):
-        bench.step(measured=False)
-    bench.outputs.flush()
+         layer_loads: bool = False, async_scheduling: bool = False, hooks: Callable[[Run], None] | None = None,
+         **options: Any) -> tuple[Run, set[str]]:
+    """The workload through one connector; the run and the requests it measured. `hooks` instruments the run before
+    its first step; `options`: `Run`'s `extra` and `worker`."""
+    bench = Run(workload, connector, model, admission, layer_loads, async_scheduling, **options)
+    if hooks is not None:
+        hooks(bench)
+    for batch in [[a] for a in workload.warm] if workload.warm_one_by_one else [workload.warm]:
+        for arrival in batch:
+            bench.add(arrival)
+        while bench.scheduler.has_requests() or _due_jobs(bench.worker):
+            bench.step(measured=False)
+        bench.outputs.flush()
     bench.scheduler.reset_prefix_cache()
     measured: set[str] = set()
     gc.collect()

@@ -19,15 +19,12 @@ docs/benchmarks.md's TTFT section. CPU µs per step is the scheduler's own threa
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from rich.console import Console
-from rich.table import Table
-
+from kvfsm.integrations.vllm import bench_table
 from kvfsm.integrations.vllm.bench import Arrival, Run, Workload, _tokens, play
 from kvfsm.integrations.vllm.rig import model_config
 
@@ -91,27 +88,8 @@ COLUMNS = {
 }
 
 
-def _cells(row: dict[str, Any]) -> list[str]:
-    return [f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in COLUMNS]
-
-
-def markdown(rows: list[dict[str, Any]]) -> str:
-    """The table as docs/benchmarks.md shows it."""
-    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def main(out: Path = Path("bench-out"), quick: bool = False) -> list[dict[str, Any]]:
     """Run, print the table, and write `vllm-inline.json` and `vllm-inline.md` under `out`."""
-    rows = list(compare_inline(quick))
-    table = Table(title="vLLM 0.32 Scheduler, returning prefixes: a CPU hit's steps to first token")
-    for title in COLUMNS.values():
-        table.add_column(title, justify="left" if title in ("workload", "scheduling", "connector") else "right")
-    for row in rows:
-        table.add_row(*_cells(row))
-    Console(width=200).print(table)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vllm-inline.json").write_text(json.dumps({"quick": quick, "rows": rows}, indent=2))
-    (out / "vllm-inline.md").write_text(markdown(rows))
-    return rows
+    title = "vLLM 0.32 Scheduler, returning prefixes: a CPU hit's steps to first token"
+    return bench_table.publish(list(compare_inline(quick)), COLUMNS, title, ("workload", "scheduling", "connector"),
+                               out, "vllm-inline", quick)

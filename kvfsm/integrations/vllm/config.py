@@ -31,6 +31,10 @@ class InvalidExtraConfig(ValueError):
     """`kv_connector_extra_config` names an unknown key, a bad value, or contradicts vLLM's own settings."""
 
 
+class UnsupportedTier(InvalidExtraConfig):
+    """A lower tier configured in a way that cannot work under vLLM's process split (see docs/vllm.md)."""
+
+
 class UnsupportedKVCache(ValueError):
     """vLLM's KV cache has a shape kvfsm cannot offload (several groups, or a layout it cannot tell)."""
 
@@ -54,10 +58,20 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
         config = OffloadConfig(**extra)
     except ValidationError as error:
         raise InvalidExtraConfig(f"kv_connector_extra_config is not a valid kvfsm OffloadConfig:\n{error}") from None
-    if any(tier.kind == "disk" for tier in config.lower_tiers):
-        raise InvalidExtraConfig("a disk tier's index lives in the worker process, which vLLM's scheduler process "
-                                 "cannot look up; use it with kvfsm.Connector (see docs/tiers.md)")
+    _check_tiers(config, vllm_config.parallel_config.data_parallel_size)
     return config
+
+
+def _check_tiers(config: OffloadConfig, data_parallel_size: int) -> None:
+    """Refuse, by name, a lower tier that cannot work under vLLM's process split. A private disk tier (no `model_id`)
+    keeps its blocks in a directory named by tier and rank (`private-<tier>-<rank>`), emptied when it opens, and every
+    data-parallel engine numbers its ranks from 0: two engines would empty and overwrite each other's. A named disk
+    tier is shared by design (its directory is its namespace's), so data-parallel engines may share it."""
+    for tier in config.lower_tiers:
+        if tier.kind == "disk" and tier.model_id is None and data_parallel_size > 1:
+            raise UnsupportedTier(f"disk tier {tier.tier_name!r}: vLLM runs {data_parallel_size} data-parallel "
+                                  f"engines, whose workers would empty each other's private directories in "
+                                  f"{tier.path}; name the tier's model (model_id, kv_dtype) to share it")
 
 
 def _read_offload_prompt_only(extra: dict[str, Any]) -> None:

@@ -111,6 +111,8 @@ class KvfsmConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # --- scheduler role --------------------------------------------------------------------------------------
 
@@ -134,6 +136,11 @@ class KvfsmConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool:
         return self.scheduler_side.reset_cache()
+
+    def has_pending_push_work(self) -> bool:
+        """vLLM keeps stepping while this holds, with no request left: a write-back or fetch still in flight ends
+        only with a step's worker reports."""
+        return self._scheduler is not None and self._scheduler.moving_between_tiers
 
     def get_kv_connector_stats(self) -> KvfsmStats | None:
         return self._scheduler.stats.take() if self._scheduler is not None else None

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput
 
 from kvfsm.connector.metadata import ConnectorMetadata, SchedulerOutput, WorkerOutput
+from kvfsm.integrations.vllm.master_lookup import KeyScheme
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -76,6 +77,9 @@ class KvfsmMetadata(KVConnectorMetadata):
     """kvfsm's orders for one step, in the envelope vLLM hands to every worker."""
 
     orders: ConnectorMetadata
+    tier_discards: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """(tier, keys) each worker's tier drops before this step's tier orders: the scheduler's index dropped them (a
+    cache reset), so the bytes behind them must never be found again (`kvfsm.integrations.vllm.tier_index`)."""
 
 
 @dataclass
@@ -83,11 +87,19 @@ class KvfsmWorkerMetadata(KVConnectorWorkerMetadata):
     """Each worker's job completions for one step; vLLM aggregates them across workers before the scheduler."""
 
     reports: tuple[WorkerOutput, ...] = field(default_factory=tuple)
+    evicted: tuple[tuple[str, int], ...] = ()
+    """(tier, key) a worker's tier evicted on its own since its last report (a full disk making room): the
+    scheduler's index forgets the key, for every rank, since one rank no longer holds its share."""
+
+    namespaces: tuple[tuple[str, int, KeyScheme], ...] = ()
+    """(tier, rank, key scheme) of each shared tier a worker opened, in its first report: the scheduler asks the
+    tier's master for keys named as every rank names them (`master_lookup`)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvfsmWorkerMetadata":
         if not isinstance(other, KvfsmWorkerMetadata):
             raise TypeError(f"cannot aggregate kvfsm worker metadata with {type(other).__name__}")
-        return KvfsmWorkerMetadata(self.reports + other.reports)
+        return KvfsmWorkerMetadata(self.reports + other.reports, self.evicted + other.evicted,
+                                   self.namespaces + other.namespaces)
 
 
 def computed_before(output: VllmSchedulerOutput) -> dict[str, int]:

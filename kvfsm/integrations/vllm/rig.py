@@ -4,7 +4,9 @@ It builds vLLM's configuration for a tiny model folder (a Llama config, no weigh
 GPU workers: it reads kvfsm's orders from `scheduler_output.kv_connector_metadata` and completes each job a chosen
 number of steps after it was ordered, as a GPU would report it; flushed stores complete in the step that flushes
 them (the real worker waits for them before the forward pass). It reports a failed load's GPU blocks as vLLM's
-`invalid_block_ids`, as `WorkerSide` does. The test harness (`tests/vllm_harness.py`) adds the checks.
+`invalid_block_ids`, as `WorkerSide` does. `WorkerRole` is the adapter's real worker role instead, on `SimDevice`
+tensors shaped as vLLM allocates them, called in vLLM's hook order (the lower tiers' I/O needs it: the fake worker
+moves no bytes). The test harness (`tests/vllm_harness.py`) adds the checks.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 
 platforms._current_platform = CpuPlatform()
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     KVTransferConfig,
@@ -36,6 +39,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
 from kvfsm.connector.metadata import WorkerOutput  # noqa: E402
+from kvfsm.integrations.vllm.connector import KvfsmConnector  # noqa: E402
 from kvfsm.integrations.vllm.convert import KvfsmWorkerMetadata  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -190,3 +194,35 @@ class FakeWorker:
     @property
     def pending_jobs(self) -> bool:
         return bool(self.pending)
+
+
+class WorkerRole:
+    """The adapter's real worker role (`KvfsmConnector`, role WORKER) on `SimDevice` tensors shaped as vLLM allocates
+    them (K and V planes first), driven in vLLM's hook order each step. Its forward pass writes nothing
+    (`forward`: the test harness's writes each position's token)."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        blocks = config.cache_config.num_gpu_blocks
+        self.connector = KvfsmConnector(config, KVConnectorRole.WORKER, kv_cache_config(blocks))
+        self.caches = {name: torch.zeros(2, blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
+                       for name in kv_cache_config(blocks).kv_cache_groups[0].layer_names}
+        self.connector.register_kv_caches(self.caches)
+
+    def step(self, step: int, output: SchedulerOutput, scheduler: Scheduler) -> KVConnectorOutput:
+        meta = output.kv_connector_metadata
+        self.connector.handle_preemptions(meta)
+        self.connector.bind_connector_metadata(meta)
+        self.connector.start_load_kv(None)  # type: ignore[arg-type]
+        self.forward(output, scheduler)
+        self.connector.wait_for_save()
+        self.connector.get_finished(set(output.finished_req_ids))
+        result = KVConnectorOutput(invalid_block_ids=self.connector.get_block_ids_with_load_errors(),
+                                   kv_connector_worker_meta=self.connector.build_connector_worker_meta())
+        self.connector.clear_connector_metadata()
+        return result
+
+    def forward(self, output: SchedulerOutput, scheduler: Scheduler) -> None:
+        """The model's forward pass, between the step's loads and its stores."""
+
+    def close(self) -> None:
+        self.connector.shutdown()

@@ -12,6 +12,8 @@ Two places where vLLM's protocol differs from kvfsm's, bridged here and nowhere 
   (`load_reports_in_step`). Under vLLM's async scheduling the next step is scheduled before that output is read, so
   a failed load's token could not be taken back: CPU hits then load asynchronously whatever `layer_loads` says
   (`no-inline-load-under-async-scheduling`), and start-up logs it once.
+The lower tiers' bytes live in the workers; this process plans every write-back and fetch against an index of each
+tier fed by the workers' reports (`tier_index`), whose orders and discards go out in the step's metadata.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from vllm.v1.request import RequestStatus
 
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorOutput
+from kvfsm.connector import scheduler
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.integrations.vllm.config import gpu_block_bytes
 from kvfsm.integrations.vllm.convert import (
@@ -36,6 +39,8 @@ from kvfsm.integrations.vllm.convert import (
     scheduler_output,
 )
 from kvfsm.integrations.vllm.telemetry import StatsDelta
+from kvfsm.integrations.vllm.tier_index import TierIndexes
+from kvfsm.machines import MachineSet
 from kvfsm.manager.events import BlockStored as KvfsmBlockStored
 from kvfsm.states import RequestState
 
@@ -59,8 +64,12 @@ class UnexpectedAllocation(RuntimeError):
 
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
-        self.kvfsm = SchedulerConnector(config, gpu_block_bytes(kv_cache_config),
-                                        num_gpu_blocks=kv_cache_config.num_blocks)
+        block_bytes = gpu_block_bytes(kv_cache_config)
+        machines = MachineSet(scheduler.default_spec())  # the spec the connector would load (tests swap it there)
+        self.tier_index = TierIndexes(config, config.block_size_factor * block_bytes, machines)
+        """The lower tiers' indexes: the workers hold the bytes, this process decides every write-back and fetch."""
+        self.kvfsm = SchedulerConnector(config, block_bytes, machines=machines,
+                                        num_gpu_blocks=kv_cache_config.num_blocks, tiers=self.tier_index.tiers)
         self.kvfsm.load_reports_in_step = True  # vLLM reads invalid blocks only in the output of their step
         if config.layer_loads and not config.inline_loads:
             log.warning("kvfsm: layer_loads is set but vLLM schedules each step before it read the previous one's "
@@ -95,13 +104,16 @@ class SchedulerSide:
         self.kvfsm.update_state_after_alloc(view, group_block_ids(blocks), num_external_tokens)
 
     def build_connector_meta(self, output: "SchedulerOutput") -> KvfsmMetadata:
-        return KvfsmMetadata(self.kvfsm.build_connector_meta(scheduler_output(output, self.block_tables)))
+        orders = self.kvfsm.build_connector_meta(scheduler_output(output, self.block_tables))
+        self.tier_index.ordered(orders.tier_orders, self.kvfsm.tier_jobs)
+        return KvfsmMetadata(orders, tier_discards=self.tier_index.take_discards())
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         meta = output.kv_connector_worker_meta
         if meta is not None and not isinstance(meta, KvfsmWorkerMetadata):
             raise TypeError(f"expected kvfsm worker metadata, got {type(meta).__name__}")
         result = self.kvfsm.update_connector_output(ConnectorOutput(workers=meta.reports if meta else ()))
+        self.tier_index.settle(meta.evicted if meta else (), meta.namespaces if meta else ())
         self.kvfsm.get_block_ids_with_load_errors()  # the workers reported these blocks to vLLM themselves
         if result.loaded and not self.kvfsm.inline_loads:  # an inline load's request is running already
             output.finished_recving = set(output.finished_recving or ()) | result.loaded
@@ -125,3 +137,13 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         self.kvfsm.reset_cache()
         return True
+
+    def close(self) -> None:
+        """Close the shared tiers' master clients."""
+        self.tier_index.close()
+
+    @property
+    def moving_between_tiers(self) -> bool:
+        """A write-back or fetch is in flight, or discards wait for the next metadata: vLLM must keep stepping
+        (`has_pending_push_work`) until every rank reported the job or got the discards, even with no request left."""
+        return self.kvfsm.moving_between_tiers or self.tier_index.discards_pending

@@ -7,6 +7,9 @@ vLLM recomputes them instead of caching what the load never wrote. With `layer_l
 step that loads it and reads that step's load errors only in that step's output, so the worker waits on the host
 for the step's loads before it reports (`inline-load-in-step`): the compute stream waits on each layer's segment
 anyway, so the wait ends no later than the layer that needs the last segment.
+The lower tiers open here (the worker owns the CPU pool's bytes) and run the scheduler's tier orders; their job
+reports travel with the transfer jobs', and what else the scheduler's index of each tier must hear is
+`worker_tiers`'. Everything here runs on the worker's thread.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import WorkerOutput
 from kvfsm.connector.worker import WorkerConnector
@@ -23,6 +27,8 @@ from kvfsm.executor.device import Device
 from kvfsm.executor.sim import SimDevice
 from kvfsm.integrations.vllm.config import UnsupportedKVCache, cache_layout, gpu_block_bytes
 from kvfsm.integrations.vllm.convert import KvfsmMetadata, KvfsmWorkerMetadata
+from kvfsm.integrations.vllm.worker_tiers import WorkerTiers
+from kvfsm.machines import MachineSet
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -49,7 +55,10 @@ class WorkerSide:
                  rank: int) -> None:
         self.config = config
         self.device = device
-        self.kvfsm = WorkerConnector(config, device, worker=rank)
+        machines = MachineSet(default_spec())
+        self._tiers = WorkerTiers(machines, [t.tier_name for t in config.lower_tiers if t.kind == "mooncake"])
+        self.kvfsm = WorkerConnector(config, device, worker=rank, machines=machines)
+        self._rank = rank
         self._num_blocks = kv_cache_config.num_blocks
         self._scheduler_block_bytes = gpu_block_bytes(kv_cache_config)
         self._loads: dict[int, tuple[int, ...]] = {}
@@ -64,11 +73,13 @@ class WorkerSide:
             raise UnsupportedKVCache(
                 f"this worker's caches hold {caches.gpu_block_bytes} bytes per block, the scheduler sized the pool for "
                 f"{self._scheduler_block_bytes}: the pools would differ ({ours} vs {theirs} CPU blocks)")
+        self._tiers.opened(self.kvfsm.lower_tiers, self._rank)
 
     def bind(self, meta: object) -> None:
         if not isinstance(meta, KvfsmMetadata):
             raise TypeError(f"expected kvfsm connector metadata, got {type(meta).__name__}")
         self.kvfsm.bind_connector_metadata(meta.orders)
+        self._tiers.apply(meta)
         self._loads.update((order.job_id, order.gpu_blocks) for order in meta.orders.loads)
         self._step_loads = tuple(order.job_id for order in meta.orders.loads)
 
@@ -99,7 +110,7 @@ class WorkerSide:
             self._invalid.update(self._loads.pop(job_id, ()))
         for job_id in report.done:
             self._loads.pop(job_id, None)
-        if report.done or report.failed:
+        if report.done or report.failed or report.tiers:
             self._reports.append(report)
 
     def take_load_errors(self) -> set[int]:
@@ -108,7 +119,8 @@ class WorkerSide:
 
     def take_worker_meta(self) -> KvfsmWorkerMetadata | None:
         reports, self._reports = tuple(self._reports), []
-        return KvfsmWorkerMetadata(reports) if reports else None
+        evicted, namespaces = self._tiers.take()
+        return KvfsmWorkerMetadata(reports, evicted, namespaces) if reports or evicted or namespaces else None
 
     def shutdown(self) -> None:
         self.kvfsm.shutdown()

@@ -1,0 +1,112 @@
+"""A Mooncake tier under vLLM's real Scheduler, on a real `mooncake_master`: the scheduler process decides every
+write-back and fetch, the adapter's real worker role puts and gets the values, and a prefix the CPU pool evicted comes
+back Mooncake -> CPU -> GPU with its writer's bytes. Traced, checked after every step and drained, as on disk.
+Skipped when vLLM or Mooncake is not installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("mooncake.store")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvfsm.integrations.vllm import KvfsmConnector  # noqa: E402
+from kvfsm.integrations.vllm.rig import kv_cache_config, vllm_config  # noqa: E402
+from kvfsm.integrations.vllm.worker_tiers import WorkerTiers  # noqa: E402
+from kvfsm.mooncake.errors import StoreUnavailable  # noqa: E402
+from kvfsm.mooncake.local import LocalMooncake  # noqa: E402
+from test_vllm_tiers import (  # noqa: E402
+    MAX_STEPS,
+    PREFIX,
+    evict_from_cpu_then_reload,
+    fetches,
+    holds_prefix,
+    misplace_fetches,
+    prefix_keys,
+    tiered,
+)
+from vllm_support import model  # noqa: E402,F401
+
+__all__ = ["model", "tiered"]
+"""Fixtures used here, defined beside the vLLM tests."""
+
+pytestmark = pytest.mark.vllm
+
+
+def mooncake_tier(deployment: LocalMooncake, model_id: str, **extra: Any) -> dict[str, Any]:
+    """`model_id` keeps each test's keys apart in the module's shared store."""
+    return {"kind": "mooncake", "master": str(deployment.address), "model_id": model_id, "kv_dtype": "float16",
+            "writeback": "eager", "op_timeout_s": 10.0, "lookup_timeout_s": 1.0, **extra}
+
+
+def test_prefix_evicted_from_cpu_returns_from_mooncake_with_the_writers_bytes(tiered, mooncake: LocalMooncake) -> None:
+    d, (worker,) = tiered(mooncake_tier(mooncake, "tiny-reload"))
+    (load,) = evict_from_cpu_then_reload(d, [worker])
+    assert holds_prefix(worker, load)
+    (fetch,) = fetches(d)
+    assert fetch.tier == "mooncake" and list(fetch.keys) == prefix_keys(d, PREFIX)
+    assert d.connector.scheduler_side.kvfsm.tiers.stats.tokens_loaded_from["mooncake"] == len(PREFIX)
+    assert d.cpu_pool_drained()
+
+
+def test_control_a_mooncake_fetch_that_lands_in_the_wrong_cpu_slots_is_caught_by_the_bytes(
+        tiered, mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch) -> None:
+    misplace_fetches(monkeypatch)
+    d, (worker,) = tiered(mooncake_tier(mooncake, "tiny-misplaced"))
+    (load,) = evict_from_cpu_then_reload(d, [worker])
+    assert not holds_prefix(worker, load)
+
+
+def read_in_a_second_engine(tiered, writer_tier: dict[str, Any], reader_tier: dict[str, Any]) -> tuple[Any, Any]:
+    """Engine A writes PREFIX back to the store; engine B, started afresh on the same master, steps once (its workers
+    tell its scheduler their key namespaces) and then serves a reader of PREFIX. B's driver and worker."""
+    a, _ = tiered(writer_tier)
+    a.add("writer", PREFIX + [1, 2, 3])
+    a.run(MAX_STEPS)
+    b, (worker,) = tiered(reader_tier)
+    b.step()
+    b.add("reader", PREFIX + [9])
+    b.run(MAX_STEPS)
+    return b, worker
+
+
+def test_a_second_engine_is_served_the_prefix_the_first_wrote_back_from_mooncake(tiered, mooncake: LocalMooncake
+                                                                                  ) -> None:
+    tier = mooncake_tier(mooncake, "tiny-shared")
+    b, worker = read_in_a_second_engine(tiered, tier, tier)
+    (load,) = [o for log in b.log for o in log.orders.loads if o.req_id == "reader"]
+    assert holds_prefix(worker, load)
+    assert b.connector.scheduler_side.kvfsm.tiers.stats.tokens_loaded_from["mooncake"] == len(PREFIX)
+    assert b.cpu_pool_drained()
+
+
+def test_another_tenant_misses_the_prefix_another_engine_wrote_back(tiered, mooncake: LocalMooncake) -> None:
+    b, _ = read_in_a_second_engine(tiered, mooncake_tier(mooncake, "tiny-tenants", tenant="a"),
+                                   mooncake_tier(mooncake, "tiny-tenants", tenant="b"))
+    assert not fetches(b) and not [o for log in b.log for o in log.orders.loads if o.req_id == "reader"]
+    assert "reader" in b.first_token
+
+
+def test_control_workers_that_do_not_adopt_a_shared_fetchs_keys_serve_the_second_engine_nothing(
+        tiered, mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler saw the keys on the master, but a worker that only reads keys it wrote itself fails the fetch
+    (`missing`): the reader recomputes, which the sharing test above would catch. The run still drains: a key a
+    fetch failed on is not adopted from the master again, so the reader is not deferred on it for ever."""
+    monkeypatch.setattr(WorkerTiers, "apply", lambda self, meta: None)
+    tier = mooncake_tier(mooncake, "tiny-not-adopted")
+    b, _ = read_in_a_second_engine(tiered, tier, tier)
+    assert fetches(b) and not [o for log in b.log for o in log.orders.loads if o.req_id == "reader"]
+    assert b.connector.scheduler_side.kvfsm.tiers.stats.failures["missing"] > 0
+
+
+def test_an_unreachable_master_stops_the_scheduler_at_start_up_by_name(model) -> None:
+    config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [
+        {"kind": "mooncake", "master": "127.0.0.1:1", "model_id": "tiny", "kv_dtype": "float16"}]}, 64)
+    with pytest.raises(StoreUnavailable) as refused:
+        KvfsmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(64))
+    assert "127.0.0.1:1" in str(refused.value) and "\n" not in str(refused.value)
