@@ -27,8 +27,9 @@ from kvfsm.executor.sim import SimDevice
 
 AfterStep = Callable[[], list[str]]
 """What a rank does after each step (let its device lag, check its device log): the violations it found."""
-PrefixBytes = Callable[[tuple[int, ...], range], torch.Tensor]
-"""The bytes a rank holding `heads` must have in the CPU slot that ends a prompt prefix (an oracle's answer)."""
+PrefixBytes = Callable[[tuple[int, ...], range, str], torch.Tensor]
+"""The bytes a rank holding `heads` in caches of a layout must have in the CPU slot that ends a prompt prefix (an
+oracle's answer)."""
 
 
 class RanksOutOfStep(RuntimeError):
@@ -112,7 +113,8 @@ def verify(rank: Rank, command: Command, expected: PrefixBytes) -> list[str]:
     found = []
     if rank.worker is not None:
         for ready in command.ready or ():
-            if not torch.equal(rank.worker.pool.slot(ready.slot).cpu(), expected(ready.prefix, rank.heads)):
+            held = rank.worker.pool.slot(ready.slot).cpu()
+            if not torch.equal(held, expected(ready.prefix, rank.held, rank.layout)):
                 found.append(f"rank {rank.index}: CPU slot {ready.slot} does not hold its heads' bytes of its prefix")
     for handle, tokens in (command.tokens or {}).items():
         mine = [int(t) for t in rank.sampled(handle)]
