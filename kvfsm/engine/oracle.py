@@ -45,10 +45,10 @@ class BlockOracle:
         for index in range(len(gpu_block_hashes) // self.k):
             self.tokens[gpu_block_hashes[(index + 1) * self.k - 1]] = prompt[:(index + 1) * span]
 
-    def cpu_block_bytes(self, block_hash: int, heads: range | None = None) -> torch.Tensor:
+    def cpu_block_bytes(self, block_hash: int, heads: range | None = None, layout: str = "kv-first") -> torch.Tensor:
         """Host bytes of the CPU block for `block_hash`: per GPU block, layer by layer, K then V; with `heads`, the
-        bytes of a tensor-parallel rank that holds only those heads."""
-        return self.prefix_bytes(self.tokens[block_hash], heads)
+        bytes of a tensor-parallel rank that holds only those heads (`layout`: as `prefix_bytes`)."""
+        return self.prefix_bytes(self.tokens[block_hash], heads, layout)
 
     def prefix_bytes(self, prefix: tuple[int, ...], heads: range | None = None, layout: str = "kv-first"
                      ) -> torch.Tensor:

@@ -186,9 +186,9 @@ class LocalRanks(RankGroup):
     its own schedule."""
 
     def __init__(self, shape: ModelShape, num_gpu_blocks: int, devices: Sequence[Device],
-                 workers: Sequence[WorkerConnector | None]) -> None:
+                 workers: Sequence[WorkerConnector | None], replicated: bool = False) -> None:
         world = len(devices)
-        self.ranks = [Rank(shape, num_gpu_blocks, device, index, world, worker)
+        self.ranks = [Rank(shape, num_gpu_blocks, device, index, world, worker, replicated)
                       for index, (device, worker) in enumerate(zip(devices, workers, strict=True))]
         sims = [d for d in devices if isinstance(d, SimDevice)]
         for sim in sims:

@@ -5,8 +5,9 @@ With replicated KV every rank's pool would hold the same bytes, so the ranks of 
 with `shared=True`): the first rank creates it at exactly the pool's size and sends its path to the others, who
 attach to it before registering their caches; each process then registers its own mapping with its device
 (`Device.register_host`: page-locked on CUDA, so every rank's copy engine reaches it). The mapping is page-aligned
-(mmap), which CUDA host registration needs. The creator unlinks the path when it closes; the others' mappings stay
-valid until they close theirs, so the order in which ranks shut down does not matter.
+(mmap), which CUDA host registration needs. The creating process removes the path once it released its last
+mapping (or on `close`, where registration failed); the others attached at registration, and their mappings stay
+valid until they release theirs, so the order in which ranks shut down does not matter.
 
 Threading: one worker half per process uses its region, from the engine's thread only.
 """
@@ -62,9 +63,12 @@ class SharedHostMemory:
         return buffer
 
     def release(self, device: Device, buffer: torch.Tensor) -> None:
-        """Unregister one mapping from its device (it is unmapped once the last tensor on it is gone)."""
+        """Unregister one mapping from its device (it is unmapped once the last tensor on it is gone); the creator's
+        last release removes the path."""
         self._buffers.pop(buffer.data_ptr(), None)
         device.unregister_host(buffer)
+        if not self._buffers:
+            self.close()
 
     @property
     def nbytes(self) -> int:

@@ -280,6 +280,11 @@ def every_rank_writes(worker: WorkerConnector) -> None:
     worker._stores.copies = lambda job_id: True
 
 
+def _every_rank_writes_everywhere(engine: Engine, connector: Connector) -> None:
+    for worker in connector.workers:
+        every_rank_writes(worker)
+
+
 TP_WORKER_CONTROLS: dict[str, Callable[[WorkerConnector], None]] = {"every-rank-writes": every_rank_writes}
 """The tensor-parallel controls of a worker half: they apply on every rank (each rank's process of
 `python -m kvfsm.tp`)."""
@@ -293,6 +298,8 @@ TP_MUTANTS: dict[str, Mutant] = {
                lambda engine, connector: publish_on_partial_failure(connector.scheduler), per_layer=False),
         Mutant("flush-on-rank-0-only", "preempt-flushes, fence on rank 1 (a reused block written mid-store)",
                _flush_on_rank_0_only, per_layer=False),
+        Mutant("every-rank-writes", "replicated-single-writer (replicated KV copied over PCIe once per rank)",
+               _every_rank_writes_everywhere, per_layer=False),
     )
 }
 """Controls that differ from kvfsm only with several workers: the tensor-parallel interleavings must catch each."""
