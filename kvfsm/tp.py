@@ -41,7 +41,7 @@ from kvfsm.connector.worker import WorkerConnector
 from kvfsm.demo import (CUDA_SHAPE, REFUSALS, SIM_SHAPE, DemoConfig, DemoConfigError, DeviceKind, OneStepBehind,
                         engine_config_for, resolve_device, run_once, serve_arrivals)
 from kvfsm.demo.switches import TP_CONTROLS, TP_WORKER_CONTROLS, EveryNthFails, LateReports
-from kvfsm.engine.distributed import DistributedRanks, ReadySlot, follow
+from kvfsm.engine.distributed import DistributedRanks, ReadySlot, follow, host_pool_bytes, register_in_turn
 from kvfsm.engine.engine import Engine
 from kvfsm.engine.oracle import BlockOracle, poisoned
 from kvfsm.engine.model import ModelShape
@@ -92,6 +92,7 @@ class TpRun(BaseModel):
     blocks_stored: int
     blocks_loaded: int
     loads_failed: int
+    stores_failed: int
     host_pool_bytes: int
     """Host pool bytes of every rank together, measured: each rank's own pinned pool, and a shared region once."""
     one_copy_bytes: int
@@ -125,15 +126,10 @@ def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig, br
                             gpu_block_size=shape.block_size, eviction=config.eviction.value, num_workers=world,
                             replicated=breaks.mla)
     pools = dist.new_group(backend="gloo")
-    shared = SharedHostMemory() if breaks.mla and index == 0 else None
-    if index == 0:  # rank 0 first: with --mla its registration creates the region the others attach to
-        worker, rank, caches = _register(offload, device, index, world, shared, shape, engine_config.num_gpu_blocks)
-    box = [shared.path if shared is not None else None]
-    dist.broadcast_object_list(box, src=0, group=pools)
-    if index != 0:
-        shared = SharedHostMemory(box[0]) if breaks.mla else None
-        worker, rank, caches = _register(offload, device, index, world, shared, shape, engine_config.num_gpu_blocks)
-    host = _host_pool_bytes(device, shared, pools)
+    (worker, rank, caches), shared = register_in_turn(
+        pools, breaks.mla, lambda shared: _register(offload, device, index, world, shared, shape,
+                                                    engine_config.num_gpu_blocks))
+    host = host_pool_bytes(device, shared, pools)
     if breaks.control in TP_WORKER_CONTROLS:
         TP_WORKER_CONTROLS[breaks.control](worker)
     if breaks.failing_rank == index:
@@ -180,17 +176,6 @@ def _register(offload: OffloadConfig, device: Device, index: int, world: int, sh
     return worker, rank, worker.register_kv_caches(rank.kv_caches, rank.layout)
 
 
-def _host_pool_bytes(device: Device, shared: SharedHostMemory | None, group: dist.ProcessGroup) -> int:
-    """The host memory every rank's pool takes, measured: each rank's own pinned bytes (`Device.host_bytes`) plus
-    the bytes of each distinct shared region (counted once, however many ranks map it)."""
-    mine = (getattr(device, "host_bytes", 0), shared.path if shared is not None else None,
-            shared.nbytes if shared is not None else 0)
-    every: list[tuple[int, str | None, int] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    ranks = [r for r in every if r is not None]
-    return sum(own for own, _, _ in ranks) + sum({path: size for _, path, size in ranks if path}.values())
-
-
 def _lead(engine: Engine, ranks: DistributedRanks, scheduler: SchedulerConnector, arrivals: list, config: DemoConfig,
           world: int) -> TpRun:
     """Serve the workload from rank 0, checking the scheduler's invariants after every step, then verify every
@@ -225,7 +210,7 @@ def _summary(engine: Engine, scheduler: SchedulerConnector, world: int, wall: fl
     return TpRun(ranks=world, device=engine.device.kind, steps=engine.step_count, wall_s=wall,
                  outputs=engine.outputs(), violations=violations, cpu_hit_tokens=engine.cpu_hit_tokens,
                  blocks_stored=stats.blocks_stored, blocks_loaded=stats.blocks_loaded, loads_failed=stats.loads_failed,
-                 host_pool_bytes=0, one_copy_bytes=0)
+                 stores_failed=stats.stores_failed, host_pool_bytes=0, one_copy_bytes=0)
 
 
 def run_tp(config: DemoConfig, ranks: int = 2, breaks: Breaks = Breaks()) -> tuple[TpRun, dict[int, list[int]]]:
@@ -275,7 +260,7 @@ def render(run: TpRun, found: list[str]) -> Table:
     table.add_column("value", justify="right")
     table.add_row("prefix tokens served from CPU (reloaded)", str(run.cpu_hit_tokens))
     table.add_row("CPU blocks stored / loaded (each by every rank)", f"{run.blocks_stored} / {run.blocks_loaded}")
-    table.add_row("loads failed (on every rank)", str(run.loads_failed))
+    table.add_row("stores / loads failed (on every rank)", f"{run.stores_failed} / {run.loads_failed}")
     table.add_row("host pool bytes, all ranks / one copy", f"{run.host_pool_bytes} / {run.one_copy_bytes}")
     table.add_row("problems (invariants, bytes, tokens, outputs)", str(len(found)))
     return table
