@@ -54,7 +54,7 @@ class Connector:
         self.config = config
         self.machines = machines or MachineSet(default_spec())
         """This connector's machines, shared by both halves: observe them to trace this connector alone."""
-        self.shared_host = SharedHostMemory() if config.replicated and len(devices) > 1 else None
+        self.shared_host = SharedHostMemory(named=False) if config.replicated and len(devices) > 1 else None
         """With replicated KV over several ranks: the one host pool they share (its region removed once the last
         rank's pool is closed)."""
         self.workers = [WorkerConnector(config, each, worker=rank, machines=self.machines, tier_io=tier_io,
