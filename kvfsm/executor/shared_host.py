@@ -32,6 +32,11 @@ class SharedRegionMismatch(ValueError):
     """A rank attached to a shared region of another size than its pool: its ranks registered different caches."""
 
 
+class SharedRegionUnavailable(OSError):
+    """`/dev/shm` cannot hold the pool (a container's default is 64 MiB): refused at registration, before a rank
+    touches a page that is not there (which would kill it with SIGBUS mid-copy)."""
+
+
 class SharedHostMemory:
     """The host memory of one pool shared by the ranks of a host: `allocate` creates the region on its first call
     (or attaches to `path`, which another process created) and maps it again on each later call, for another rank
@@ -70,7 +75,11 @@ class SharedHostMemory:
             path = SHM_FOLDER / f"kvfsm-{os.getpid()}-{uuid.uuid4().hex}"
             descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.ftruncate(descriptor, nbytes)
+                os.posix_fallocate(descriptor, 0, nbytes)  # every page now, not a sparse file that may not fit
+            except OSError as err:
+                os.unlink(path)
+                raise SharedRegionUnavailable(f"{SHM_FOLDER} cannot hold a shared pool of {nbytes} bytes: {err}") \
+                    from err
             finally:
                 os.close(descriptor)
             self.path, self._created = str(path), True
