@@ -71,6 +71,7 @@ class World(Protocol):
     num_workers: int  # ranks whose reports a job waits for
     rank: int  # the rank whose device log `accesses` is
     replicated: bool  # every rank holds the same KV and the ranks share one host pool
+    async_scheduling: bool  # the engine schedules each step before it read the previous step's output
 
 
 Pair = tuple[tuple[Actor, Mode], tuple[Actor, Mode]]
@@ -234,9 +235,9 @@ def skipped_not_stored(world: World) -> list[str]:
     return found
 
 
-LOAD_OWNER_STATES = frozenset({R.LOADING, R.LOADING_INLINE, R.PREEMPTED, R.DRAINING})
-"""Where a request may be while its load is in flight: preempted only after an inline load (the engine computed it
-and gave its blocks back, behind that step's compute), draining once finished or aborted."""
+LOAD_OWNER_STATES = frozenset({R.LOADING, R.LOADING_INLINE, R.DRAINING})
+"""Where a request may be while its load is in flight: draining once finished or aborted, never preempted (an
+engine preempts a request only once its inline load was reported)."""
 
 
 @REGISTRY.invariant("inline-load-outlives-request")
@@ -262,6 +263,15 @@ def inline_load_in_step(world: World) -> list[str]:
             for job in world.jobs.values()
             if job.due_output is not None and job.reported_output is not None
             and job.reported_output != job.due_output]
+
+
+@REGISTRY.invariant("no-inline-load-under-async-scheduling")
+def no_inline_load_under_async_scheduling(world: World) -> list[str]:
+    if not world.async_scheduling:
+        return []
+    return [f"load job {job.job_id} of request {job.req_id} is computed on in its own step, but the engine schedules "
+            "each step before it read the previous step's output: its failure would come after the next step "
+            "computed on it" for job in world.jobs.values() if job.inline]
 
 
 ENDED = frozenset({J.DONE, J.FAILED, T.DONE, T.FAILED, T.ABANDONED})

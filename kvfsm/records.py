@@ -55,6 +55,8 @@ class TransferJob:
     landed_segments: int = 0
     reports: dict[int, bool] = field(default_factory=dict)
     """The scheduler's log of which ranks reported the job and whether it succeeded there (empty on a worker)."""
+    inline: bool = False
+    """A load the engine computes on in the step that loads it (`loading-inline`), not once it is reported."""
     due_output: int | None = None
     """The engine output that must report this load (`inline-load-in-step`): set for a load computed in its own
     step when the engine reads load errors only in that step's output; None where a later report is fine."""
@@ -297,7 +299,8 @@ IN_FLIGHT_TIER_JOB_STATES = frozenset({"created", "submitted", "abandoned"})  # 
 
 @dataclass(slots=True, eq=False)
 class TierEntry:
-    """One key of one lower tier; `slot` is where a slotted tier (disk) keeps its bytes, None for a keyed store."""
+    """One key of one lower tier; `slot` is where a slotted tier keeps its bytes, None for a keyed store (a disk's
+    file per block, Mooncake's object)."""
 
     key: int
     slot: int | None = None

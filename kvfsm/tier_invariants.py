@@ -30,6 +30,15 @@ def publish_after_write(world: World) -> list[str]:
     return found
 
 
+@REGISTRY.invariant("disk-block-whole")
+def disk_block_whole(world: World) -> list[str]:
+    """The files half of the rule, over every tier that keeps blocks in files (`torn_visible`): no file under a
+    block's name is short or long, whichever process wrote it. The reads half (a block is used only after its record
+    and CRC-32 verified) is the block files' `read`, whose control `unverified-read` the bytes checks catch."""
+    return [f"{tier.name}: {name} is visible under its block's name but not whole"
+            for tier in world.tiers for name in getattr(tier, "torn_visible", list)()]
+
+
 @REGISTRY.invariant("lookup-published")
 def lookup_published(world: World) -> list[str]:
     return [f"{tier.name}: a lookup counted key {key:#x} while it was {state}"

@@ -306,11 +306,37 @@ def test_policies_replays_every_trace_for_every_policy_and_admission_writing_jso
     run = CliRunner().invoke(app, ["policies", "--quick", "--out", str(tmp_path)])
     assert run.exit_code == 0, run.output
     result = json.loads((tmp_path / "policies.json").read_text())
-    cells = {(r["trace"], r["policy"], r["admission"]) for r in result["rows"]}
+    (only,) = result["runs"]
+    cells = {(r["trace"], r["policy"], r["admission"]) for r in only["rows"]}
     assert cells == {(t, p, a) for t in traces.TRACES for p in policies.POLICIES for a in policies.ADMISSIONS}
-    assert all(0 <= r["hit_rate"] <= 1 and r["tokens_served_from_cpu"] >= 0 for r in result["rows"])
+    assert all(0 <= r["hit_rate"] <= 1 and r["tokens_served_from_cpu"] >= 0 for r in only["rows"])
     assert result["plot"] == "policies.png" and (tmp_path / "policies.png").exists()
     assert "goal (beats ARC (every block) on >= 3 of 4 traces" in " ".join(run.output.split())
+
+
+def test_policies_judges_the_goal_seed_by_seed_with_seeds(tmp_path: Path, small_traces: None) -> None:
+    run = CliRunner().invoke(app, ["policies", "--quick", "--seed", "3", "--seeds", "2", "--out", str(tmp_path)])
+    assert run.exit_code == 0, run.output
+    result = json.loads((tmp_path / "policies.json").read_text())
+    assert result["seeds"] == [3, 4] and [one["seed"] for one in result["runs"]] == [3, 4]
+    assert set(result["goal"]["met_on"]) == set(result["runs"][0]["goal"]["settings"])
+    assert "The goal per seed (3, 4, quick)" in " ".join(run.output.split())
+
+
+def test_policies_replays_only_the_settings_asked_beside_the_baseline(tmp_path: Path, small_traces: None) -> None:
+    run = CliRunner().invoke(app, ["policies", "--quick", "--setting", "s3-fifo:cold-threshold-2", "--out",
+                                   str(tmp_path)])
+    assert run.exit_code == 0, run.output
+    (only,) = json.loads((tmp_path / "policies.json").read_text())["runs"]
+    assert {(r["policy"], r["admission"]) for r in only["rows"]} == {policies.BASELINE, ("s3-fifo", "cold-threshold-2")}
+    assert list(only["goal"]["settings"]) == ["s3-fifo, cold-threshold-2"]
+
+
+@pytest.mark.parametrize(("option", "value"), [("--seeds", "0"), ("--setting", "s3-fifo:every-other-block"),
+                                               ("--setting", "fifo:every-block")])
+def test_policies_refuses_a_bad_option_before_any_work(tmp_path: Path, option: str, value: str) -> None:
+    run = CliRunner().invoke(app, ["policies", option, value, "--out", str(tmp_path)])
+    assert run.exit_code == 2 and option in run.output and not (tmp_path / "policies.json").exists()
 
 
 def test_policies_without_matplotlib_says_on_the_console_why_it_drew_no_png(
@@ -340,6 +366,16 @@ def test_the_goal_is_met_by_beating_arc_on_three_traces_and_losing_at_most_two_p
     assert policies.judge(_rows({"chat": 0.5, "agents": 0.5, "zipf": 0.5, "scans": -2.0}))["met_by"] == met
     assert policies.judge(_rows({"chat": 0.5, "agents": 0.5, "zipf": 0.5, "scans": -2.1}))["met_by"] == []
     assert policies.judge(_rows({"chat": 0.5, "agents": 0.5, "zipf": 0.0, "scans": 0.0}))["met_by"] == []
+
+
+def _run(seed: int, met: bool) -> dict[str, object]:
+    return {"seed": seed, "goal": {"target": "t", "settings": {"s3-fifo, every-block": {"met": met}}}}
+
+
+def test_across_seeds_a_setting_meets_the_goal_only_if_it_does_on_every_seed() -> None:
+    assert policies.across([_run(0, True), _run(1, True)])["met_by"] == ["s3-fifo, every-block"]
+    failed = policies.across([_run(0, True), _run(1, False)])
+    assert failed["met_by"] == [] and failed["met_on"] == {"s3-fifo, every-block": [0]}
 
 
 def test_the_goal_needs_thirty_percent_fewer_bytes_per_token_served_on_the_scan_trace() -> None:

@@ -9,13 +9,13 @@ reference engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import pydantic
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvfsm.config import OffloadConfig
+from kvfsm.config import OffloadConfig, ThresholdScope
 from kvfsm.connector.admission import REASONS, Admission
 from kvfsm.connector.metrics import COUNTERS
 from kvfsm.connector.prometheus import KvfsmCollector
@@ -175,11 +175,14 @@ def test_every_skip_reason_has_its_counter_and_its_metric_label() -> None:
     assert all(SKIPPED_BY_REASON[labels["reason"]] == source for labels, source in family.samples)
 
 
-def offered_once_then_twice(mutant: str | None) -> tuple[list[str], ConnectorStats]:
-    """The reference engine with a store threshold of 2: a prefix offered once (skipped), then by a second request
-    after the GPU forgot it (stored); every step checked. (Its requests hash prompt blocks alone: a threshold is
+def offered_once_then_twice(mutant: str | None, scope: ThresholdScope = "every-block"
+                            ) -> tuple[list[str], ConnectorStats]:
+    """The reference engine with a store threshold of 2 counted over `scope`: a prefix offered once (skipped; under
+    `cold-prefix` too, since nothing before it is held), then by a second request after the GPU forgot it (stored);
+    every step checked. (Its requests hash prompt blocks alone: a threshold is
     what makes it skip.)"""
-    h = Harness(SimDevice(), num_gpu_blocks=24, cpu_blocks=8, store_threshold=2, mutant=mutant)
+    h = Harness(SimDevice(), num_gpu_blocks=24, cpu_blocks=8, store_threshold=2, store_threshold_scope=scope,
+                mutant=mutant)
     try:
         h.add_request(tuple(range(10, 16)), 3)
         h.drain()
@@ -195,12 +198,14 @@ def offered_once_then_twice(mutant: str | None) -> tuple[list[str], ConnectorSta
         h.close()
 
 
-def test_a_skipped_block_is_never_stored_on_the_reference_engine() -> None:
-    found, stats = offered_once_then_twice(None)
+@pytest.mark.parametrize("scope", get_args(ThresholdScope))
+def test_a_skipped_block_is_never_stored_on_the_reference_engine(scope: ThresholdScope) -> None:
+    found, stats = offered_once_then_twice(None, scope)
     assert found == []
     assert stats.blocks_skipped_threshold == 3 and stats.blocks_stored == 3
 
 
-def test_control_a_skip_recorded_but_not_applied_is_caught() -> None:
-    found, _ = offered_once_then_twice("skip-not-applied")
+@pytest.mark.parametrize("scope", get_args(ThresholdScope))
+def test_control_a_skip_recorded_but_not_applied_is_caught(scope: ThresholdScope) -> None:
+    found, _ = offered_once_then_twice("skip-not-applied", scope)
     assert any(line.startswith("skipped-not-stored: ") for line in found), found

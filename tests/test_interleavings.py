@@ -73,12 +73,9 @@ NOT_GENERATED = {
     ("request", "loading-inline", "load-failed", "running"):
         "an inline load that fails under a running request: this draw makes none; tests/test_spec_mutants.py's "
         "failed_store_and_loads with layer_loads takes it, and tests/test_vllm_inline.py under vLLM",
-    **dict.fromkeys([("request", "loading-inline", "preempt", "preempted"),
-                     ("request", "loading-inline", "finish", "draining"),
-                     ("request", "preempted", "load-done", "preempted"),
-                     ("request", "preempted", "load-failed", "preempted")],
-                    "kvfsm's engine neither preempts nor finishes a request whose inline load is unreported; vLLM's "
-                    "scheduler does, and tests/test_vllm_inline.py takes each under it"),
+    ("request", "loading-inline", "finish", "draining"):
+        "kvfsm's engine does not finish a request whose inline load is unreported; vLLM's scheduler does (in the "
+        "output of the load's step, before it reads the step's reports), and tests/test_vllm_inline.py takes it",
 }
 """Declared transitions the generated interleavings do not take within COVERAGE_EXAMPLES, each with what it needs."""
 

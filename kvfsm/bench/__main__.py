@@ -326,14 +326,15 @@ def _print(result: dict[str, Any]) -> None:
         table = Table(title="Mooncake tier, GB/s (median; baseline = the store's put_batch / get_batch of the same "
                             "bytes, same run)")
         for column in ("objects live in", "block", "baseline put", "zero-copy put", "tier write-back", "share",
-                       "baseline get", "zero-copy get", "tier fetch", "share"):
+                       "of zero-copy", "baseline get", "zero-copy get", "tier fetch", "share", "of zero-copy"):
             table.add_column(column, justify="right")
         for r in result["mooncake"]:
             g = r["gbps"]
             table.add_row(r["segment"], f"{r['block_bytes'] >> 10} KiB", f"{g['baseline put']:.2f}",
                           f"{g['zero-copy put']:.2f}", f"{g['tier write-back']:.2f}",
-                          f"{r['write_back_share_of_baseline']:.2f}", f"{g['baseline get']:.2f}",
-                          f"{g['zero-copy get']:.2f}", f"{g['tier fetch']:.2f}", f"{r['fetch_share_of_baseline']:.2f}")
+                          f"{r['write_back_share_of_baseline']:.2f}", f"{r['write_back_share_of_zero_copy']:.2f}",
+                          f"{g['baseline get']:.2f}", f"{g['zero-copy get']:.2f}", f"{g['tier fetch']:.2f}",
+                          f"{r['fetch_share_of_baseline']:.2f}", f"{r['fetch_share_of_zero_copy']:.2f}")
         console.print(table)
     if result.get("mla", {}).get("rows"):
         from kvfsm.bench import mla
@@ -437,12 +438,21 @@ def vllm_side_by_side(ctx: typer.Context, out: Path | None = OUT, quick: bool = 
 
 @app.command("policies")
 def policy_comparison(ctx: typer.Context, out: Path | None = OUT, quick: bool = QUICK,
-                      seed: int = typer.Option(0, help="seed of the four traces")) -> None:
+                      seed: int = typer.Option(0, min=0, help="seed of the four traces (the first, with --seeds)"),
+                      seeds: int = typer.Option(1, min=1, help="how many seeds, from --seed on; the goal must hold "
+                                                                 "on each"),
+                      setting: list[str] = typer.Option([], help="only this policy:admission (repeatable; ARC "
+                                                                 "storing every block, the baseline, always runs)")
+                      ) -> None:
     """Every eviction policy and admission setting over four synthetic traces: hit rate, tokens served from CPU,
-    bytes stored per token served (policies.json, policies.png)."""
+    bytes stored per token served (policies.json, policies.png), and the goal judged seed by seed."""
     from kvfsm.bench import policies
 
-    policies.main(*_settings(ctx, out, quick), console, seed)
+    try:
+        chosen = [policies.parse_setting(text) for text in setting] or policies.EVERY_SETTING
+    except ValueError as bad:
+        raise typer.BadParameter(str(bad), ctx=ctx, param_hint="--setting") from bad
+    policies.main(*_settings(ctx, out, quick), console, range(seed, seed + seeds), chosen)
 
 
 if __name__ == "__main__":

@@ -121,8 +121,11 @@ class HeadCalls:
 
 
 def fold(answers: Sequence[object]) -> object:
-    """One entry's answer from its heads' answers: the first failure, or a CRC-32 over the heads' checksums."""
+    """One entry's answer from its heads' answers: the first failure; None where a head answered none (a fetch:
+    head values carry no block checksum); else a CRC-32 over the heads' checksums (a write-back's)."""
     for answer in answers:
         if isinstance(answer, BaseException):
             return answer
+    if any(answer is None for answer in answers):
+        return None
     return zlib.crc32(b"".join(struct.pack("<I", int(a) & 0xFFFFFFFF) for a in answers))  # type: ignore[call-overload]

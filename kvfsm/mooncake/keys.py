@@ -21,7 +21,7 @@ import hashlib
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
-KEY_PREFIX = "kvfsm1"
+KEY_PREFIX = "kvfsm2"
 """Version of the key scheme: a change of the scheme or of the stored value's format bumps it."""
 DIGEST_BYTES = 20
 
@@ -65,7 +65,7 @@ def _framed(parts: tuple[str, ...]) -> bytes:
 
 
 def object_key(namespace: KvNamespace, block_hash: int, salt: str | None = None) -> str:
-    """The store key of one block: `kvfsm1-<hex digest>`, a BLAKE2b over namespace, salt and prefix hash.
+    """The store key of one block: `kvfsm2-<hex digest>`, a BLAKE2b over namespace, salt and prefix hash.
 
     An empty salt is no salt, as in vLLM, where only a non-empty `cache_salt` enters the prefix hash.
     """
@@ -80,4 +80,12 @@ def head_key(namespace: KvNamespace, block_hash: int, head: int, salt: str | Non
 
 def _key(parts: tuple[str, ...]) -> str:
     digest = hashlib.blake2b(_framed(parts), digest_size=DIGEST_BYTES, person=b"kvfsm-block-key").hexdigest()
+    return f"{KEY_PREFIX}-{digest}"
+
+
+def namespace_name(namespace: KvNamespace) -> str:
+    """`kvfsm2-<hex digest>` of the namespace alone: names what one producer stores, such as a shared disk tier's
+    directory, where each block's own name is its prefix hash."""
+    digest = hashlib.blake2b(_framed(namespace._fields()), digest_size=DIGEST_BYTES,
+                             person=b"kvfsm-namespace").hexdigest()
     return f"{KEY_PREFIX}-{digest}"

@@ -47,7 +47,7 @@ def test_parts_cannot_be_shifted_across_field_boundaries(a: tuple[str, str], b: 
 def test_keys_are_stable_and_short() -> None:
     key = object_key(BASE, 123456789)
     assert key == object_key(KvNamespace(**BASE.model_dump()), 123456789)
-    assert key.startswith("kvfsm1-") and len(key) == len("kvfsm1-") + 40
+    assert key.startswith("kvfsm2-") and len(key) == len("kvfsm2-") + 40
 
 
 def test_a_rank_outside_its_world_is_refused() -> None:

@@ -29,17 +29,24 @@ class AdaptiveS3FifoPolicy(S3FifoPolicy):
         self.main_ghosts: OrderedDict[int, None] = OrderedDict()
 
     def insert_many(self, stored: Iterable[tuple[int, int]]) -> None:
-        stored = list(stored)
-        ghosts, main_ghosts = self.ghosts, self.main_ghosts
-        for _, block_hash in stored:
+        """S3-FIFO's insertion, each ghost's return moving the target first; the ratios read the ghost queues as the
+        batch found them (`returned`: small ghosts this batch already took back), in one pass (the hot path)."""
+        ghosts, main_ghosts, small, main, count = self.ghosts, self.main_ghosts, self.small, self.main, self.count
+        returned = 0
+        for slot, block_hash in stored:
             if block_hash in ghosts:
-                grow = max(1, len(main_ghosts) // len(ghosts))
+                grow = max(1, len(main_ghosts) // (len(ghosts) + returned))
                 self.small_target = min(max(1, self.capacity - 1), self.small_target + grow)
-            elif block_hash in main_ghosts:
+                del ghosts[block_hash]
+                returned += 1
+                main[slot] = block_hash
+                count[slot] = 0
+                continue
+            if block_hash in main_ghosts:
                 del main_ghosts[block_hash]
-                shrink = max(1, len(ghosts) // max(1, len(main_ghosts)))
+                shrink = max(1, (len(ghosts) + returned) // max(1, len(main_ghosts)))
                 self.small_target = max(1, self.small_target - shrink)
-        super().insert_many(stored)
+            small[slot] = block_hash
 
     def remove(self, slot: int) -> None:
         block_hash = self.main.get(slot)
