@@ -177,6 +177,11 @@ class OffloadConfig(BaseModel):
     capped at the cache's size."""
     num_workers: PositiveInt = 1
     """A job completes when this many workers (tensor-parallel ranks) reported it."""
+    replicated: bool = False
+    """Every rank holds the same KV (MLA: the latent is not split by heads): the ranks of a host share one host
+    pool (`kvfsm.executor.shared_host`), each store is copied by one rank, its writer (`store_writer`), and every
+    rank loads from the shared slot. One copy of the bytes crosses PCIe and sits in host memory instead of one per
+    rank (spec: `replicated-single-writer`)."""
     layer_loads: bool = False
     """With an engine that calls `wait_for_layer_load` before each layer reads KV: a CPU hit is computed in the step
     that loads it (the lookup says the load is not asynchronous), each layer waiting on the GPU for its own
@@ -214,6 +219,9 @@ class OffloadConfig(BaseModel):
     def _one_pool_size(self) -> "OffloadConfig":
         if (self.cpu_blocks is None) == (self.cpu_bytes is None):
             raise ValueError("give exactly one of cpu_blocks and cpu_bytes")
+        if self.replicated and (self.checksum or self.lower_tiers):
+            raise ValueError("replicated KV (one host copy per host) works without checksum and lower_tiers so far: "
+                             "a non-writer rank has no bytes of its own to checksum or write back")
         names = [tier.tier_name for tier in self.lower_tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"lower tier names must be unique, got {names}")
@@ -240,3 +248,9 @@ class OffloadConfig(BaseModel):
                 f"legal: at least {gpu_block_bytes * self.block_size_factor}"
             )
         return blocks
+
+
+def store_writer(job_id: int, num_workers: int) -> int:
+    """The rank that copies a replicated store (`OffloadConfig.replicated`): stores take turns over the ranks, so
+    each rank's PCIe link carries its share of the one copy (spec: `replicated-single-writer`)."""
+    return job_id % num_workers

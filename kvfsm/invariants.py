@@ -13,10 +13,12 @@ blocks; the per-layer invariants own the pairs where the engine's side of the ha
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
+from kvfsm.config import store_writer
 from kvfsm.executor.access import Access, Actor, Mode, Space
 from kvfsm.records import FLUSHABLE_JOB_STATES, CpuBlock, GpuBlock, RequestRecord, TransferJob
 from kvfsm.registry import REGISTRY
@@ -67,6 +69,8 @@ class World(Protocol):
     tier_jobs: Mapping[int, TierJob]  # every write-back and fetch of the run (ids shared with `jobs`)
     writeback_bound: int  # configured bound on the bytes of write-backs in flight
     num_workers: int  # ranks whose reports a job waits for
+    rank: int  # the rank whose device log `accesses` is
+    replicated: bool  # every rank holds the same KV and the ranks share one host pool
     async_scheduling: bool  # the engine schedules each step before it read the previous step's output
 
 
@@ -351,6 +355,28 @@ def fail_everywhere(world: World) -> list[str]:
         for job in world.jobs.values()
         if job.state == J.DONE and (failed := sorted(rank for rank, ok in job.reports.items() if not ok))
     ]
+
+
+STORE_JOBS = re.compile(r"^store jobs? ([\d,]+)")
+"""The job ids in the device log's label of a store copy ("store job 3 chunk 0", "store jobs 3,4 layer 1"), as the
+worker half names them (`kvfsm.connector.worker_jobs.WorkerJobs.label`)."""
+
+
+@REGISTRY.invariant("replicated-single-writer")
+def replicated_single_writer(world: World) -> list[str]:
+    if not world.replicated:
+        return []
+    found = []
+    for access in world.accesses:
+        named = STORE_JOBS.match(access.label)
+        if access.actor != "store" or access.mode != "write" or access.space != "cpu" or named is None:
+            continue
+        for job_id in map(int, named.group(1).split(",")):
+            writer = store_writer(job_id, world.num_workers)
+            if writer != world.rank:
+                found.append(f"rank {world.rank} wrote CPU slot {access.block} for store job {job_id}, whose writer "
+                             f"is rank {writer}")
+    return found
 
 
 def check_all(world: World, names: Sequence[str] | None = None) -> dict[str, list[str]]:

@@ -10,7 +10,10 @@ holds exactly that rank's heads' bytes of its prefix. `--failing-rank` makes one
 scheduler `--skew-steps` steps late (kvfsm must end each job only on its last rank's report); `--control` serves with
 a tensor-parallel control instead of kvfsm's scheduler half, to see the checks catch it. On two GPUs every rank's
 copies end in the step that queued them, so the ranks report each job together and only a skew (or a failing rank)
-tells a scheduler half that ends a job on its first report from kvfsm's.
+tells a scheduler half that ends a job on its first report from kvfsm's. `--mla` serves replicated KV: every rank
+holds every head's KV in MLA-shaped caches, the ranks share one host pool in `/dev/shm`, each store is copied by
+one rank and every rank loads from the shared slot; the run then also fails unless the host pool bytes of all
+ranks together are exactly one copy.
 """
 
 from __future__ import annotations
@@ -37,14 +40,17 @@ from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.demo import (CUDA_SHAPE, REFUSALS, SIM_SHAPE, DemoConfig, DemoConfigError, DeviceKind, OneStepBehind,
                         engine_config_for, resolve_device, run_once, serve_arrivals)
-from kvfsm.demo.switches import TP_CONTROLS, EveryNthFails, LateReports
-from kvfsm.engine.distributed import DistributedRanks, ReadySlot, follow
+from kvfsm.demo.switches import TP_CONTROLS, TP_WORKER_CONTROLS, EveryNthFails, LateReports
+from kvfsm.engine.distributed import DistributedRanks, ReadySlot, follow, host_pool_bytes, register_in_turn
 from kvfsm.engine.engine import Engine
 from kvfsm.engine.oracle import BlockOracle, poisoned
+from kvfsm.engine.model import ModelShape
 from kvfsm.engine.ranks import Rank
 from kvfsm.engine.world import EngineWorld
 from kvfsm.executor.cuda import CudaDevice
 from kvfsm.executor.device import Device
+from kvfsm.executor.layouts import KVCaches
+from kvfsm.executor.shared_host import SharedHostMemory
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import check_all
 from kvfsm.states import CpuBlockState
@@ -62,12 +68,15 @@ class Breaks(NamedTuple):
     """What the run breaks on purpose, to watch the checks catch it (`control`) or kvfsm ride it out (the rest)."""
 
     control: str | None = None
-    """One of `TP_CONTROLS`, serving instead of kvfsm's scheduler half."""
+    """One of `TP_CONTROLS` (serving instead of kvfsm's scheduler half) or `TP_WORKER_CONTROLS` (instead of every
+    rank's worker half)."""
     failing_rank: int | None = None
     """This rank's every `FAILING_EVERY`-th store or load fails."""
     skewed_rank: int | None = None
     """This rank's reports reach the scheduler `skew_steps` steps late."""
     skew_steps: int = SKEW_STEPS
+    mla: bool = False
+    """Replicated KV (MLA-shaped caches) with one host copy shared by the ranks: not a break, a mode."""
 
 
 class TpRun(BaseModel):
@@ -83,6 +92,11 @@ class TpRun(BaseModel):
     blocks_stored: int
     blocks_loaded: int
     loads_failed: int
+    stores_failed: int
+    host_pool_bytes: int
+    """Host pool bytes of every rank together, measured: each rank's own pinned pool, and a shared region once."""
+    one_copy_bytes: int
+    """Bytes of one copy of the pool (slots x slot bytes): what `--mla` must use in all."""
 
 
 def _device(kind: DeviceKind, index: int, seed: int) -> Device:
@@ -109,16 +123,21 @@ def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig, br
     engine_config = engine_config_for(arrivals, config.gpu_blocks, shape)
     device = _device(kind, index, config.seed)
     offload = OffloadConfig(cpu_blocks=config.cpu_blocks, block_size_factor=config.block_size_factor,
-                            gpu_block_size=shape.block_size, eviction=config.eviction.value, num_workers=world)
-    worker = WorkerConnector(offload, device, worker=index)
-    rank = Rank(shape, engine_config.num_gpu_blocks, device, index, world, worker)
-    caches = worker.register_kv_caches(rank.kv_caches, "kv-first")
+                            gpu_block_size=shape.block_size, eviction=config.eviction.value, num_workers=world,
+                            replicated=breaks.mla)
+    pools = dist.new_group(backend="gloo")
+    (worker, rank, caches), shared = register_in_turn(
+        pools, breaks.mla, lambda shared: _register(offload, device, index, world, shared, shape,
+                                                    engine_config.num_gpu_blocks))
+    host = host_pool_bytes(device, shared, pools)
+    if breaks.control in TP_WORKER_CONTROLS:
+        TP_WORKER_CONTROLS[breaks.control](worker)
     if breaks.failing_rank == index:
         worker._transfers = EveryNthFails(worker._transfers, FAILING_EVERY)  # type: ignore[assignment]
     if breaks.skewed_rank == index:
         worker.get_finished = LateReports(worker.get_finished, breaks.skew_steps)  # type: ignore[method-assign]
     pacer = OneStepBehind(device) if isinstance(device, SimDevice) else None
-    own_log = DeviceLogWorld(device)
+    own_log = DeviceLogWorld(device, rank=index, num_workers=world, replicated=breaks.mla)
 
     def after_step() -> list[str]:
         """Let the simulated device lag a step, check this rank's device log, forget what can no longer race."""
@@ -134,15 +153,27 @@ def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig, br
         if index == 0:
             scheduler = SchedulerConnector(offload, caches.gpu_block_bytes, keep_history=True,
                                            num_gpu_blocks=caches.num_blocks)
-            if breaks.control is not None:
+            if breaks.control in TP_CONTROLS:
                 TP_CONTROLS[breaks.control](scheduler)
             ranks = DistributedRanks(rank, after_step)
             run = _lead(Engine(engine_config, ranks, scheduler), ranks, scheduler, arrivals, config, world)
+            one_copy = worker.pool.num_slots * worker.pool.slot_bytes
+            run = run.model_copy(update={"host_pool_bytes": host, "one_copy_bytes": one_copy})
             result.write_text(run.model_dump_json())
         else:
             follow(rank, after_step, BlockOracle(shape, config.block_size_factor).prefix_bytes)
     finally:
         worker.shutdown()
+        if shared is not None:
+            shared.close()
+
+
+def _register(offload: OffloadConfig, device: Device, index: int, world: int, shared: SharedHostMemory | None,
+              shape: ModelShape, num_gpu_blocks: int) -> tuple[WorkerConnector, Rank, KVCaches]:
+    """This rank's worker half and its caches, registered (into the shared host memory with `--mla`)."""
+    worker = WorkerConnector(offload, device, worker=index, shared_host=shared)
+    rank = Rank(shape, num_gpu_blocks, device, index, world, worker, replicated=offload.replicated)
+    return worker, rank, worker.register_kv_caches(rank.kv_caches, rank.layout)
 
 
 def _lead(engine: Engine, ranks: DistributedRanks, scheduler: SchedulerConnector, arrivals: list, config: DemoConfig,
@@ -178,7 +209,8 @@ def _summary(engine: Engine, scheduler: SchedulerConnector, world: int, wall: fl
     stats = scheduler.stats
     return TpRun(ranks=world, device=engine.device.kind, steps=engine.step_count, wall_s=wall,
                  outputs=engine.outputs(), violations=violations, cpu_hit_tokens=engine.cpu_hit_tokens,
-                 blocks_stored=stats.blocks_stored, blocks_loaded=stats.blocks_loaded, loads_failed=stats.loads_failed)
+                 blocks_stored=stats.blocks_stored, blocks_loaded=stats.blocks_loaded, loads_failed=stats.loads_failed,
+                 stores_failed=stats.stores_failed, host_pool_bytes=0, one_copy_bytes=0)
 
 
 def run_tp(config: DemoConfig, ranks: int = 2, breaks: Breaks = Breaks()) -> tuple[TpRun, dict[int, list[int]]]:
@@ -186,8 +218,9 @@ def run_tp(config: DemoConfig, ranks: int = 2, breaks: Breaks = Breaks()) -> tup
     outputs), with `breaks` (a control, a failing rank, a skewed rank). A process that fails takes the others down;
     all have ended when this returns or raises."""
     kind = resolve_device(config.device)
-    if breaks.control is not None and breaks.control not in TP_CONTROLS:
-        raise DemoConfigError(f"unknown control {breaks.control!r}; known: {', '.join(sorted(TP_CONTROLS))}")
+    controls = {*TP_CONTROLS, *TP_WORKER_CONTROLS}
+    if breaks.control is not None and breaks.control not in controls:
+        raise DemoConfigError(f"unknown control {breaks.control!r}; known: {', '.join(sorted(controls))}")
     for option, rank in (("--failing-rank", breaks.failing_rank), ("--skewed-rank", breaks.skewed_rank)):
         if rank is not None and not 0 <= rank < ranks:
             raise DemoConfigError(f"{option} {rank}; legal: 0 to {ranks - 1}", option)
@@ -207,9 +240,12 @@ def run_tp(config: DemoConfig, ranks: int = 2, breaks: Breaks = Breaks()) -> tup
         return TpRun.model_validate_json(result.read_text()), reference.outputs
 
 
-def verdict(run: TpRun, reference: dict[int, list[int]]) -> list[str]:
-    """Everything wrong with a run: violations, outputs that differ from the reference, poisoned reads."""
+def verdict(run: TpRun, reference: dict[int, list[int]], mla: bool = False) -> list[str]:
+    """Everything wrong with a run: violations, outputs that differ from the reference, poisoned reads, and with
+    `mla` host pools of more than one copy."""
     found = list(dict.fromkeys(run.violations))  # a job that broke a rule is found again after every later step
+    if mla and run.host_pool_bytes != run.one_copy_bytes:
+        found.append(f"host pools hold {run.host_pool_bytes} bytes; one copy is {run.one_copy_bytes}")
     if run.outputs != reference:
         differ = sorted(h for h in reference if run.outputs.get(h) != reference[h])
         found.append(f"outputs differ from the single-process run without offloading for requests {differ[:8]}")
@@ -224,7 +260,8 @@ def render(run: TpRun, found: list[str]) -> Table:
     table.add_column("value", justify="right")
     table.add_row("prefix tokens served from CPU (reloaded)", str(run.cpu_hit_tokens))
     table.add_row("CPU blocks stored / loaded (each by every rank)", f"{run.blocks_stored} / {run.blocks_loaded}")
-    table.add_row("loads failed (on every rank)", str(run.loads_failed))
+    table.add_row("stores / loads failed (on every rank)", f"{run.stores_failed} / {run.loads_failed}")
+    table.add_row("host pool bytes, all ranks / one copy", f"{run.host_pool_bytes} / {run.one_copy_bytes}")
     table.add_row("problems (invariants, bytes, tokens, outputs)", str(len(found)))
     return table
 
@@ -245,15 +282,17 @@ def main(ranks: int = typer.Option(2, min=2, help="Tensor-parallel ranks, one pr
          skewed_rank: int | None = typer.Option(None, help="This rank's reports reach the scheduler late: each job "
                                                            "must end only on its last rank's report."),
          skew_steps: int = typer.Option(SKEW_STEPS, help="How many steps late --skewed-rank reports."),
+         mla: bool = typer.Option(False, "--mla", help="Replicated KV (MLA-shaped caches): one host pool shared by "
+                                                       "the ranks, each store copied by one rank."),
          json_out: Path | None = typer.Option(None, "--json", help="Also write the run as JSON here.")) -> None:
     """Serve the demo workload with tensor parallelism and check it; exit code 1 if anything is wrong."""
     workload = WorkloadShape(conversations=conversations, agents=agents, turns=turns)
     config = DemoConfig(workload=workload, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, device=device, seed=seed)
     try:
-        run, reference = run_tp(config, ranks, Breaks(control, failing_rank, skewed_rank, skew_steps))
+        run, reference = run_tp(config, ranks, Breaks(control, failing_rank, skewed_rank, skew_steps, mla))
     except DemoConfigError as error:
         raise typer.BadParameter(str(error), param_hint=error.option) from None
-    found = verdict(run, reference)
+    found = verdict(run, reference, mla)
     console = Console(width=120)
     console.print(render(run, found))
     for line in found[:20]:

@@ -22,8 +22,8 @@ from kvfsm.bench import plot
 from kvfsm.mooncake import available as mooncake_available
 from kvfsm.options import folder_option
 
-PARTS = ("scheduler", "disk", "transfer", "connector", "ttft", "vllm-layers", "mooncake")
-GPU_PARTS = ("transfer", "connector", "ttft", "vllm-layers")
+PARTS = ("scheduler", "disk", "transfer", "connector", "ttft", "vllm-layers", "mooncake", "mla")
+GPU_PARTS = ("transfer", "connector", "ttft", "vllm-layers", "mla")
 CONNECTOR_TIMINGS = {"sustained steps": "_sustained"}
 """The reading the connector's share goals are judged on, and the suffix of its figures in a connector row.
 
@@ -162,9 +162,20 @@ def _mooncake(result: dict[str, Any], quick: bool) -> None:
     result["mooncake"] = [mooncake.run(quick, segment) for segment in ("segment host", "own")]
 
 
+def _mla(result: dict[str, Any], quick: bool) -> None:
+    import torch
+
+    from kvfsm.bench import mla
+
+    if torch.cuda.device_count() < 2:
+        result["mla"] = {"note": "not run: TP=2 needs two GPUs"}
+        return
+    result["mla"] = mla.run(mla.MlaShape(layers=4, blocks=64, reps=2) if quick else mla.MlaShape())
+
+
 RUNNERS: dict[str, Callable[[dict[str, Any], bool], None]] = {
     "scheduler": _scheduler, "disk": _disk, "transfer": _transfer, "connector": _connector, "ttft": _ttft,
-    "vllm-layers": _vllm_layers, "mooncake": _mooncake,
+    "vllm-layers": _vllm_layers, "mooncake": _mooncake, "mla": _mla,
 }
 
 
@@ -325,6 +336,10 @@ def _print(result: dict[str, Any]) -> None:
                           f"{g['baseline get']:.2f}", f"{g['zero-copy get']:.2f}", f"{g['tier fetch']:.2f}",
                           f"{r['fetch_share_of_baseline']:.2f}", f"{r['fetch_share_of_zero_copy']:.2f}")
         console.print(table)
+    if result.get("mla", {}).get("rows"):
+        from kvfsm.bench import mla
+
+        console.print(mla.table(result["mla"]))
     table = Table(title="Goals")
     for column in ("goal", "target", "measured", "met", "judged on"):
         table.add_column(column)

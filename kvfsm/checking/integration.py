@@ -63,6 +63,12 @@ class IntegrationWorld(ConnectorWorld):
         return getattr(self.devices[0], "accesses", ()) if self.devices else ()
 
     @property
+    def rank(self) -> int:
+        """The rank whose device `devices[0]` is (rank 0 where the connector is the scheduler half alone)."""
+        workers = self.connector.workers if isinstance(self.connector, Connector) else []
+        return next((w.worker for w in workers if self.devices and w.device is self.devices[0]), 0)
+
+    @property
     def tiers(self) -> Sequence[TierView]:
         return self.connector.worker.lower_tiers if isinstance(self.connector, Connector) else ()
 

@@ -83,13 +83,21 @@ class ConnectorWorld:
         return self.scheduler.config.num_workers
 
     @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def replicated(self) -> bool:
+        return self.scheduler.config.replicated
+
+    @property
     def async_scheduling(self) -> bool:
         return self.scheduler.config.async_scheduling
 
 
 DEVICE_LOG_INVARIANTS = ("store-after-compute", "layer-store-after-compute", "fence", "layer-stores-flushed",
                          "load-after-readers", "load-before-use", "layer-load-before-use", "readers-pin",
-                         "ready-means-written")
+                         "ready-means-written", "replicated-single-writer")
 """The invariants that read a device's access log: with tensor parallelism they hold on every rank's device."""
 
 
@@ -102,6 +110,9 @@ class DeviceLogWorld:
     cpu_blocks: Sequence[CpuBlock] = ()
     catalogue: Mapping[int, int] = field(default_factory=dict)
     idle: bool = False
+    rank: int = 0
+    num_workers: int = 1
+    replicated: bool = False
 
     @property
     def accesses(self) -> Sequence[Access]:

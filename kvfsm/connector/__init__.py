@@ -19,6 +19,7 @@ from kvfsm.connector.validation import NotRegistered, UnknownWorker, check_halve
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import KVCaches
+from kvfsm.executor.shared_host import SharedHostMemory
 from kvfsm.machines import MachineSet
 from kvfsm.manager.events import KVCacheEvent
 from kvfsm.tiers.factory import IoFactory
@@ -53,8 +54,12 @@ class Connector:
         self.config = config
         self.machines = machines or MachineSet(default_spec())
         """This connector's machines, shared by both halves: observe them to trace this connector alone."""
+        self.shared_host = SharedHostMemory(named=False) if config.replicated and len(devices) > 1 else None
+        """With replicated KV over several ranks: the one host pool they share (its region removed once the last
+        rank's pool is closed)."""
         self.workers = [WorkerConnector(config, each, worker=rank, machines=self.machines, tier_io=tier_io,
-                                        keep_lookups=keep_history) for rank, each in enumerate(devices)]
+                                        keep_lookups=keep_history, shared_host=self.shared_host)
+                        for rank, each in enumerate(devices)]
         self.keep_history = keep_history
         self._scheduler: SchedulerConnector | None = None
 

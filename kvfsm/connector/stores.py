@@ -5,6 +5,11 @@ it waits on an event recorded after the forward (`after_forward`), is checked an
 the next step as one pipeline of chunks (`pieces`). With per-layer stores a layer's share goes out behind an event
 recorded right after that layer's write (`layer-store-after-compute`, `save_layer`). The worker decides when each
 of these runs in a step; this module is what each does.
+
+With replicated KV (`OffloadConfig.replicated`: the ranks share one host pool) a store is copied by its writer rank
+alone (`replicated-single-writer`); on every other rank the job copies nothing and ends behind an event on the
+store stream, so it is reported as any store is. The scheduler half still ends it only on every rank's report,
+the writer's included, so no rank loads the slot before the writer's copy completed (`every-rank-reports`).
 """
 
 from __future__ import annotations
@@ -24,14 +29,17 @@ from kvfsm.states import TransferJobState
 class WorkerStores:
     """One worker's stores between their order and their last copy sent."""
 
-    def __init__(self, records: WorkerJobs, device: Device, transfers: Callable[[], Transfers]) -> None:
-        """`transfers`: the worker's transfers, asked for at each use (they exist once its caches are registered)."""
+    def __init__(self, records: WorkerJobs, device: Device, transfers: Callable[[], Transfers],
+                 copies: Callable[[int], bool] = lambda job_id: True) -> None:
+        """`transfers`: the worker's transfers, asked for at each use (they exist once its caches are registered);
+        `copies`: whether this worker copies the store of a job id (with replicated KV, only its writer does)."""
         self._records = records
+        self.copies = copies
         self._device = device
         self._transfers = transfers
-        self._planned: dict[int, tuple[Event, Chunks | Exception]] = {}
+        self._planned: dict[int, tuple[Event, Chunks | Exception | None]] = {}
         """Per pending store, the event after the forward that writes it, and its chunks (or why it cannot be
-        sent), planned in `after_forward`."""
+        sent, or None where another rank copies it), planned in `after_forward`."""
         self._layer_stores: dict[int, tuple[Segments, set[int]]] | None = None
         """This step's stores begun by `save_layer`: their segments and which segments went out."""
         self._pending: list[TransferJob] = []
@@ -55,6 +63,9 @@ class WorkerStores:
                 job = self._records.new(order, "store")
                 self._records.machine.fire(job, "prepare")
                 self._records.machine.fire(job, "submit", step=self._records.step())
+                if not self.copies(job.job_id):
+                    self._records.record_end([job], "store")
+                    continue
                 try:
                     segments = self._transfers().store_segments(job.gpu_blocks, job.cpu_slots)
                 except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
@@ -100,7 +111,7 @@ class WorkerStores:
         for order in orders:
             job = self._records.new(order, "store")
             self._records.machine.fire(job, "prepare")
-            self._planned[job.job_id] = (compute_done, self._plan_store(job))
+            self._planned[job.job_id] = (compute_done, self._plan_store(job) if self.copies(job.job_id) else None)
             self._pending.append(job)
 
     def _plan_store(self, job: TransferJob) -> Chunks | Exception:
@@ -119,7 +130,9 @@ class WorkerStores:
         for job in jobs:
             compute_done, plan = self._planned.pop(job.job_id)
             self._wait_for_compute(compute_done)
-            if isinstance(plan, Exception):
+            if plan is None:  # another rank's copy: nothing to send, the job ends here
+                self._records.record_end([job], "store")
+            elif isinstance(plan, Exception):
                 self._records.fail(job, "store", plan)
             else:
                 checked.append((job, plan))

@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from kvfsm.bindings import default_spec
-from kvfsm.config import OffloadConfig
+from kvfsm.config import OffloadConfig, store_writer
 from kvfsm.connector.checksums import SlotChecksums
 from kvfsm.connector.job_events import JobEvents
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, WorkerOutput
@@ -49,12 +49,17 @@ from kvfsm.connector.worker_jobs import WorkerJobs
 from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import KVCaches, register_kv_caches
 from kvfsm.executor.pool import HostPool
+from kvfsm.executor.shared_host import SharedHostMemory
 from kvfsm.executor.transfer import Segments, Transfers
 from kvfsm.machines import MachineSet
 from kvfsm.records import TransferJob
 from kvfsm.states import TransferJobState
 from kvfsm.tiers.base import LowerTier, TierSite
 from kvfsm.tiers.factory import IoFactory, open_tiers
+
+class SharedHostMissing(ValueError):
+    """Replicated KV over several ranks, but no host memory shared by them: each rank would pin a copy of its own."""
+
 
 _RUNNING = frozenset({TransferJobState.SUBMITTED, TransferJobState.FLUSHED_ON_PREEMPT})
 """A job's states while its copies are on a stream: the ones whose end event `get_finished` polls."""
@@ -63,8 +68,13 @@ _RUNNING = frozenset({TransferJobState.SUBMITTED, TransferJobState.FLUSHED_ON_PR
 class WorkerConnector:
     def __init__(self, config: OffloadConfig, device: Device, worker: int = 0,
                  machines: MachineSet | None = None, tier_io: IoFactory | None = None,
-                 keep_lookups: bool = False) -> None:
+                 keep_lookups: bool = False, shared_host: SharedHostMemory | None = None) -> None:
+        """`shared_host`: with `config.replicated` and several ranks, the host memory this host's ranks share (one
+        `SharedHostMemory` per process, attached to the region the first rank created)."""
         check_halves("WorkerConnector", config, device, worker)
+        if config.replicated and config.num_workers > 1 and shared_host is None:
+            raise SharedHostMissing(f"worker {worker}: replicated KV over {config.num_workers} ranks needs the "
+                                    "host memory the ranks share (shared_host)")
         self.config = config
         self.device = device
         self.worker = worker
@@ -73,7 +83,10 @@ class WorkerConnector:
         self._meta = ConnectorMetadata(step=0)
         self.events = JobEvents(device)
         self._records = WorkerJobs(self._job, self.events, lambda: self._meta.step)
-        self._stores = WorkerStores(self._records, device, lambda: self.transfers)
+        self._stores = WorkerStores(self._records, device, lambda: self.transfers,
+                                    lambda job_id: not config.replicated
+                                    or store_writer(job_id, config.num_workers) == worker)
+        self._shared_host = shared_host
         self._step_loads: list[int] = []
         self._load_batch: list[tuple[TransferJob, Segments]] = []
         """This step's checked loads, sent together by `_load_pieces` once every order of the step was seen."""
@@ -99,7 +112,7 @@ class WorkerConnector:
         k = self.config.block_size_factor
         with ExitStack() as undo:
             pool = undo.enter_context(HostPool(self.device, self.config.num_cpu_blocks(caches.gpu_block_bytes),
-                                               k * caches.gpu_block_bytes))
+                                               k * caches.gpu_block_bytes, self._shared_host))
             transfers = Transfers(self.device, caches, pool, block_size_factor=k, mechanism=self.config.mechanism,
                                   staging_bytes=self.config.staging_bytes)
             checksums = SlotChecksums(pool) if self.config.checksum else None

@@ -11,7 +11,7 @@ as its only exception.
 from __future__ import annotations
 
 from kvfsm.testing.copy_faults import EveryNthFails
-from kvfsm.testing.mutants import MUTANTS, TP_CONTROLS
+from kvfsm.testing.mutants import MUTANTS, TP_CONTROLS, TP_WORKER_CONTROLS
 from kvfsm.testing.rank_skew import LateReports
 
-__all__ = ["MUTANTS", "TP_CONTROLS", "EveryNthFails", "LateReports"]
+__all__ = ["MUTANTS", "TP_CONTROLS", "TP_WORKER_CONTROLS", "EveryNthFails", "LateReports"]

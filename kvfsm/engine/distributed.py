@@ -15,7 +15,7 @@ reaches the all-reduce at the same point of its program, and none is parked in a
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,12 +23,45 @@ from pydantic import BaseModel, ConfigDict
 
 from kvfsm.connector.metadata import WorkerOutput
 from kvfsm.engine.ranks import Rank, RankGroup, StepPlan
+from kvfsm.executor.shared_host import SharedHostMemory
 from kvfsm.executor.sim import SimDevice
+
+Registered = TypeVar("Registered")
 
 AfterStep = Callable[[], list[str]]
 """What a rank does after each step (let its device lag, check its device log): the violations it found."""
-PrefixBytes = Callable[[tuple[int, ...], range], torch.Tensor]
-"""The bytes a rank holding `heads` must have in the CPU slot that ends a prompt prefix (an oracle's answer)."""
+PrefixBytes = Callable[[tuple[int, ...], range, str], torch.Tensor]
+"""The bytes a rank holding `heads` in caches of a layout must have in the CPU slot that ends a prompt prefix (an
+oracle's answer)."""
+
+
+def register_in_turn(group: dist.ProcessGroup, replicated: bool,
+                     register: Callable[[SharedHostMemory | None], Registered]
+                     ) -> tuple[Registered, SharedHostMemory | None]:
+    """Register this rank's caches, with `replicated` into the host memory the ranks share: rank 0 registers first
+    (its pool creates the region), sends the region's path on `group` (gloo; every rank calls this), and the others
+    then attach to it and register (one host: every rank is local). Returns what `register` returned, and the
+    shared host memory (None without `replicated`)."""
+    rank = dist.get_rank()
+    shared = SharedHostMemory() if replicated and rank == 0 else None
+    registered = register(shared) if rank == 0 else None
+    box = [shared.path if shared is not None else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    if rank != 0:
+        shared = SharedHostMemory(box[0]) if replicated else None
+        registered = register(shared)
+    return registered, shared  # type: ignore[return-value]
+
+
+def host_pool_bytes(device: object, shared: SharedHostMemory | None, group: dist.ProcessGroup) -> int:
+    """The host memory every rank's pool takes, measured: each rank's own pinned bytes (`Device.host_bytes`) plus
+    the bytes of each distinct shared region (counted once, however many ranks map it). Every rank calls this."""
+    mine = (getattr(device, "host_bytes", 0), shared.path if shared is not None else None,
+            shared.nbytes if shared is not None else 0)
+    every: list[tuple[int, str | None, int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    ranks = [r for r in every if r is not None]
+    return sum(own for own, _, _ in ranks) + sum({path: size for _, path, size in ranks if path}.values())
 
 
 class RanksOutOfStep(RuntimeError):
@@ -112,7 +145,8 @@ def verify(rank: Rank, command: Command, expected: PrefixBytes) -> list[str]:
     found = []
     if rank.worker is not None:
         for ready in command.ready or ():
-            if not torch.equal(rank.worker.pool.slot(ready.slot).cpu(), expected(ready.prefix, rank.heads)):
+            held = rank.worker.pool.slot(ready.slot).cpu()
+            if not torch.equal(held, expected(ready.prefix, rank.held, rank.layout)):
                 found.append(f"rank {rank.index}: CPU slot {ready.slot} does not hold its heads' bytes of its prefix")
     for handle, tokens in (command.tokens or {}).items():
         mine = [int(t) for t in rank.sampled(handle)]

@@ -131,10 +131,11 @@ class Engine:
         if isinstance(connector, SchedulerConnector):
             raise TypeError("ranks in this process need both connector halves (a Connector), not the scheduler half")
         workers = connector.workers if connector is not None else [None] * len(devices)
-        ranks = LocalRanks(self.config.model, self.config.num_gpu_blocks, devices, workers)
+        replicated = connector is not None and connector.config.replicated
+        ranks = LocalRanks(self.config.model, self.config.num_gpu_blocks, devices, workers, replicated)
         if connector is not None:
             for rank in ranks.local:
-                connector.register_kv_caches(rank.kv_caches, "kv-first", rank=rank.index)
+                connector.register_kv_caches(rank.kv_caches, rank.layout, rank=rank.index)
         return ranks
 
     # --- requests ----------------------------------------------------------------------------------------

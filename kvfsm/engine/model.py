@@ -7,7 +7,9 @@ every value is a small integer, the arithmetic is exact and the same workload gi
 
 Tensor parallelism shards it as engines shard attention: a rank holds a contiguous range of heads, writes and reads
 only their KV and contributes a partial sum; the token comes from the sum over every rank (an all-reduce) and, the
-arithmetic being exact, equals the unsharded model's token.
+arithmetic being exact, equals the unsharded model's token. With replicated KV (MLA) every rank holds and writes
+every head's KV, and reads only its share of the heads (`reads`), as MLA ranks split the query heads over one
+latent that every rank holds.
 """
 
 from __future__ import annotations
@@ -40,10 +42,15 @@ class ModelShape:
 class ToyModel:
     """The compute a step runs for one request: write KV for new positions, then read all of it for a token."""
 
-    def __init__(self, shape: ModelShape, caches: list[torch.Tensor], heads: range | None = None) -> None:
+    def __init__(self, shape: ModelShape, caches: list[torch.Tensor], heads: range | None = None,
+                 reads: range | None = None) -> None:
+        """`heads`: the heads whose KV this model holds and writes; `reads`: those whose share of the sum it
+        computes (default: all it holds)."""
         self.shape = shape
         self.caches = caches  # per layer, kv-first: (2, blocks, block_size, len(heads), dim)
         self.heads = heads if heads is not None else range(shape.num_heads)
+        reads = reads if reads is not None else self.heads
+        self._reads = slice(reads.start - self.heads.start, reads.stop - self.heads.start)
         device = caches[0].device
         s = shape
         lanes = torch.arange(2 * s.num_heads * s.head_dim, device=device, dtype=torch.int64)
@@ -74,7 +81,8 @@ class ToyModel:
         blocks = block_ids[positions // self.shape.block_size]
         offsets = positions % self.shape.block_size
         weights = (positions + 1).to(torch.float64).view(1, -1, 1, 1)
-        return (self.caches[layer][:, blocks, offsets].to(torch.float64) * weights).sum() * (layer + 1)
+        held = self.caches[layer][:, blocks, offsets][..., self._reads, :]
+        return (held.to(torch.float64) * weights).sum() * (layer + 1)
 
     def token(self, total: torch.Tensor) -> torch.Tensor:
         """The token a summed read picks: NaN (poison) propagates to a negative token."""

@@ -45,13 +45,15 @@ class BlockOracle:
         for index in range(len(gpu_block_hashes) // self.k):
             self.tokens[gpu_block_hashes[(index + 1) * self.k - 1]] = prompt[:(index + 1) * span]
 
-    def cpu_block_bytes(self, block_hash: int, heads: range | None = None) -> torch.Tensor:
+    def cpu_block_bytes(self, block_hash: int, heads: range | None = None, layout: str = "kv-first") -> torch.Tensor:
         """Host bytes of the CPU block for `block_hash`: per GPU block, layer by layer, K then V; with `heads`, the
-        bytes of a tensor-parallel rank that holds only those heads."""
-        return self.prefix_bytes(self.tokens[block_hash], heads)
+        bytes of a tensor-parallel rank that holds only those heads (`layout`: as `prefix_bytes`)."""
+        return self.prefix_bytes(self.tokens[block_hash], heads, layout)
 
-    def prefix_bytes(self, prefix: tuple[int, ...], heads: range | None = None) -> torch.Tensor:
-        """Host bytes of the CPU block that ends `prefix` (a whole number of CPU blocks long)."""
+    def prefix_bytes(self, prefix: tuple[int, ...], heads: range | None = None, layout: str = "kv-first"
+                     ) -> torch.Tensor:
+        """Host bytes of the CPU block that ends `prefix` (a whole number of CPU blocks long), of caches in
+        `layout`: "kv-first" (K then V per layer) or "mla" (one latent per token: its K and V side by side)."""
         span = self.shape.block_size * self.k
         start = len(prefix) - span
         tokens = torch.tensor(prefix[start:], dtype=torch.int64)
@@ -61,7 +63,8 @@ class BlockOracle:
         stacked = torch.stack(per_layer).unflatten(2, (self.k, self.shape.block_size))
         if heads is not None:
             stacked = stacked[..., heads.start:heads.stop, :]
-        return stacked.permute(2, 0, 1, 3, 4, 5).contiguous().view(torch.uint8).flatten()
+        order = (2, 0, 3, 1, 4, 5) if layout == "mla" else (2, 0, 1, 3, 4, 5)  # mla: (k, layers, block_size, 2, ...)
+        return stacked.permute(*order).contiguous().view(torch.uint8).flatten()
 
 
 def poisoned(outputs: dict[int, list[int]]) -> list[int]:

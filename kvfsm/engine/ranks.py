@@ -8,6 +8,10 @@ The engine's scheduler hands every rank the same `StepPlan` (pydantic, so it cro
 A rank runs it in vLLM's order: bind the orders and wait for the stores a preemption flushed (before this rank's
 compute writes any of its blocks), poison, start loads, the forward pass with the all-reduce, queue stores, report.
 `LocalRanks` runs every rank in this process; `kvfsm.engine.distributed` runs one rank per process.
+
+With replicated KV (`replicated=True`, MLA) every rank holds every head's KV in MLA-shaped caches, one
+(blocks, block_size, latent) tensor per layer registered with layout "mla", and computes its share of the heads
+from it; the model sees each cache through a (2, blocks, block_size, heads, dim) view of the same bytes.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ class Rank:
     """One rank: its heads' KV caches on its device, its share of the model, the tokens it sampled, its worker."""
 
     def __init__(self, shape: ModelShape, num_gpu_blocks: int, device: Device, index: int = 0, world: int = 1,
-                 worker: WorkerConnector | None = None) -> None:
+                 worker: WorkerConnector | None = None, replicated: bool = False) -> None:
         if shape.num_heads % world:
             raise HeadsDoNotDivide(f"{shape.num_heads} heads do not divide among {world} ranks")
         per_rank = shape.num_heads // world
@@ -82,10 +86,21 @@ class Rank:
         self.device = device
         self.worker = worker
         self.heads = range(index * per_rank, (index + 1) * per_rank)
-        self.caches = [torch.zeros(2, num_gpu_blocks, shape.block_size, per_rank, shape.head_dim,
-                                   dtype=shape.dtype, device=device.tensor_device())
-                       for _ in range(shape.num_layers)]
-        self.model = ToyModel(shape, self.caches, self.heads)
+        """The heads whose share of the sum this rank computes (and, unless replicated, the only KV it holds)."""
+        self.held = range(shape.num_heads) if replicated else self.heads
+        """The heads whose KV this rank holds: every head with replicated KV."""
+        self.layout = "mla" if replicated else "kv-first"
+        device_kind = device.tensor_device()
+        if replicated:
+            self._raw = [torch.zeros(num_gpu_blocks, shape.block_size, 2 * shape.num_heads * shape.head_dim,
+                                     dtype=shape.dtype, device=device_kind) for _ in range(shape.num_layers)]
+            self.caches = [raw.view(num_gpu_blocks, shape.block_size, 2, shape.num_heads, shape.head_dim)
+                           .permute(2, 0, 1, 3, 4) for raw in self._raw]
+        else:
+            self.caches = [torch.zeros(2, num_gpu_blocks, shape.block_size, per_rank, shape.head_dim,
+                                       dtype=shape.dtype, device=device_kind) for _ in range(shape.num_layers)]
+            self._raw = self.caches
+        self.model = ToyModel(shape, self.caches, self.held, self.heads)
         self.layer_names = [f"layer.{i}" for i in range(shape.num_layers)]
         self.forward = Forward(device, self.model, self.caches, self.layer_names, shape.block_size)
         self._block_size = shape.block_size
@@ -95,7 +110,8 @@ class Rank:
 
     @property
     def kv_caches(self) -> dict[str, torch.Tensor]:
-        return dict(zip(self.layer_names, self.caches))
+        """The tensors to register, in `self.layout`."""
+        return dict(zip(self.layer_names, self._raw))
 
     @property
     def handles(self) -> list[int]:
@@ -170,9 +186,9 @@ class LocalRanks(RankGroup):
     its own schedule."""
 
     def __init__(self, shape: ModelShape, num_gpu_blocks: int, devices: Sequence[Device],
-                 workers: Sequence[WorkerConnector | None]) -> None:
+                 workers: Sequence[WorkerConnector | None], replicated: bool = False) -> None:
         world = len(devices)
-        self.ranks = [Rank(shape, num_gpu_blocks, device, index, world, worker)
+        self.ranks = [Rank(shape, num_gpu_blocks, device, index, world, worker, replicated)
                       for index, (device, worker) in enumerate(zip(devices, workers, strict=True))]
         sims = [d for d in devices if isinstance(d, SimDevice)]
         for sim in sims:

@@ -48,6 +48,8 @@ class CudaDevice:
         }
         self._registered: dict[int, int] = {}
         self._mappings: dict[int, mmap.mmap] = {}
+        self._shared: dict[int, int] = {}
+        """Mappings of shared regions registered by `register_host`, bytes by data pointer."""
 
     def tensor_device(self) -> torch.device:
         return self._device
@@ -79,9 +81,7 @@ class CudaDevice:
             raise ValueError(f"a host allocation needs a positive size, got {nbytes}")
         mapping = mmap.mmap(-1, nbytes)
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)
-        code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
-        if code != 0:
-            raise HostRegisterError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {code}")
+        _host_register(buffer)
         self._registered[buffer.data_ptr()] = nbytes
         self._mappings[buffer.data_ptr()] = mapping
         return buffer
@@ -90,11 +90,31 @@ class CudaDevice:
         if self._registered.pop(buffer.data_ptr(), None) is None:
             raise HostRegisterError("this buffer was not registered by pin_host, or was already released")
         self._mappings.pop(buffer.data_ptr())  # the mapping is unmapped once the last tensor on it is gone
-        code = int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
-        if code != 0:
-            raise HostRegisterError(f"cudaHostUnregister failed with cudaError {code}")
+        _host_unregister(buffer)
+
+    def register_host(self, buffer: torch.Tensor) -> None:
+        """Page-lock a mapping of a region shared by rank processes (each process registers its own mapping)."""
+        _host_register(buffer)
+        self._shared[buffer.data_ptr()] = buffer.numel()
+
+    def unregister_host(self, buffer: torch.Tensor) -> None:
+        if self._shared.pop(buffer.data_ptr(), None) is None:
+            raise HostRegisterError("this buffer was not registered by register_host, or was already unregistered")
+        _host_unregister(buffer)
 
     @property
     def host_bytes(self) -> int:
         """Bytes currently registered through `pin_host`: what a leak check looks at."""
         return sum(self._registered.values())
+
+
+def _host_register(buffer: torch.Tensor) -> None:
+    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    if code != 0:
+        raise HostRegisterError(f"cudaHostRegister of {buffer.numel()} bytes failed with cudaError {code}")
+
+
+def _host_unregister(buffer: torch.Tensor) -> None:
+    code = int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+    if code != 0:
+        raise HostRegisterError(f"cudaHostUnregister failed with cudaError {code}")

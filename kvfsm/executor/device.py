@@ -62,3 +62,10 @@ class Device(Protocol):
 
     def unpin_host(self, buffer: Any) -> None:
         """Release what `pin_host` allocated."""
+
+    def register_host(self, buffer: Any) -> None:
+        """Make host memory allocated elsewhere (a region shared by rank processes) reachable by this device's copies
+        as `pin_host`'s is (page-locked on CUDA); it stays the allocator's."""
+
+    def unregister_host(self, buffer: Any) -> None:
+        """Undo `register_host`."""

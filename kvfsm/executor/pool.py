@@ -1,16 +1,21 @@
 """The host pool: one pinned allocation cut into equal slots, one CPU block per slot.
 
 A single allocation keeps the registered size equal to the configured size (no allocator rounding) and lets
-consecutive slots be moved by one DMA.
+consecutive slots be moved by one DMA. The buffer is this rank's own (`Device.pin_host`) or a mapping of a region
+the ranks of a host share (`SharedHostMemory`, for replicated KV).
 """
 
 from __future__ import annotations
 
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfsm.executor.device import Device
+
+if TYPE_CHECKING:
+    from kvfsm.executor.shared_host import SharedHostMemory
 
 
 class PoolClosed(RuntimeError):
@@ -18,15 +23,19 @@ class PoolClosed(RuntimeError):
 
 
 class HostPool:
-    """`num_slots` slots of `slot_bytes` bytes in one host buffer obtained from `device.pin_host`."""
+    """`num_slots` slots of `slot_bytes` bytes in one host buffer obtained from `device.pin_host`, or from `shared`."""
 
-    def __init__(self, device: Device, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, device: Device, num_slots: int, slot_bytes: int,
+                 shared: SharedHostMemory | None = None) -> None:
         if num_slots <= 0 or slot_bytes <= 0:
             raise ValueError(f"a pool needs positive num_slots and slot_bytes, got {num_slots} x {slot_bytes}")
         self._device = device
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self._buffer: torch.Tensor | None = device.pin_host(num_slots * slot_bytes)
+        self._shared = shared
+        nbytes = num_slots * slot_bytes
+        self._buffer: torch.Tensor | None = (device.pin_host(nbytes) if shared is None
+                                             else shared.allocate(device, nbytes))
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -49,7 +58,10 @@ class HostPool:
         """Release the host memory; closing twice is harmless."""
         if self._buffer is not None:
             buffer, self._buffer = self._buffer, None
-            self._device.unpin_host(buffer)
+            if self._shared is None:
+                self._device.unpin_host(buffer)
+            else:
+                self._shared.release(self._device, buffer)
 
     def __enter__(self) -> HostPool:
         return self

@@ -72,6 +72,8 @@ class SimDevice:
         self._issued = 0
         self._executed = 0
         self._host_buffers: dict[int, torch.Tensor] = {}
+        self._registered: dict[int, int] = {}
+        """Host memory allocated elsewhere and registered (`register_host`), bytes by data pointer."""
         self.peers: list[SimDevice] = []
         """Other devices this one's streams wait on (tensor-parallel ranks in one process, whose all-reduce waits
         for every rank's forward): when none of this device's streams can run, a host wait advances a peer's, by
@@ -177,6 +179,18 @@ class SimDevice:
     def unpin_host(self, buffer: torch.Tensor) -> None:
         if self._host_buffers.pop(buffer.data_ptr(), None) is None:
             raise UnknownHostBuffer("this buffer was not allocated by pin_host, or was already released")
+
+    def register_host(self, buffer: torch.Tensor) -> None:
+        self._registered[buffer.data_ptr()] = buffer.numel()
+
+    def unregister_host(self, buffer: torch.Tensor) -> None:
+        if self._registered.pop(buffer.data_ptr(), None) is None:
+            raise UnknownHostBuffer("this buffer was not registered by register_host, or was already unregistered")
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes of host memory allocated elsewhere and registered now (a shared region's mapping)."""
+        return sum(self._registered.values())
 
     @property
     def host_bytes(self) -> int:

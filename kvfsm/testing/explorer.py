@@ -60,6 +60,8 @@ class Workload:
     """Staging slots this many GPU blocks long: a step's stores go out as a pipeline of that many-block chunks."""
     ranks: int = 1
     """Tensor-parallel ranks, each on its own SimDevice holding its share of the heads."""
+    replicated: bool = False
+    """With several ranks: every rank holds every head's KV (MLA) and the ranks share one host pool."""
     store_threshold: int = 1
     """Times a block must be offered before it is stored (admission's threshold rule; 1 stores every block)."""
     eviction: str = "lru"
@@ -141,7 +143,7 @@ class _Replay:
         self.harness = Harness(devices if workload.ranks > 1 else devices[0], num_gpu_blocks=workload.num_gpu_blocks,
                                cpu_blocks=workload.cpu_blocks,
                                block_size_factor=workload.block_size_factor, mutant=mutant,
-                               per_layer=workload.per_layer, layer_loads=workload.layer_loads,
+                               replicated=workload.replicated, per_layer=workload.per_layer, layer_loads=workload.layer_loads,
                                layer_stores=workload.layer_stores,
                                disk_slots=workload.disk_slots, writeback_bound_blocks=workload.writeback_bound_blocks,
                                mooncake_master=shared_master() if workload.mooncake else None,
@@ -352,10 +354,15 @@ TP_WORKLOADS: dict[str, Workload] = {
         actions=(add(_P + (1,), 1), step, step, forget_gpu_prefixes, add(_P + (2,), 1), step),
         num_gpu_blocks=6, cpu_blocks=3, ranks=2, max_extra_steps=8,
     ),
+    "tp-replicated-reload": Workload(
+        actions=(add(_P + (1,), 1), step, step, forget_gpu_prefixes, add(_P + (2,), 1), step),
+        num_gpu_blocks=6, cpu_blocks=3, ranks=2, max_extra_steps=8, replicated=True,
+    ),
 }
 """Two ranks: a request preempted under memory pressure while its store may still be copying on either rank; a stored
-prefix whose store fails on rank 1 while rank 0's copy succeeds; and a stored prefix reloaded after the GPU forgot
-it (each rank's store and load report in any order)."""
+prefix whose store fails on rank 1 while rank 0's copy succeeds; a stored prefix reloaded after the GPU forgot it
+(each rank's store and load report in any order); and that reload with replicated (MLA) KV, one shared host pool
+written by each store's writer rank alone."""
 
 POLICY_WORKLOADS: dict[str, Workload] = {
     "evict-while-loading": Workload(

@@ -51,7 +51,8 @@ class Submitted:
 class Harness:
     """`device` is one device, or one per tensor-parallel rank (each with its own worker half and faults).
     `staging_blocks` sizes the staging slots in GPU blocks, so a step's stores go out as a pipeline of several
-    chunks (as a real cache's do) instead of one. `keep_history=False` runs the connector as in production, keeping
+    chunks (as a real cache's do) instead of one. `replicated`: every rank holds every head's KV (MLA-shaped) and
+    the ranks share one host pool. `keep_history=False` runs the connector as in production, keeping
     no ended job or released request: then only what it retains may be checked, not the invariants that read them."""
 
     def __init__(self, device: Device | Sequence[Device], num_gpu_blocks: int, cpu_blocks: int,
@@ -64,7 +65,8 @@ class Harness:
                  mooncake_options: dict[str, object] | None = None, tier_threads: bool = False,
                  staging_blocks: int | None = None, store_threshold: int = 1,
                  store_threshold_scope: ThresholdScope = "every-block",
-                 keep_history: bool = True, eviction: str = "lru", shared_disk: Path | None = None) -> None:
+                 keep_history: bool = True, eviction: str = "lru", shared_disk: Path | None = None,
+                 replicated: bool = False) -> None:
         """`shared_disk`: a directory the disk tier (`disk_slots`) shares with other engines of the toy model and
         keeps when the harness closes, instead of a private one removed then."""
         self.devices = list(device) if isinstance(device, Sequence) else [device]
@@ -88,7 +90,8 @@ class Harness:
                                writeback_max_bytes_in_flight=writeback_bound_blocks * cpu_block_bytes,
                                num_workers=len(self.devices), eviction=eviction,
                                staging_bytes=staging_blocks * shape.gpu_block_bytes if staging_blocks else None,
-                               store_threshold=store_threshold, store_threshold_scope=store_threshold_scope)
+                               store_threshold=store_threshold, store_threshold_scope=store_threshold_scope,
+                               replicated=replicated)
         self.io = ManualIo()
         """The tiers' I/O queue: tests choose when each read or write runs, as they choose device streams (unless
         `tier_threads`: the tiers' own threads, as in production)."""
@@ -190,12 +193,12 @@ class Harness:
         found = []
         ranks = self.engine.ranks.local if self.engine.ranks is not None else [None]
         for rank, worker in zip(ranks, self.connector.workers):
-            heads = rank.heads if rank is not None else None
+            heads, layout = (rank.held, rank.layout) if rank is not None else (None, "kv-first")
             where = f" of rank {rank.index}" if rank is not None else ""
             for block in self.connector.scheduler.manager.blocks:
                 if block.state in (CpuBlockState.READY, CpuBlockState.LOADING) and block.block_hash is not None:
                     actual = worker.pool.slot(block.slot).cpu()
-                    if not torch.equal(actual, self.oracle.cpu_block_bytes(block.block_hash, heads)):
+                    if not torch.equal(actual, self.oracle.cpu_block_bytes(block.block_hash, heads, layout)):
                         found.append(f"ready-means-written: CPU slot {block.slot}{where} does not hold the bytes of "
                                      "its prefix")
         return found

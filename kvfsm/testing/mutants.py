@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Container, Sequence
 
-from kvfsm.connector import Connector, SchedulerConnector
+from kvfsm.connector import Connector, SchedulerConnector, WorkerConnector
 from kvfsm.connector.admission import Verdict
 from kvfsm.engine.engine import Engine
 from kvfsm.executor.device import StreamName
@@ -280,6 +280,22 @@ TP_CONTROLS: dict[str, Callable[[SchedulerConnector], None]] = {
 """The tensor-parallel controls of the scheduler half alone: they apply where it runs by itself (rank 0's process
 of `python -m kvfsm.tp`)."""
 
+def every_rank_writes(worker: WorkerConnector) -> None:
+    """Replicated KV: this rank copies every store into the shared pool, its writer's or not, as a pool per rank
+    did: the same bytes cross PCIe once per rank (and two ranks write one slot). A control of a worker half: with
+    one worker, or without `replicated`, it is kvfsm."""
+    worker._stores.copies = lambda job_id: True
+
+
+def _every_rank_writes_everywhere(engine: Engine, connector: Connector) -> None:
+    for worker in connector.workers:
+        every_rank_writes(worker)
+
+
+TP_WORKER_CONTROLS: dict[str, Callable[[WorkerConnector], None]] = {"every-rank-writes": every_rank_writes}
+"""The tensor-parallel controls of a worker half: they apply on every rank (each rank's process of
+`python -m kvfsm.tp`)."""
+
 TP_MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (
@@ -289,6 +305,8 @@ TP_MUTANTS: dict[str, Mutant] = {
                lambda engine, connector: publish_on_partial_failure(connector.scheduler), per_layer=False),
         Mutant("flush-on-rank-0-only", "preempt-flushes, fence on rank 1 (a reused block written mid-store)",
                _flush_on_rank_0_only, per_layer=False),
+        Mutant("every-rank-writes", "replicated-single-writer (replicated KV copied over PCIe once per rank)",
+               _every_rank_writes_everywhere, per_layer=False),
     )
 }
 """Controls that differ from kvfsm only with several workers: the tensor-parallel interleavings must catch each."""

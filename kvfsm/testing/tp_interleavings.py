@@ -1,5 +1,7 @@
 """The generated interleavings with tensor parallelism: two ranks in one process, each holding one of the model's two
-heads on its own `SimDevice`, each device advanced by its own drawn schedule, one scheduler half hearing both.
+heads on its own `SimDevice`, each device advanced by its own drawn schedule, one scheduler half hearing both. In
+about half the examples the KV is replicated (MLA-shaped: both ranks hold both heads), and the ranks share one host
+pool into which each store is copied by its writer rank alone.
 
 Everything else is `OffloadInterleavings`: the same rules (a failed transfer is armed on a drawn rank), the same
 checks (the ordering invariants on each rank's device log, every rank's pool holding its heads' bytes). Whole
@@ -23,11 +25,13 @@ class TensorParallelInterleavings(OffloadInterleavings):
     lower_tiers = ("none",)
 
     @initialize(gpu_blocks=st.integers(6, 12), cpu_blocks=st.integers(2, 6), factor=st.sampled_from([1, 2]),
-                prompts=st.lists(PROMPTS, min_size=1, max_size=3), report_lag=st.sampled_from([0, 1, 2]))
+                prompts=st.lists(PROMPTS, min_size=1, max_size=3), report_lag=st.sampled_from([0, 1, 2]),
+                replicated=st.booleans())
     def setup(self, gpu_blocks: int, cpu_blocks: int, factor: int,  # type: ignore[override]
-              prompts: list[tuple[tuple[int, ...], int]], report_lag: int) -> None:
+              prompts: list[tuple[tuple[int, ...], int]], report_lag: int, replicated: bool) -> None:
         self.harness = Harness([SimDevice() for _ in range(RANKS)], num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
-                               block_size_factor=factor, mutant=self.mutant, shape=TP_SHAPE, report_lag=report_lag)
+                               block_size_factor=factor, mutant=self.mutant, shape=TP_SHAPE, report_lag=report_lag,
+                               replicated=replicated)
         for prompt, max_new in prompts:
             self.h.add_request(prompt, max_new)
 
