@@ -13,6 +13,10 @@ CLEAN_STATES = 600
 exhaust (3000 states each of tp-reload and tp-preempt-mid-copy, none violating, were seen in development)."""
 HUNT_STATES = 600
 """States per workload a mutant may survive: the first workload that catches it ends the hunt."""
+SHOWN_BY = {"every-rank-writes": "tp-replicated-reload"}
+"""The workload that showed a mutant the older workloads cannot (one host copy exists only in the replicated one):
+searched first, so its hunt does not first exhaust the others' budgets. Whether it is caught does not depend on
+this table."""
 
 
 @pytest.mark.parametrize("name", sorted(TP_WORKLOADS))
@@ -26,7 +30,7 @@ def test_every_explored_schedule_of_two_ranks_keeps_the_spec(name: str) -> None:
 @pytest.mark.parametrize("mutant", sorted(TP_MUTANTS))
 def test_exhaustive_search_over_two_ranks_catches_tensor_parallel_mutant(mutant: str) -> None:
     caught = None
-    for name, workload in TP_WORKLOADS.items():
+    for name, workload in sorted(TP_WORKLOADS.items(), key=lambda item: item[0] != SHOWN_BY.get(mutant)):
         result = explore(workload, mutant, max_states=HUNT_STATES)
         if not result.clean:
             caught = (name, result.states, result.violation[0])
