@@ -40,8 +40,10 @@ BLOCK_BYTES = gpu_block_bytes(kv_cache_config(1))
 PREFIX = list(range(400, 400 + 4 * BLOCK_SIZE))
 OTHERS = [list(range(1000 * (i + 1), 1000 * (i + 1) + 4 * BLOCK_SIZE)) for i in range(3)]
 """Prefixes that push PREFIX out of an 8-block CPU pool."""
-MAX_STEPS = 400
-"""Steps a run may take: the tier's I/O runs on its own threads, and vLLM steps idle until every rank reported it."""
+MAX_STEPS = 4000
+"""Steps a test may take in all (the driver counts them across its runs): the tier's I/O runs on its own threads,
+and vLLM steps idle, at CPU speed, until every rank reported it, so a busy machine takes hundreds of idle steps
+per write-back or fetch (400 were seen to run out on a loaded 2-core machine). A job that never ends still fails."""
 
 
 def disk_tier(path: Path, blocks: int = 64, **extra: Any) -> dict[str, Any]:
