@@ -225,6 +225,19 @@ def _no_jobs_in_flight(request: RequestRecord, **_: object) -> bool:
     return not any(job.state in IN_FLIGHT_JOB_STATES for job in request.jobs.values())
 
 
+@REGISTRY.guard("request", "has-load-in-flight")
+def _has_load_in_flight(request: RequestRecord, **_: object) -> bool:
+    """A load still writes its GPU blocks: the engine must hold them until it ends (nothing fences a write)."""
+    return any(job.kind == "load" and job.state in IN_FLIGHT_JOB_STATES for job in request.jobs.values())
+
+
+@REGISTRY.guard("request", "only-stores-in-flight")
+def _only_stores_in_flight(request: RequestRecord, **_: object) -> bool:
+    """Stores, and nothing else, still read its GPU blocks: they may go back to the engine, fenced lazily."""
+    kinds = {job.kind for job in request.jobs.values() if job.state in IN_FLIGHT_JOB_STATES}
+    return kinds == {"store"}
+
+
 @REGISTRY.effect("request", "mark-load-error")
 def _mark_load_error(request: RequestRecord, cause: TransferJob | None = None, **_: object) -> None:
     """The failed load (the coupling's cause) names the GPU blocks the engine must recompute."""
@@ -241,6 +254,13 @@ def _record_skipped_blocks(request: RequestRecord, hashes: Sequence[int] = (), r
 def _flushable_stores(request: RequestRecord) -> list[int]:
     """Its stores a preemption or abort must submit now and wait for: the pending and the submitted ones."""
     return [j.job_id for j in request.jobs.values() if j.kind == "store" and j.state in FLUSHABLE_JOB_STATES]
+
+
+@REGISTRY.relation("request", "store-blocks")
+def _store_blocks(request: RequestRecord) -> list[int]:
+    """The GPU blocks its stores in flight read (each once): what its finish or abort leaves freed-while-read."""
+    return list(dict.fromkeys(b for j in request.jobs.values() if j.kind == "store" and j.in_flight
+                              for b in j.gpu_blocks))
 
 
 # couplings of transfer-job ---------------------------------------------------------------------------------
