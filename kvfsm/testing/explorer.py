@@ -327,6 +327,10 @@ SMALL_WORKLOADS: dict[str, Workload] = {
         actions=(add(_P + (1,), 1), step, step, forget_gpu_prefixes, add(_P + (2,), 1), step, step),
         num_gpu_blocks=6, cpu_blocks=3, store_threshold=2,
     ),
+    "end-then-reuse": Workload(
+        actions=(add(_P + (1,), 1), step, add(_Q + (5, 6, 7, 8, 9, 10), 2), step, step),
+        num_gpu_blocks=6, cpu_blocks=8,
+    ),
 }
 """Small workloads that between them reach every hazard: a stored prefix reloaded by two requests at once after
 the GPU forgot it; three requests sharing a prefix with a forced preemption; a running request that preempts
@@ -336,7 +340,8 @@ preempted under memory pressure a step after its store was submitted, so the sto
 when its blocks are rewritten (vLLM 29870); a reload whose load fails after its first layer was sent, recomputed
 while that layer may still be copying; and a request preempted under memory pressure whose store, flushed as a
 pipeline of one-block chunks, fails after its first chunk was sent; and a prefix offered once (skipped under a
-store threshold of two), then again (stored)."""
+store threshold of two), then again (stored); and a request that ends in the step that orders its store, whose
+blocks the next step hands to another request at once (`lazy-fence`)."""
 
 TP_WORKLOADS: dict[str, Workload] = {
     "tp-preempt-mid-copy": Workload(
