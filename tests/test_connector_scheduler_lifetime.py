@@ -54,6 +54,9 @@ def test_the_step_that_hands_out_a_freed_block_flushes_the_stores_reading_it() -
     assert compute(sched, other, (3, 9)).flush == (pending.job_id,)
     assert sched.gpu_blocks[3].state == "fenced" and sched.gpu_blocks[0].state == "freed-while-read"
     assert sched.jobs[submitted.job_id].state == "submitted", "a store reading no block handed out goes on"
+    assert report(sched, done=[pending.job_id]).released == set() and sched.requests["a"].state == "returned"
+    report(sched, done=[submitted.job_id])
+    assert sched.requests["a"].state == "released" and 0 not in sched.gpu_blocks
 
 
 def test_a_freed_block_in_a_running_requests_table_is_fenced_at_its_next_step() -> None:

@@ -40,6 +40,10 @@ NOT_GENERATED = {
         "only a store threshold makes it skip: the skip-not-applied mutant's hunt draws one); "
         "tests/test_connector_admission.py and test_spec_mutants.py's offered_twice scenario take it",
     ("request", "loading", "job-done", "loading"): "needs a flushed store reported while its request loads",
+    ("request", "returned", "job-done", "returned"):
+        "needs one of an ended request's stores reported while another is still in flight (as draining's job-done "
+        "did before lazy-fence: met by some draws, not by this one); tests/test_connector_scheduler_lifetime.py's "
+        "step that hands out a freed block takes it",
     ("request", "matched", "abort", "returned"):
         "needs an abort between the lookup and the allocation of a request with a store still in flight (a preempted "
         "request whose store is still copying, looked up again): the draws of recent commits made one (to draining, "
