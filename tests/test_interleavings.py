@@ -53,10 +53,6 @@ NOT_GENERATED = {
                     "an abort of a request preempted with its inline load unreported (the load still in flight): "
                     "kvfsm's engine never preempts such a request; vLLM's scheduler does (the held blocks then wait "
                     "for that load, as an aborted loading request's do)"),
-    ("gpu-block", "freed-while-read", "fence", "freed-while-read"):
-        "a store of a block an ended request's store still reads: only after a cache reset forgot the CPU copy the "
-        "first store is writing, with the block shared through the GPU prefix cache; "
-        "tests/test_connector_scheduler_lifetime.py takes it",
     ("request", "draining", "load-failed", "released"):
         f"an aborted request whose load then fails{SESSION_11_DRAW}; tests/test_tier_scenarios.py's abort before an "
         "inline load is reported takes it",

@@ -42,11 +42,11 @@ EQUIVALENT = {
     "transfer-job #9 (complete submitted -> done): drop guard all-segments-landed": SEGMENTS,
     "request #6 (load-done draining -> released): drop guard no-jobs-in-flight": ONE_LOAD,
     "request #8 (load-failed draining -> released): drop guard no-jobs-in-flight": ONE_LOAD,
-    "gpu-block #3 (unfence fenced -> fenced): retarget to freed-while-read":
+    "gpu-block #2 (unfence fenced -> fenced): retarget to freed-while-read":
         "a block a running request holds left freed-while-read is named by that request's next step, which fences it "
         "again and flushes its own store, waited for before the step writes: one wait more, nothing written under a "
         "store",
-    "gpu-block #6 (reuse freed-while-read -> fenced): retarget to freed-while-read":
+    "gpu-block #5 (reuse freed-while-read -> fenced): retarget to freed-while-read":
         "the readers are flushed either way; a block left freed-while-read is fenced again by every later step that "
         "names it, which finds nothing more to flush",
     "request #15 (job-done deferred -> deferred): retarget to matched":
@@ -79,10 +79,6 @@ UNREACHED = {
     "transfer-job #10 (fail submitted,flushed-on-preempt -> failed): drop effect record-finish-step":
         "needs a request deferred behind a store that fails; the scenarios' waiter is served by the GPU prefix cache "
         "and 40 interleavings do not draw it",
-    **dict.fromkeys(["gpu-block #2 (fence freed-while-read -> freed-while-read): drop effect add-store-reader",
-                     "gpu-block #2 (fence freed-while-read -> freed-while-read): retarget to writable"],
-                    "a store of a block an ended request's store still reads needs a cache reset to forget the first "
-                    "store's CPU copy while the block is shared through the GPU prefix cache: no scenario does both"),
     "request #3 (allocate matched -> loading): drop guard async-load": UNDER_VLLM,
     "request #26 (preempt loading-inline -> preempted): retarget to loading-inline": UNDER_VLLM,
     "request #27 (finish loading-inline -> draining): retarget to loading-inline": UNDER_VLLM,
