@@ -14,6 +14,7 @@ import pytest
 from kvfsm.bindings import default_spec
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, LoadOrder, SchedulerOutput
 from kvfsm.connector.scheduler import StepResult
+from kvfsm.engine.engine import RequestIdInUse
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import Deferral
 from kvfsm.machines import IllegalTrigger, MachineSet
@@ -295,6 +296,18 @@ def test_a_finished_request_whose_blocks_nobody_takes_flushes_nothing() -> None:
     step_lagging(h)
     assert finish(h) == []
     assert flushed == [], "a store was waited for although nobody was handed the blocks it reads"
+
+
+def test_the_id_of_a_request_whose_stores_are_in_flight_is_refused_until_they_end() -> None:
+    h = harness()
+    h.add_request(PREFIX[:12], 1, "a")
+    step_lagging(h)
+    assert h.connector.scheduler.requests["a"].state == "returned" and "a" not in h.engine.live
+    with pytest.raises(RequestIdInUse, match="stores of that request are in flight"):
+        h.engine.add_request("a", PREFIX[:12], 1)
+    assert finish(h) == []
+    h.add_request(PREFIX[:12], 1, "a")
+    assert finish(h) == []
 
 
 def test_dropping_the_lazy_fence_is_caught() -> None:
