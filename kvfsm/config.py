@@ -53,13 +53,20 @@ class _TierConfig(BaseModel):
 
 
 class DiskTierConfig(_TierConfig):
-    """A local disk below the CPU pool: preallocated slot files in `path`, emptied when the process starts."""
+    """A local disk below the CPU pool: one file per block in `path`. With `model_id` and `kv_dtype` the blocks
+    outlive the engine and are shared by every engine of that model on the host that names the same `path`;
+    without them the tier is private to the process and starts empty (see docs/tiers.md)."""
 
     kind: Literal["disk"] = "disk"
     path: Path = Field(strict=False)
-    """A directory (created if absent); kvfsm owns the files named `kvfsm-<tier>-<worker>.slots` in it."""
+    """A directory (created if absent); kvfsm owns the directories named `kvfsm2-*` and `private-*` in it."""
     capacity_bytes: PositiveInt
-    """Size of the slot file per worker, rounded down to whole CPU blocks."""
+    """Most bytes of blocks one worker keeps, rounded down to whole CPU blocks (each file adds a 72-byte record)."""
+    model_id: str | None = Field(default=None, min_length=1)
+    """The model and revision whose KV this engine computes: names the shared directory, so models never share KV.
+    Give it with `kv_dtype` to keep the blocks across restarts and share them; leave both out for a private tier."""
+    kv_dtype: str | None = Field(default=None, min_length=1)
+    """Element type of the KV cache (`bfloat16`, ...): part of the shared directory's name, as `model_id` is."""
     io_threads: PositiveInt = 4
     """Threads doing this tier's reads and writes, off the engine's thread."""
     io_timeout_s: PositiveFloat = 30.0
@@ -72,6 +79,17 @@ class DiskTierConfig(_TierConfig):
         if path.exists() and not path.is_dir():
             raise ValueError(f"disk tier path {path} exists and is not a directory")
         return path
+
+    @model_validator(mode="after")
+    def _shared_names_both(self) -> DiskTierConfig:
+        if (self.model_id is None) != (self.kv_dtype is None):
+            raise ValueError("a shared disk tier names both model_id and kv_dtype (a private one names neither)")
+        return self
+
+    @property
+    def shared(self) -> bool:
+        """Whether the blocks outlive the engine and are shared by engines of the same model on the host."""
+        return self.model_id is not None
 
 
 class MooncakeTierConfig(_TierConfig):
@@ -86,7 +104,21 @@ class MooncakeTierConfig(_TierConfig):
     kv_dtype: str = Field(min_length=1)
     """Element type of the KV cache (`bfloat16`, ...): part of every key."""
     tenant: str | None = None
-    """A salt mixed into every key (as vLLM's `cache_salt`): engines with different tenants never share KV."""
+    """A salt mixed into every key (as vLLM's `cache_salt`): engines with different tenants never share KV. Not a
+    secret: anyone who can reach the master may know it (docs/security.md)."""
+    kv_heads: PositiveInt | None = None
+    """The model's KV heads, all ranks together. Given, a block is stored as one value per KV head, keyed without
+    the tensor-parallel rank or size, so engines of every TP size of the model share prefixes
+    (`kvfsm.mooncake.heads`; layouts `kv-first` and `blocks-first`). Left out, a rank stores its whole CPU block
+    under a key that names its rank and TP size: only engines of the same TP size share."""
+    secret_file: Path | None = Field(default=None, strict=False)
+    """A file holding the tenant's secret (at least 32 bytes; surrounding whitespace ignored): every value is
+    sealed and checked with a MAC keyed from it, so values written by anyone without it are refused. Read once,
+    when the tier opens. None: the secret is read from the environment variable `secret_env`."""
+    secret_env: str = Field(default="KVFSM_MOONCAKE_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The environment variable holding the tenant's secret when `secret_file` is None."""
+    hash_threads: PositiveInt = 2
+    """Threads that seal and check the values' MACs, overlapped with the transfers."""
     segment_bytes: int = Field(default=0, ge=0)
     """Memory this engine lends to the store; 0 leaves storage to segment hosts (the shared KV outlives engines)."""
     op_timeout_s: float = Field(default=2.0, gt=0)
@@ -97,6 +129,10 @@ class MooncakeTierConfig(_TierConfig):
     """After the store was unreachable or slow, calls are refused at once (misses) for this long."""
     max_pending: PositiveInt = 32
     """Calls queued or running beyond this are refused at once (the write-back or fetch fails, nothing waits)."""
+    index_keys: PositiveInt = 65536
+    """Published keys this engine remembers of the store (written here or adopted by a lookup); the least recently
+    used beyond it is forgotten here (the store keeps it, and a later lookup adopts it again), so the index stays
+    bounded however many prefixes pass through a shared store."""
 
 
 LowerTierConfig = Annotated[Union[DiskTierConfig, MooncakeTierConfig], Field(discriminator="kind")]
@@ -145,6 +181,11 @@ class OffloadConfig(BaseModel):
     """With an engine that calls `wait_for_layer_load` before each layer reads KV: a CPU hit is computed in the step
     that loads it (the lookup says the load is not asynchronous), each layer waiting on the GPU for its own
     segment of the load. Off: the engine computes a hit once its load is reported, as without per-layer hooks."""
+    async_scheduling: bool = False
+    """The engine schedules step N+1 before it has read step N's output (vLLM's async scheduling, its default).
+    `layer_loads` then loads CPU hits asynchronously: a failed load computed in its own step would reach the engine
+    only after the next step, already scheduled, computed on the blocks that did not land
+    (`no-inline-load-under-async-scheduling`)."""
     layer_stores: bool = False
     """With an engine that calls `save_kv_layer`: start each layer's stores as soon as that layer's KV is written,
     instead of at the start of the next step. Off by default: on an H100 the sampled-token copy then waited
@@ -177,6 +218,11 @@ class OffloadConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"lower tier names must be unique, got {names}")
         return self
+
+    @property
+    def inline_loads(self) -> bool:
+        """Whether a CPU hit is computed in the step that loads it: `layer_loads`, unless the engine schedules ahead."""
+        return self.layer_loads and not self.async_scheduling
 
     @property
     def cpu_block_tokens(self) -> int:

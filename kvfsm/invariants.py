@@ -67,6 +67,7 @@ class World(Protocol):
     tier_jobs: Mapping[int, TierJob]  # every write-back and fetch of the run (ids shared with `jobs`)
     writeback_bound: int  # configured bound on the bytes of write-backs in flight
     num_workers: int  # ranks whose reports a job waits for
+    async_scheduling: bool  # the engine schedules each step before it read the previous step's output
 
 
 Pair = tuple[tuple[Actor, Mode], tuple[Actor, Mode]]
@@ -230,9 +231,9 @@ def skipped_not_stored(world: World) -> list[str]:
     return found
 
 
-LOAD_OWNER_STATES = frozenset({R.LOADING, R.LOADING_INLINE, R.PREEMPTED, R.DRAINING})
-"""Where a request may be while its load is in flight: preempted only after an inline load (the engine computed it
-and gave its blocks back, behind that step's compute), draining once finished or aborted."""
+LOAD_OWNER_STATES = frozenset({R.LOADING, R.LOADING_INLINE, R.DRAINING})
+"""Where a request may be while its load is in flight: draining once finished or aborted, never preempted (an
+engine preempts a request only once its inline load was reported)."""
 
 
 @REGISTRY.invariant("inline-load-outlives-request")
@@ -258,6 +259,15 @@ def inline_load_in_step(world: World) -> list[str]:
             for job in world.jobs.values()
             if job.due_output is not None and job.reported_output is not None
             and job.reported_output != job.due_output]
+
+
+@REGISTRY.invariant("no-inline-load-under-async-scheduling")
+def no_inline_load_under_async_scheduling(world: World) -> list[str]:
+    if not world.async_scheduling:
+        return []
+    return [f"load job {job.job_id} of request {job.req_id} is computed on in its own step, but the engine schedules "
+            "each step before it read the previous step's output: its failure would come after the next step "
+            "computed on it" for job in world.jobs.values() if job.inline]
 
 
 ENDED = frozenset({J.DONE, J.FAILED, T.DONE, T.FAILED, T.ABANDONED})

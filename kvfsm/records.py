@@ -55,6 +55,8 @@ class TransferJob:
     landed_segments: int = 0
     reports: dict[int, bool] = field(default_factory=dict)
     """The scheduler's log of which ranks reported the job and whether it succeeded there (empty on a worker)."""
+    inline: bool = False
+    """A load the engine computes on in the step that loads it (`loading-inline`), not once it is reported."""
     due_output: int | None = None
     """The engine output that must report this load (`inline-load-in-step`): set for a load computed in its own
     step when the engine reads load errors only in that step's output; None where a later report is fine."""
@@ -225,19 +227,6 @@ def _no_jobs_in_flight(request: RequestRecord, **_: object) -> bool:
     return not any(job.state in IN_FLIGHT_JOB_STATES for job in request.jobs.values())
 
 
-@REGISTRY.guard("request", "has-load-in-flight")
-def _has_load_in_flight(request: RequestRecord, **_: object) -> bool:
-    """A load still writes its GPU blocks: the engine must hold them until it ends (nothing fences a write)."""
-    return any(job.kind == "load" and job.state in IN_FLIGHT_JOB_STATES for job in request.jobs.values())
-
-
-@REGISTRY.guard("request", "only-stores-in-flight")
-def _only_stores_in_flight(request: RequestRecord, **_: object) -> bool:
-    """Stores, and nothing else, still read its GPU blocks: they may go back to the engine, fenced lazily."""
-    kinds = {job.kind for job in request.jobs.values() if job.state in IN_FLIGHT_JOB_STATES}
-    return kinds == {"store"}
-
-
 @REGISTRY.effect("request", "mark-load-error")
 def _mark_load_error(request: RequestRecord, cause: TransferJob | None = None, **_: object) -> None:
     """The failed load (the coupling's cause) names the GPU blocks the engine must recompute."""
@@ -317,7 +306,8 @@ IN_FLIGHT_TIER_JOB_STATES = frozenset({"created", "submitted", "abandoned"})  # 
 
 @dataclass(slots=True, eq=False)
 class TierEntry:
-    """One key of one lower tier; `slot` is where a slotted tier (disk) keeps its bytes, None for a keyed store."""
+    """One key of one lower tier; `slot` is where a slotted tier keeps its bytes, None for a keyed store (a disk's
+    file per block, Mooncake's object)."""
 
     key: int
     slot: int | None = None

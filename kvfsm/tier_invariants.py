@@ -30,6 +30,15 @@ def publish_after_write(world: World) -> list[str]:
     return found
 
 
+@REGISTRY.invariant("disk-block-whole")
+def disk_block_whole(world: World) -> list[str]:
+    """The files half of the rule, over every tier that keeps blocks in files (`torn_visible`): no file under a
+    block's name is short or long, whichever process wrote it. The reads half (a block is used only after its record
+    and CRC-32 verified) is the block files' `read`, whose control `unverified-read` the bytes checks catch."""
+    return [f"{tier.name}: {name} is visible under its block's name but not whole"
+            for tier in world.tiers for name in getattr(tier, "torn_visible", list)()]
+
+
 @REGISTRY.invariant("lookup-published")
 def lookup_published(world: World) -> list[str]:
     return [f"{tier.name}: a lookup counted key {key:#x} while it was {state}"
@@ -127,3 +136,22 @@ def writeback_bounded(world: World) -> list[str]:
     in_flight = sum(job.nbytes for job in world.tier_jobs.values() if job.kind == "write-back" and job.in_flight)
     bound = world.writeback_bound
     return [f"{in_flight} bytes of write-backs in flight, bound {bound}"] if in_flight > bound else []
+
+
+@REGISTRY.invariant("tier-job-every-rank")
+def tier_job_every_rank(world: World) -> list[str]:
+    found = []
+    for job in world.tier_jobs.values():
+        if job.in_flight:
+            continue
+        if len(job.reports) != world.num_workers:
+            found.append(f"{job.kind} {job.job_id} is {job.state} with reports from ranks {sorted(job.reports)} "
+                         f"of {world.num_workers}")
+        failed = {key for report in job.reports.values() for key, _ in report.failed}
+        if job.state == Job.DONE and failed:
+            found.append(f"{job.kind} {job.job_id} is done although some rank failed keys "
+                         f"{[hex(k) for k in sorted(failed)]}")
+        elif missed := failed - set(job.failed_keys):
+            found.append(f"{job.kind} {job.job_id} ended without failing keys {[hex(k) for k in sorted(missed)]} "
+                         "some rank failed")
+    return found

@@ -6,8 +6,11 @@ CPU, NCCL and one GPU per rank with `--device cuda`. The run fails (exit code 1)
 after every step (the scheduler's on rank 0, the device-log ones on every rank's device), the tokens equal the
 single-process run's without offloading, every rank sampled the same tokens, and every ready CPU slot of every rank
 holds exactly that rank's heads' bytes of its prefix. `--failing-rank` makes one rank's copies fail now and then
-(kvfsm must fail those jobs on every rank and recompute); `--control` serves with a tensor-parallel control instead
-of kvfsm's scheduler half, to see the checks catch it.
+(kvfsm must fail those jobs on every rank and recompute); `--skewed-rank` makes one rank's reports reach the
+scheduler `--skew-steps` steps late (kvfsm must end each job only on its last rank's report); `--control` serves with
+a tensor-parallel control instead of kvfsm's scheduler half, to see the checks catch it. On two GPUs every rank's
+copies end in the step that queued them, so the ranks report each job together and only a skew (or a failing rank)
+tells a scheduler half that ends a job on its first report from kvfsm's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +37,7 @@ from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.demo import (CUDA_SHAPE, REFUSALS, SIM_SHAPE, DemoConfig, DemoConfigError, DeviceKind, OneStepBehind,
                         engine_config_for, resolve_device, run_once, serve_arrivals)
-from kvfsm.demo.switches import TP_CONTROLS, EveryNthFails
+from kvfsm.demo.switches import TP_CONTROLS, EveryNthFails, LateReports
 from kvfsm.engine.distributed import DistributedRanks, ReadySlot, follow
 from kvfsm.engine.engine import Engine
 from kvfsm.engine.oracle import BlockOracle, poisoned
@@ -50,6 +54,20 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 """A rank that waits longer than this in a collective fails the run instead of hanging it."""
 FAILING_EVERY = 3
 """With `--failing-rank`, that rank's every third store or load fails while the other ranks' copies succeed."""
+SKEW_STEPS = 2
+"""With `--skewed-rank`, that rank's reports reach the scheduler this many steps late unless `--skew-steps` says."""
+
+
+class Breaks(NamedTuple):
+    """What the run breaks on purpose, to watch the checks catch it (`control`) or kvfsm ride it out (the rest)."""
+
+    control: str | None = None
+    """One of `TP_CONTROLS`, serving instead of kvfsm's scheduler half."""
+    failing_rank: int | None = None
+    """This rank's every `FAILING_EVERY`-th store or load fails."""
+    skewed_rank: int | None = None
+    """This rank's reports reach the scheduler `skew_steps` steps late."""
+    skew_steps: int = SKEW_STEPS
 
 
 class TpRun(BaseModel):
@@ -74,20 +92,18 @@ def _device(kind: DeviceKind, index: int, seed: int) -> Device:
     return SimDevice(random.Random(seed * 1000 + index).choice)  # each rank its own schedule
 
 
-def _rank_main(index: int, world: int, rendezvous: str, kind: DeviceKind, config: DemoConfig,
-               faults: tuple[str | None, int | None], result: str) -> None:
+def _rank_main(index: int, world: int, rendezvous: str, kind: DeviceKind, config: DemoConfig, breaks: Breaks,
+               result: str) -> None:
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only spin (see kvfsm.demo.runs)
     backend = "nccl" if kind is DeviceKind.cuda else "gloo"
     dist.init_process_group(backend, init_method=rendezvous, rank=index, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
-        _serve_rank(index, world, kind, config, faults, Path(result))
+        _serve_rank(index, world, kind, config, breaks, Path(result))
     finally:
         dist.destroy_process_group()
 
 
-def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig,
-                faults: tuple[str | None, int | None], result: Path) -> None:
-    control, failing_rank = faults
+def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig, breaks: Breaks, result: Path) -> None:
     shape = SIM_SHAPE if kind is DeviceKind.cpu else CUDA_SHAPE
     arrivals = generate(config.workload, shape.vocab, config.seed)
     engine_config = engine_config_for(arrivals, config.gpu_blocks, shape)
@@ -97,8 +113,10 @@ def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig,
     worker = WorkerConnector(offload, device, worker=index)
     rank = Rank(shape, engine_config.num_gpu_blocks, device, index, world, worker)
     caches = worker.register_kv_caches(rank.kv_caches, "kv-first")
-    if failing_rank == index:
+    if breaks.failing_rank == index:
         worker._transfers = EveryNthFails(worker._transfers, FAILING_EVERY)  # type: ignore[assignment]
+    if breaks.skewed_rank == index:
+        worker.get_finished = LateReports(worker.get_finished, breaks.skew_steps)  # type: ignore[method-assign]
     pacer = OneStepBehind(device) if isinstance(device, SimDevice) else None
     own_log = DeviceLogWorld(device)
 
@@ -116,8 +134,8 @@ def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig,
         if index == 0:
             scheduler = SchedulerConnector(offload, caches.gpu_block_bytes, keep_history=True,
                                            num_gpu_blocks=caches.num_blocks)
-            if control in TP_CONTROLS:
-                TP_CONTROLS[control](scheduler)
+            if breaks.control is not None:
+                TP_CONTROLS[breaks.control](scheduler)
             ranks = DistributedRanks(rank, after_step)
             run = _lead(Engine(engine_config, ranks, scheduler), ranks, scheduler, arrivals, config, world)
             result.write_text(run.model_dump_json())
@@ -163,17 +181,18 @@ def _summary(engine: Engine, scheduler: SchedulerConnector, world: int, wall: fl
                  blocks_stored=stats.blocks_stored, blocks_loaded=stats.blocks_loaded, loads_failed=stats.loads_failed)
 
 
-def run_tp(config: DemoConfig, ranks: int = 2, control: str | None = None,
-           failing_rank: int | None = None) -> tuple[TpRun, dict[int, list[int]]]:
+def run_tp(config: DemoConfig, ranks: int = 2, breaks: Breaks = Breaks()) -> tuple[TpRun, dict[int, list[int]]]:
     """Serve `config`'s workload on `ranks` processes, and once in this process without offloading (the reference
-    outputs); `control` names one of `TP_CONTROLS` to serve with instead of kvfsm's scheduler half, `failing_rank`
-    a rank whose every third copy fails. A process that fails takes the others down; all have ended when this
-    returns or raises."""
+    outputs), with `breaks` (a control, a failing rank, a skewed rank). A process that fails takes the others down;
+    all have ended when this returns or raises."""
     kind = resolve_device(config.device)
-    if control is not None and control not in TP_CONTROLS:
-        raise DemoConfigError(f"unknown control {control!r}; known: {', '.join(sorted(TP_CONTROLS))}")
-    if failing_rank is not None and not 0 <= failing_rank < ranks:
-        raise DemoConfigError(f"--failing-rank {failing_rank}; legal: 0 to {ranks - 1}")
+    if breaks.control is not None and breaks.control not in TP_CONTROLS:
+        raise DemoConfigError(f"unknown control {breaks.control!r}; known: {', '.join(sorted(TP_CONTROLS))}")
+    for option, rank in (("--failing-rank", breaks.failing_rank), ("--skewed-rank", breaks.skewed_rank)):
+        if rank is not None and not 0 <= rank < ranks:
+            raise DemoConfigError(f"{option} {rank}; legal: 0 to {ranks - 1}", option)
+    if breaks.skew_steps < 1:
+        raise DemoConfigError(f"--skew-steps {breaks.skew_steps}; legal: 1 or more", "--skew-steps")
     if kind is DeviceKind.cuda and torch.cuda.device_count() < ranks:
         raise DemoConfigError(f"{ranks} ranks need {ranks} GPUs; torch sees {torch.cuda.device_count()}")
     shape = SIM_SHAPE if kind is DeviceKind.cpu else CUDA_SHAPE
@@ -184,8 +203,7 @@ def run_tp(config: DemoConfig, ranks: int = 2, control: str | None = None,
     with tempfile.TemporaryDirectory() as folder:
         result = Path(folder) / "rank0.json"
         mp.start_processes(_rank_main, nprocs=ranks, start_method="spawn", join=True,
-                           args=(ranks, f"file://{folder}/rendezvous", kind, config, (control, failing_rank),
-                                 str(result)))
+                           args=(ranks, f"file://{folder}/rendezvous", kind, config, breaks, str(result)))
         return TpRun.model_validate_json(result.read_text()), reference.outputs
 
 
@@ -224,12 +242,15 @@ def main(ranks: int = typer.Option(2, min=2, help="Tensor-parallel ranks, one pr
                                                         f"{', '.join(sorted(TP_CONTROLS))}."),
          failing_rank: int | None = typer.Option(None, help="This rank's every third store or load fails (the "
                                                             "others' succeed): each such job must fail everywhere."),
+         skewed_rank: int | None = typer.Option(None, help="This rank's reports reach the scheduler late: each job "
+                                                           "must end only on its last rank's report."),
+         skew_steps: int = typer.Option(SKEW_STEPS, help="How many steps late --skewed-rank reports."),
          json_out: Path | None = typer.Option(None, "--json", help="Also write the run as JSON here.")) -> None:
     """Serve the demo workload with tensor parallelism and check it; exit code 1 if anything is wrong."""
     workload = WorkloadShape(conversations=conversations, agents=agents, turns=turns)
     config = DemoConfig(workload=workload, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, device=device, seed=seed)
     try:
-        run, reference = run_tp(config, ranks, control, failing_rank)
+        run, reference = run_tp(config, ranks, Breaks(control, failing_rank, skewed_rank, skew_steps))
     except DemoConfigError as error:
         raise typer.BadParameter(str(error), param_hint=error.option) from None
     found = verdict(run, reference)

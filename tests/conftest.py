@@ -21,6 +21,10 @@ settings.register_profile("gpu", max_examples=30, **_common)
 settings.register_profile("mutmut", max_examples=8, derandomize=True, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# Every Mooncake tier a test opens reads its tenant secret from the default variable unless the test says otherwise
+# (a fixed secret, so that engines in other processes of one test share it).
+os.environ.setdefault("KVFSM_MOONCAKE_SECRET", "kvfsm-tests-only-secret-0123456789abcdef")
+
 # The simulator's tensors are tiny: intra-op threads only contend, and on a busy 2-core CI machine they made
 # SimDevice runs up to 30x slower.
 torch.set_num_threads(1)

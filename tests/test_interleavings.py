@@ -48,11 +48,6 @@ NOT_GENERATED = {
         "needs an abort between the lookup and the allocation of a request with a store still in flight (a preempted "
         "request whose store is still copying, looked up again): the draws of recent commits made one (to draining, "
         "before lazy-fence); this one does not",
-    **dict.fromkeys([("request", "matched", "abort", "draining"), ("request", "deferred", "abort", "draining"),
-                     ("request", "preempted", "abort", "draining")],
-                    "an abort of a request preempted with its inline load unreported (the load still in flight): "
-                    "kvfsm's engine never preempts such a request; vLLM's scheduler does (the held blocks then wait "
-                    "for that load, as an aborted loading request's do)"),
     ("request", "draining", "load-failed", "released"):
         f"an aborted request whose load then fails{SESSION_11_DRAW}; tests/test_tier_scenarios.py's abort before an "
         "inline load is reported takes it",
@@ -79,12 +74,9 @@ NOT_GENERATED = {
     ("request", "loading-inline", "load-failed", "running"):
         "an inline load that fails under a running request: this draw makes none; tests/test_spec_mutants.py's "
         "failed_store_and_loads with layer_loads takes it, and tests/test_vllm_inline.py under vLLM",
-    **dict.fromkeys([("request", "loading-inline", "preempt", "preempted"),
-                     ("request", "loading-inline", "finish", "draining"),
-                     ("request", "preempted", "load-done", "preempted"),
-                     ("request", "preempted", "load-failed", "preempted")],
-                    "kvfsm's engine neither preempts nor finishes a request whose inline load is unreported; vLLM's "
-                    "scheduler does, and tests/test_vllm_inline.py takes each under it"),
+    ("request", "loading-inline", "finish", "draining"):
+        "kvfsm's engine does not finish a request whose inline load is unreported; vLLM's scheduler does (in the "
+        "output of the load's step, before it reads the step's reports), and tests/test_vllm_inline.py takes it",
 }
 """Declared transitions the generated interleavings do not take within COVERAGE_EXAMPLES, each with what it needs."""
 

@@ -64,8 +64,8 @@ EQUIVALENT = {
 }
 """Mutants no behaviour can tell apart from the spec, each with the reason."""
 
-UNDER_VLLM = ("kvfsm's own engine neither preempts nor finishes a request whose inline load is unreported (vLLM's "
-              "scheduler does): caught under vLLM by tests/test_vllm_inline.py::test_inline_lifecycle_mutant_is_caught")
+UNDER_VLLM = ("kvfsm's own engine does not finish a request whose inline load is unreported (vLLM's scheduler "
+              "does): caught under vLLM by tests/test_vllm_inline.py::test_inline_lifecycle_mutant_is_caught")
 
 UNREACHED = {
     "request #16 (job-done matched -> matched): retarget to loading":
@@ -80,10 +80,7 @@ UNREACHED = {
         "needs a request deferred behind a store that fails; the scenarios' waiter is served by the GPU prefix cache "
         "and 40 interleavings do not draw it",
     "request #3 (allocate matched -> loading): drop guard async-load": UNDER_VLLM,
-    "request #26 (preempt loading-inline -> preempted): retarget to loading-inline": UNDER_VLLM,
-    "request #27 (finish loading-inline -> draining): retarget to loading-inline": UNDER_VLLM,
-    "request #29 (load-done preempted -> preempted): retarget to draining": UNDER_VLLM,
-    "request #30 (load-failed preempted -> preempted): retarget to draining": UNDER_VLLM,
+    "request #26 (finish loading-inline -> draining): retarget to loading-inline": UNDER_VLLM,
 }
 """Mutants the loader, the scenarios here and the interleavings do not catch because no run takes the transition
 in the way that shows them: the reason is a gap in the generators, not equivalence."""

@@ -1,12 +1,12 @@
-"""The disk tier: publish after write, pinned reads, own eviction, a restart that starts empty, and each fault it
+"""The disk tier: publish after write, pinned reads, own eviction, a private tier that starts empty, and each fault it
 meets in service ending as a miss or a failed fetch the engine recomputes, with nothing wrong loaded."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -21,7 +21,8 @@ from kvfsm.machines import default_machines
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.tier_faults import FAULTS
 from kvfsm.tiers.base import LowerTier, TierFailure, TierMisuse
-from kvfsm.tiers.disk import DiskIo, DiskTier, DiskTierError
+from kvfsm.tiers.blockfile import DiskIo
+from kvfsm.tiers.disk import DiskTier, DiskTierError
 from kvfsm.tiers.entries import TierEntries
 from kvfsm.tiers.io import ManualIo, io_threads
 
@@ -90,16 +91,17 @@ def test_the_tier_evicts_its_least_recently_used_key_when_full(tmp_path: Path) -
     tier.close()
 
 
-def test_a_restart_starts_empty(tmp_path: Path) -> None:
+def test_a_private_tier_starts_empty_after_a_restart(tmp_path: Path) -> None:
+    """Without a namespace (no model named) nothing a previous process wrote, or half wrote, can be served."""
     tier = _tier(tmp_path)
     tier.submit_write(1, [7], [_block(3)])
     tier._io.run_all()  # type: ignore[attr-defined]
     tier.poll()
     tier._io = ManualIo()  # a crash: the process dies without closing the tier
     again = _tier(tmp_path)
-    assert again.lookup([7]) == 0 and len(again.entries) == 0
-    assert os.path.getsize(again.file) == 2 * BLOCK and again.file.read_bytes() == bytes(2 * BLOCK)
+    assert again.lookup([7]) == 0 and len(again.entries) == 0 and list(again.directory.iterdir()) == []
     again.close()
+    assert list(tmp_path.iterdir()) == [], "a private tier's directory outlived its close"
 
 
 def test_misuse_raises_before_anything_changes(tmp_path: Path) -> None:
@@ -113,7 +115,7 @@ def test_misuse_raises_before_anything_changes(tmp_path: Path) -> None:
 
 
 def test_a_disk_that_cannot_hold_the_tier_is_a_clear_error_at_start(tmp_path: Path) -> None:
-    with pytest.raises(DiskTierError, match="cannot preallocate"):
+    with pytest.raises(DiskTierError, match="cannot hold"):
         DiskTier("disk", tmp_path, 1 << 62, BLOCK, ManualIo(), machines=default_machines())
     assert list(tmp_path.iterdir()) == []
 
@@ -128,20 +130,20 @@ def test_a_tier_without_the_connectors_machines_is_refused_at_construction(tmp_p
 
 
 class _BuggyWrite(DiskIo):
-    """A write that raises an error no disk produces (a bug in the I/O code), for the key at one offset."""
+    """A write that raises an error no disk produces (a bug in the I/O code), for the blocks of one value."""
 
-    def __init__(self, offset: int) -> None:
-        self.offset = offset
+    def __init__(self, value: int) -> None:
+        self.value = value
 
-    def write(self, fd: int, data: memoryview, offset: int) -> None:
-        if offset == self.offset:
+    def write(self, fd: int, parts: Sequence[memoryview]) -> None:
+        if parts[-1][0] == self.value:
             raise RuntimeError("a bug in the write path")
-        super().write(fd, data, offset)
+        super().write(fd, parts)
 
 
 def test_a_bug_in_the_io_surfaces_only_after_every_finished_job_settled(tmp_path: Path) -> None:
-    tier = _tier(tmp_path, slots=3, disk_io=_BuggyWrite(offset=0))
-    tier.submit_write(1, [7], [_block(3)])  # slot 0: the bug
+    tier = _tier(tmp_path, slots=3, disk_io=_BuggyWrite(value=3))
+    tier.submit_write(1, [7], [_block(3)])  # the bug
     tier.submit_write(2, [8], [_block(4)])
     tier._io.run_all()  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="a bug in the write path"):
@@ -159,9 +161,9 @@ class _HungWrite(DiskIo):
     def __init__(self) -> None:
         self.returns = threading.Event()
 
-    def write(self, fd: int, data: memoryview, offset: int) -> None:
+    def write(self, fd: int, parts: Sequence[memoryview]) -> None:
         self.returns.wait()
-        super().write(fd, data, offset)
+        super().write(fd, parts)
 
 
 def test_closing_a_tier_waits_for_hung_io_no_longer_than_its_deadline(tmp_path: Path) -> None:
@@ -174,10 +176,10 @@ def test_closing_a_tier_waits_for_hung_io_no_longer_than_its_deadline(tmp_path: 
     tier.close()
     assert time.monotonic() - started < 2.0, "close waited on the hung disk"
     rescue.cancel()
-    assert tier.file.exists(), "the file was released under a write still running"
+    assert tier.directory.exists(), "the directory was released under a write still running"
     hung.returns.set()
     tier._closing.join(10)  # type: ignore[union-attr]
-    assert not tier.file.exists(), "the file was not released once the write returned"
+    assert not tier.directory.exists(), "the directory was not released once the write returned"
 
 
 @pytest.mark.parametrize("bad", [
@@ -186,6 +188,10 @@ def test_closing_a_tier_waits_for_hung_io_no_longer_than_its_deadline(tmp_path: 
     {"cpu_blocks": 4, "lower_tiers": [{"kind": "tape", "path": "/tmp", "capacity_bytes": 64}]},
     {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 64}] * 2},
     {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/etc/hostname", "capacity_bytes": 64}]},
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 64, "model_id": "m"}]},
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 64, "kv_dtype": "bf16"}]},
+    {"cpu_blocks": 4, "lower_tiers": [{"kind": "disk", "path": "/tmp", "capacity_bytes": 64, "model_id": "",
+                                       "kv_dtype": "bf16"}]},
     {"cpu_blocks": 4, "writeback_max_bytes_in_flight": 0},
 ])
 def test_tier_settings_are_validated(bad: dict) -> None:
@@ -350,7 +356,8 @@ def _edges_of_a_returning_prefix(fault: str | None, reset: str | None) -> set[tu
 
 
 ONLY_A_SHARED_STORE_TAKES = {("tier-entry", "empty", "adopt", "published")}
-"""A disk holds only what its own process wrote; adoption is taken by the Mooncake tier's tests."""
+"""A private disk holds only what its own process wrote; adoption is taken by the shared disk's tests
+(`test_tiers_disk_shared.py`) and the Mooncake tier's."""
 
 
 def test_the_tier_scenarios_take_every_transition_of_the_tier_lifecycles() -> None:
@@ -379,6 +386,6 @@ def test_a_connector_keeps_its_tiers_lookups_exactly_when_it_keeps_history(tmp_p
     (tier,) = connector.worker.lower_tiers
     try:
         assert tier.entries.keep_lookups is keep_history
-        assert tier.file.name.endswith("-0.slots")  # one slot file per worker rank
+        assert tier.directory.name.endswith("-0")  # one directory per worker rank
     finally:
         connector.worker.shutdown()

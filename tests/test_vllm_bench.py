@@ -45,13 +45,16 @@ def test_requests_that_end_with_stores_in_flight_make_vllm_hold_no_block_for_kvf
 
 
 def test_returning_prefixes_reach_first_token_sooner_with_layer_loads_for_every_cpu_hit() -> None:
-    """The plumbing of the inline comparison, and the one claim it exists for: in steps, every CPU hit computes
-    earlier with `layer_loads` than with vLLM's connector, with the same tokens."""
+    """The plumbing of the inline comparison, and the claim it exists for: in steps, with vLLM's scheduling
+    synchronous every CPU hit computes earlier with `layer_loads` than with vLLM's connector, with the same tokens;
+    under async scheduling `layer_loads` loads asynchronously and gains nothing (nor loses)."""
     from kvfsm.integrations.vllm import bench_inline
 
-    rows = {row["run"]: row for row in bench_inline.compare_inline(quick=True)}
-    assert rows.keys() == bench_inline.RUNS.keys()
-    assert rows["kvfsm layer_loads"]["fewest_steps_gained"] >= 1
-    assert rows["kvfsm"]["fewest_steps_gained"] == 0  # asynchronous loads: as vLLM's connector
+    rows = {(row["scheduling"], row["run"]): row for row in bench_inline.compare_inline(quick=True)}
+    assert rows.keys() == {(s, r) for s in bench_inline.SCHEDULING for r in bench_inline.RUNS}
+    assert rows["sync", "kvfsm layer_loads"]["fewest_steps_gained"] >= 1
+    assert rows["async", "kvfsm layer_loads"]["fewest_steps_gained"] == 0
+    for scheduling in bench_inline.SCHEDULING:  # asynchronous loads: as vLLM's connector
+        assert rows[scheduling, "kvfsm"]["fewest_steps_gained"] == 0
     assert all(row["same_tokens"] and row["cpu_hit_blocks"] > 0 for row in rows.values())
-    assert "| returning-prefixes | kvfsm layer_loads |" in bench_inline.markdown(list(rows.values()))
+    assert "| returning-prefixes | sync | kvfsm layer_loads |" in bench_inline.markdown(list(rows.values()))

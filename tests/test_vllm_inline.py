@@ -1,11 +1,12 @@
 """Per-layer loads under vLLM's real Scheduler (`layer_loads`): a CPU hit is computed in the step that loads it.
 
-One rule per test, each with its control caught. A request with an inline load is in `loading-inline` until its
-load is reported: vLLM may preempt it (the next step, or under async scheduling before the load's step was even
-processed), finish it in its load step or abort it meanwhile (`inline-load-outlives-request`); a failed inline load
-is reported in its own step's output, so vLLM withholds that step's token and recomputes exactly the blocks that did
-not land (`inline-load-in-step`). Every run is traced against the spec, checked with kvfsm's named invariants each
-step and required drained. Skipped when vLLM is not installed.
+One rule per test, each with its control caught. With vLLM's scheduling synchronous, a request with an inline load
+is in `loading-inline` until its load is reported, in the output of the load's step: vLLM may finish it in that
+output first (`inline-load-outlives-request`), and preempts or aborts it only after; a failed inline load is reported
+in its own step's output, so vLLM withholds that step's token and recomputes exactly the blocks that did not land
+(`inline-load-in-step`). Under async scheduling no load is inline (tests/test_vllm_inline_async.py). Every run is
+traced against the spec, checked with kvfsm's named invariants each step and required drained. Skipped when vLLM is
+not installed.
 """
 
 from __future__ import annotations
@@ -81,13 +82,14 @@ def reload(d: Driver, max_tokens: int = 2) -> int:
 # --- an inline hit --------------------------------------------------------------------------------------------
 
 
-@SCHEDULING
-def test_inline_hit_is_computed_in_the_step_that_loads_it(make_driver, states, async_scheduling: bool) -> None:
-    d = make_driver(async_scheduling=async_scheduling, **INLINE)
+def test_inline_hit_is_computed_in_the_step_that_loads_it(make_driver, states) -> None:
+    d = make_driver(**INLINE)
     seen = states(d)
     step = reload(d)
     assert d.first_token["reader"] == step == d.arrived["reader"] + 1
     assert RequestState.LOADING_INLINE in seen.seen["reader"]
+    stats = d.connector.scheduler_side.kvfsm.stats
+    assert (stats.loads_inline, stats.loads_async) == (1, 0)
     assert d.cpu_pool_drained()
 
 
@@ -113,7 +115,7 @@ def test_inline_hit_reloads_the_writers_bytes_layer_by_layer(make_driver) -> Non
     assert d.first_token["reader"] == load_step(d, "reader")
 
 
-# --- preempted, finished, aborted before the load is reported ---------------------------------------------------
+# --- preempted, finished, aborted -------------------------------------------------------------------------------
 
 
 HOG_BLOCKS = 3
@@ -121,7 +123,8 @@ HOG_BLOCKS = 3
 
 def preempted_after_inline_load(d: Driver) -> None:
     """`hog` fills its blocks exactly and needs one more for its first decode; `reader` (admitted after it, in the
-    same step, with an inline load) took the last free blocks, so vLLM preempts `reader` the next step."""
+    same step, with an inline load) took the last free blocks, so vLLM preempts `reader` the next step (once it has
+    read the load's step's output, which reported the load)."""
     store_prefix(d)
     d.add("hog", [900 + t for t in range(HOG_BLOCKS * BLOCK_SIZE)], max_tokens=4)
     d.add("reader", PREFIX + [1], max_tokens=4)
@@ -131,23 +134,20 @@ def preempted_after_inline_load(d: Driver) -> None:
     assert preempted, "vLLM's preemption of reader never reached kvfsm's request lifecycle"
 
 
-@SCHEDULING
-def test_inline_hit_preempted_the_next_step_keeps_its_load_until_it_is_reported(make_driver, states,
-                                                                               async_scheduling: bool) -> None:
-    d = make_driver(gpu_blocks=HOG_BLOCKS + 5 + 1, async_scheduling=async_scheduling, **INLINE)
+def test_inline_hit_preempted_the_next_step_was_reported_before(make_driver, states) -> None:
+    d = make_driver(gpu_blocks=HOG_BLOCKS + 5 + 1, **INLINE)
     seen = states(d)
     preempted_after_inline_load(d)
     after = seen.after("reader", RequestState.LOADING_INLINE)
-    assert RequestState.PREEMPTED in after
-    # Under async scheduling vLLM preempts it before the output of its load's step was processed.
-    assert after[0] == (RequestState.PREEMPTED if async_scheduling else RequestState.RUNNING)
+    assert after[:2] == [RequestState.RUNNING, RequestState.PREEMPTED]
     assert d.first_token.keys() >= {"hog", "reader"}
     assert d.cpu_pool_drained()
 
 
-def test_control_an_inline_load_in_flight_under_a_released_request_breaks_its_rule(make_driver) -> None:
-    """The rule's check can fail: under async scheduling the load of the step just run is still in flight; a request
-    let go behind the machines with its load's slots unpinned is named by `inline-load-outlives-request`."""
+def test_control_a_load_in_flight_under_a_released_request_breaks_its_rule(make_driver) -> None:
+    """The rule's check can fail: under async scheduling the load of the step just run is still in flight (an
+    asynchronous one there); a request let go behind the machines with its load's slots unpinned is named by
+    `inline-load-outlives-request`."""
     d = make_driver(async_scheduling=True, **INLINE)
     store_prefix(d)
     d.add("reader", PREFIX + [1], max_tokens=4)
@@ -162,10 +162,8 @@ def test_control_an_inline_load_in_flight_under_a_released_request_breaks_its_ru
     assert any("are not pinned" in line for line in found)
 
 
-@SCHEDULING
-def test_request_finished_in_its_inline_load_step_drains_until_the_load_is_reported(make_driver, states,
-                                                                                  async_scheduling: bool) -> None:
-    d = make_driver(async_scheduling=async_scheduling, **INLINE)
+def test_request_finished_in_its_inline_load_step_drains_until_the_load_is_reported(make_driver, states) -> None:
+    d = make_driver(**INLINE)
     seen = states(d)
     step = reload(d, max_tokens=1)
     assert d.first_token["reader"] == step
@@ -184,24 +182,20 @@ def test_control_a_finish_not_passed_on_leaves_the_inline_hit_unreleased(make_dr
         reload(d, max_tokens=1)
 
 
-def aborted_while_loading_inline(d: Driver) -> None:
+def aborted_after_its_inline_load(d: Driver) -> None:
     store_prefix(d)
     d.add("reader", PREFIX + [1], max_tokens=4)
-    d.step()  # under async scheduling its output is not processed yet
+    d.step()  # its load's step, whose output reported the load
     d.scheduler.finish_requests("reader", RequestStatus.FINISHED_ABORTED)
     d.run()
 
 
-@SCHEDULING
-def test_abort_of_an_inline_hit_drains_and_frees_its_blocks_once_the_load_is_reported(make_driver, states,
-                                                                                      async_scheduling: bool) -> None:
-    d = make_driver(async_scheduling=async_scheduling, **INLINE)
+def test_abort_after_an_inline_hit_releases_it_and_its_blocks(make_driver, states) -> None:
+    d = make_driver(**INLINE)
     seen = states(d)
-    aborted_while_loading_inline(d)
-    after = seen.after("reader", RequestState.LOADING_INLINE)
-    assert after[-1] == RequestState.RELEASED
-    if async_scheduling:
-        assert after == [RequestState.DRAINING, RequestState.RELEASED]
+    aborted_after_its_inline_load(d)
+    assert seen.after("reader", RequestState.LOADING_INLINE)[0] == RequestState.RUNNING
+    assert seen.seen["reader"][-1] == RequestState.RELEASED
     assert "reader" not in d.scheduler.requests
     assert d.cpu_pool_drained()
 
@@ -222,21 +216,13 @@ def failed_inline_load(d: Driver) -> tuple[int, int]:
     return step, again
 
 
-@SCHEDULING
-def test_failed_inline_load_recomputes_exactly_its_blocks_and_withholds_that_steps_token(
-        make_driver, async_scheduling: bool) -> None:
-    d = make_driver(FakeWorker(fail_loads={"reader"}), async_scheduling=async_scheduling, **INLINE)
+def test_failed_inline_load_recomputes_exactly_its_blocks_and_withholds_that_steps_token(make_driver) -> None:
+    d = make_driver(FakeWorker(fail_loads={"reader"}), **INLINE)
     step, again = failed_inline_load(d)
     (load,) = loads_of(d, "reader")
     assert len(load.gpu_blocks) == 2
-    if async_scheduling:
-        # vLLM's limit (docs/vllm.md): the step scheduled before the failing step's output was read decodes on the
-        # unlanded KV and its token is emitted; the recompute from the first failed block follows it.
-        assert d.first_token["reader"] == step + 1
-        assert next(log.computed["reader"] for log in d.log if log.step == step + 2) == 2 * BLOCK_SIZE
-    else:  # vLLM resumes it the next step from the first block that did not land
-        assert again == 2 * BLOCK_SIZE
-        assert d.first_token["reader"] > step
+    assert again == 2 * BLOCK_SIZE  # vLLM resumes it the next step from the first block that did not land
+    assert d.first_token["reader"] > step
     assert d.connector.scheduler_side.kvfsm.stats.loads_failed == 1
     assert d.cpu_pool_drained()
 
@@ -277,7 +263,8 @@ def test_a_sharer_of_an_inline_load_computes_on_it_in_the_same_step(make_driver)
 def test_a_sharer_deferred_behind_an_inline_load_waits_only_until_that_step_ends(make_driver,
                                                                                 async_scheduling: bool) -> None:
     """Without vLLM's prefix cache the sharer meets the load's slots and is deferred: it proceeds with the first
-    step scheduled after the load's step was processed (the next one; under async scheduling, one more)."""
+    step scheduled after the load's step was processed (the next one; under async scheduling, where the load is
+    asynchronous, one more)."""
     d = make_driver(prefix_caching=False, async_scheduling=async_scheduling, **INLINE)
     sharers(d)
     assert load_step(d, "second") == load_step(d, "first") + 1 + async_scheduling
@@ -306,8 +293,7 @@ def test_control_a_sharer_kept_deferred_a_step_longer_is_caught(make_driver, mon
 
 def inline_mutants() -> dict[str, object]:
     """The spec mutants of the edges per-layer loads under vLLM added (and of the guard that tells them apart)."""
-    return {m.name: m for m in spec_mutants() if "loading-inline" in m.name or "async-load" in m.name
-            or "load-done preempted" in m.name or "load-failed preempted" in m.name}
+    return {m.name: m for m in spec_mutants() if "loading-inline" in m.name or "async-load" in m.name}
 
 
 INLINE_MUTANTS = inline_mutants()
@@ -319,20 +305,22 @@ EQUIVALENT_UNDER_VLLM = {
     "request #25 (load-failed loading-inline -> running): drop effect mark-load-error":
         "vLLM hears of a failed load's blocks from its workers (get_block_ids_with_load_errors), never from kvfsm's "
         "scheduler half; kvfsm's own engine reads them there and catches it (tests/test_spec_mutants.py)",
+    "request #27 (abort loading-inline -> draining): retarget to loading-inline":
+        "vLLM aborts a request between steps, after it read the output that reported the request's inline load; "
+        "kvfsm's own engine aborts one whose report is late and catches it (tests/test_spec_mutants.py)",
 }
 """Mutants no run under vLLM can tell apart from the spec, each with the reason."""
 
 
 def lifecycle_runs(make_driver) -> None:
-    """Every way the new edges are taken: finished, preempted (clean and failed) and aborted before the report, and a
-    failed inline load under a running request."""
+    """Every way vLLM takes the new edges: an inline hit computed, finished before its report, preempted and aborted
+    after it, a failed inline load under a running request; and a hit under async scheduling (no edge of them)."""
     reload(make_driver(**INLINE))
     reload(make_driver(**INLINE), max_tokens=1)
-    preempted_after_inline_load(make_driver(gpu_blocks=HOG_BLOCKS + 5 + 1, async_scheduling=True, **INLINE))
-    preempted_after_inline_load(make_driver(FakeWorker(fail_loads={"reader"}), gpu_blocks=HOG_BLOCKS + 5 + 1,
-                                            async_scheduling=True, **INLINE))
-    aborted_while_loading_inline(make_driver(async_scheduling=True, **INLINE))
+    preempted_after_inline_load(make_driver(gpu_blocks=HOG_BLOCKS + 5 + 1, **INLINE))
+    aborted_after_its_inline_load(make_driver(**INLINE))
     failed_inline_load(make_driver(FakeWorker(fail_loads={"reader"}), **INLINE))
+    reload(make_driver(async_scheduling=True, **INLINE))
 
 
 def test_the_shipped_spec_passes_the_lifecycle_runs(make_driver) -> None:

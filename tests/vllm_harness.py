@@ -5,9 +5,9 @@ what only tests need. With tensor parallelism (`FakeRanks`) each rank is a fake 
 reach the scheduler through vLLM's own `KVOutputAggregator`, as vLLM's executors deliver them. After every
 scheduling and every output the harness checks the rule the adapter exists to keep: no GPU block read or written by
 an unfinished, unflushed job has left its request; and `SpecChecks` traces every transition against the spec,
-checks kvfsm's named invariants after every step and, once idle, that everything drained. With `async_scheduling`
-the driver runs vLLM's `AsyncScheduler` as vLLM's engine core does then: step N+1 is scheduled (and handed to the
-worker) before step N's output is processed.
+checks kvfsm's named invariants after every step and, once idle, that everything drained. When the configuration
+says `async_scheduling` the driver runs vLLM's `AsyncScheduler` as vLLM's engine core does then: step N+1 is
+scheduled (and handed to the worker) before step N's output is processed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -39,6 +38,7 @@ from kvfsm.integrations.vllm.rig import (
     NUM_KV_HEADS,
     FakeJob,
     FakeWorker,
+    StepOutputs,
     kv_cache_config,
     model_output,
     sampled_requests,
@@ -153,15 +153,13 @@ class Driver:
     """One vLLM scheduler with the kvfsm adapter, stepped by hand against a `FakeWorker` or an `AdapterWorker`."""
 
     def __init__(self, config: VllmConfig, worker: "FakeWorker | FakeRanks | AdapterWorker",
-                 cache: KVCacheConfig | None = None, async_scheduling: bool = False) -> None:
+                 cache: KVCacheConfig | None = None) -> None:
         init_none_hash(sha256)
         self.blocks = config.cache_config.num_gpu_blocks
-        kind = AsyncScheduler if async_scheduling else Scheduler
-        self.scheduler = kind(config, cache or kv_cache_config(self.blocks), StructuredOutputManager(config),
-                              block_size=BLOCK_SIZE, log_stats=True)
-        self.async_scheduling = async_scheduling
-        self._unprocessed: tuple[int, SchedulerOutput, ModelRunnerOutput] | None = None
-        """Under async scheduling: the step run but not yet processed, with its output."""
+        self.scheduler: Scheduler = config.scheduler_config.get_scheduler_cls()(
+            config, cache or kv_cache_config(self.blocks), StructuredOutputManager(config), block_size=BLOCK_SIZE,
+            log_stats=True)
+        self.outputs = StepOutputs(self._process, bool(config.scheduler_config.async_scheduling))
         self.connector_stats: list[dict[str, Any]] = []
         """The connector-stats payloads vLLM's scheduler put in its stats, step by step (what its loggers get)."""
         self.worker = worker
@@ -204,18 +202,8 @@ class Driver:
         result = model_output(self.scheduler, output, self.worker.step(self.step_no, output, self.scheduler))
         log = StepLog(self.step_no, orders, first, computed_before(output))
         self.log.append(log)
-        earlier, self._unprocessed = self._unprocessed, (self.step_no, output, result)
-        if earlier is not None:
-            self._process(*earlier)
-        if not self.async_scheduling:
-            self.flush()
+        self.outputs.ran(self.step_no, output, result)
         return log
-
-    def flush(self) -> None:
-        """Process the step run but not processed yet (async scheduling), if any."""
-        earlier, self._unprocessed = self._unprocessed, None
-        if earlier is not None:
-            self._process(*earlier)
 
     def _process(self, step: int, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
         outputs = self.scheduler.update_from_output(output, result)
@@ -229,13 +217,13 @@ class Driver:
     def run(self, max_steps: int = 50) -> None:
         """Step until the scheduler has nothing left (finished requests' held blocks included), then require the
         adapter drained."""
-        while self.scheduler.has_requests() or self.worker.pending_jobs or self._unprocessed is not None:
+        while self.scheduler.has_requests() or self.worker.pending_jobs or self.outputs.pending:
             if self.step_no >= max_steps:
                 raise AssertionError(f"not idle after {max_steps} steps")
             if self.scheduler.has_requests() or self.worker.pending_jobs:
                 self.step()
             else:
-                self.flush()
+                self.outputs.flush()
         self.checks.after_idle(self.step_no)
 
     def close(self) -> None:

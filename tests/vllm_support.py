@@ -34,9 +34,10 @@ def make_driver(model) -> Iterator:
               async_scheduling: bool = False, prefix_caching: bool = True, **extra: object) -> Driver:
         """`extra`: more of `kv_connector_extra_config` (e.g. `layer_loads=True`); an `AdapterWorker` is built on
         the same configuration when `worker` is the class itself."""
-        config = vllm_config(model, {"cpu_blocks": cpu_blocks, **extra}, gpu_blocks, prefix_caching=prefix_caching)
+        config = vllm_config(model, {"cpu_blocks": cpu_blocks, **extra}, gpu_blocks, prefix_caching=prefix_caching,
+                             async_scheduling=async_scheduling)
         chosen = worker(config) if worker is AdapterWorker else (worker or FakeWorker())
-        d = Driver(config, chosen, async_scheduling=async_scheduling)
+        d = Driver(config, chosen)
         opened.append(d)
         return d
 

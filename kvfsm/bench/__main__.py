@@ -315,14 +315,15 @@ def _print(result: dict[str, Any]) -> None:
         table = Table(title="Mooncake tier, GB/s (median; baseline = the store's put_batch / get_batch of the same "
                             "bytes, same run)")
         for column in ("objects live in", "block", "baseline put", "zero-copy put", "tier write-back", "share",
-                       "baseline get", "zero-copy get", "tier fetch", "share"):
+                       "of zero-copy", "baseline get", "zero-copy get", "tier fetch", "share", "of zero-copy"):
             table.add_column(column, justify="right")
         for r in result["mooncake"]:
             g = r["gbps"]
             table.add_row(r["segment"], f"{r['block_bytes'] >> 10} KiB", f"{g['baseline put']:.2f}",
                           f"{g['zero-copy put']:.2f}", f"{g['tier write-back']:.2f}",
-                          f"{r['write_back_share_of_baseline']:.2f}", f"{g['baseline get']:.2f}",
-                          f"{g['zero-copy get']:.2f}", f"{g['tier fetch']:.2f}", f"{r['fetch_share_of_baseline']:.2f}")
+                          f"{r['write_back_share_of_baseline']:.2f}", f"{r['write_back_share_of_zero_copy']:.2f}",
+                          f"{g['baseline get']:.2f}", f"{g['zero-copy get']:.2f}", f"{g['tier fetch']:.2f}",
+                          f"{r['fetch_share_of_baseline']:.2f}", f"{r['fetch_share_of_zero_copy']:.2f}")
         console.print(table)
     table = Table(title="Goals")
     for column in ("goal", "target", "measured", "met", "judged on"):

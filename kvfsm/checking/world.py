@@ -82,6 +82,10 @@ class ConnectorWorld:
     def num_workers(self) -> int:
         return self.scheduler.config.num_workers
 
+    @property
+    def async_scheduling(self) -> bool:
+        return self.scheduler.config.async_scheduling
+
 
 DEVICE_LOG_INVARIANTS = ("store-after-compute", "layer-store-after-compute", "fence", "layer-stores-flushed",
                          "load-after-readers", "load-before-use", "layer-load-before-use", "readers-pin",

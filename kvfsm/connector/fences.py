@@ -8,7 +8,7 @@ per fence cost an allocation and garbage-collector work every time).
 Every change goes through the spec's `gpu-block` machine, in one batch per job.
 
 Blocks whose request ended while stores still read them (`freed-while-read`) are indexed beside the records, from
-the transition each batch took: a step asks only whether it hands out any of them (`handed_out`), so a step with
+the transition each batch took: a step asks only whether it hands out any of them (`take_handed_out`), so a step with
 none pays one truth test.
 """
 

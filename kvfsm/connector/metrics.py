@@ -62,6 +62,9 @@ COUNTERS: tuple[CounterFamily, ...] = (
                                              ({"direction": "load"}, "blocks_loaded"))),
     CounterFamily("kvfsm_bytes", "Bytes moved by jobs that completed, by direction.",
                   (({"direction": "store"}, "bytes_stored"), ({"direction": "load"}, "bytes_loaded"))),
+    CounterFamily("kvfsm_loads", "Load jobs started, by when the engine computes on them: inline (in the step that "
+                  "loads them, layer_loads) or async (once reported; also layer_loads under async scheduling).",
+                  (({"mode": "inline"}, "loads_inline"), ({"mode": "async"}, "loads_async"))),
     CounterFamily("kvfsm_failed_jobs", "Transfer jobs that failed (a failed load is recomputed), by direction.",
                   (({"direction": "store"}, "stores_failed"), ({"direction": "load"}, "loads_failed"))),
 )

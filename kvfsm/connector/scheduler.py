@@ -102,6 +102,9 @@ class SchedulerConnector:
         self.outputs = 0
         """Engine outputs taken by `update_connector_output` so far: step N's output is the N-th, even when the
         engine schedules step N+1 before it (async scheduling)."""
+        self.inline_loads = config.inline_loads
+        """Whether this half answers a CPU hit as a load computed in its own step, decided once at start-up: with
+        `layer_loads`, unless the engine schedules ahead (`no-inline-load-under-async-scheduling`)."""
         self.load_reports_in_step = False
         """Set by an engine that reads a failed load's blocks only in the output of the step that computed on them
         (vLLM): each load computed in its own step is then due in that step's output (`inline-load-in-step`)."""
@@ -186,7 +189,7 @@ class SchedulerConnector:
         self.stats.cpu_hit_blocks += count
         if count == 0:
             self.stats.cpu_misses += 1
-        return count * block_size, count > 0 and not self.config.layer_loads
+        return count * block_size, count > 0 and not self.inline_loads
 
     def _defer(self, record: RequestRecord, blockers: frozenset[int]) -> None:
         """Answer None: the request looks up again next step, once the jobs it waits for can have ended."""
@@ -206,7 +209,7 @@ class SchedulerConnector:
         self.ledger.due.set(record.req_id, self._cpu_block_tokens)
         match, record.match = record.match, None
         count = num_external_tokens // self.config.gpu_block_size
-        inline = self.config.layer_loads
+        inline = self.inline_loads
         self.ledger.fire_request(record, "allocate", external_tokens=count, inline=inline)
         if count == 0:
             return
@@ -224,8 +227,10 @@ class SchedulerConnector:
                                        for i in range(first_cpu, end_cpu)])
         job = self._new_job("load", request.request_id, record.block_ids[first_gpu:first_gpu + count], slots,
                             hashes, gpu_offset=offset)
+        job.inline = inline
         if inline and self.load_reports_in_step:
             job.due_output = self.step + 1  # submitted by the next metadata, which is step + 1's
+        self.stats.record_load_started(inline)
         self._new_loads.append(job)
 
     # --- the step's orders ---------------------------------------------------------------------------------

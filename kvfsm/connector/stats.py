@@ -47,6 +47,11 @@ class ConnectorStats:
     bytes_loaded: int = 0
     stores_failed: int = 0
     loads_failed: int = 0
+    loads_inline: int = 0
+    """Load jobs the engine computes on in the step that loads them (`OffloadConfig.inline_loads`)."""
+    loads_async: int = 0
+    """Load jobs the engine computes on only once they are reported: every load without `layer_loads`, and every
+    load under an engine that schedules ahead (`async_scheduling`), which shows here that `layer_loads` fell back."""
     store_seconds: float = 0.0
     """Summed time stores spent in flight, from the step that submitted them to the report of their end."""
     load_seconds: float = 0.0
@@ -69,6 +74,12 @@ class ConnectorStats:
             self.bytes_stored += cpu_blocks * cpu_block_bytes
         else:
             self.stores_failed += 1
+
+    def record_load_started(self, inline: bool) -> None:
+        if inline:
+            self.loads_inline += 1
+        else:
+            self.loads_async += 1
 
     def record_load(self, gpu_blocks: int, ok: bool, gpu_block_bytes: int, seconds: float) -> None:
         self.load_seconds += seconds

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.ledger import Ledger
 from kvfsm.connector.metadata import TierOrder, TierReport
-from kvfsm.connector.ranks import every_rank_tier_outcome
+from kvfsm.connector.ranks import TierOutcome, every_rank_tier_outcome
 from kvfsm.manager import OffloadingManager
 from kvfsm.records import TierJob
 from kvfsm.states import CpuBlockState as Cpu
@@ -186,7 +186,7 @@ class TierPlanner:
             job.released.add(worker)
         else:
             job.reports[worker] = report
-            outcome = every_rank_tier_outcome(job, self.num_workers)
+            outcome = self._outcome(job)
             if outcome is None:
                 return
             if not outcome.held:
@@ -196,6 +196,10 @@ class TierPlanner:
         if job.state == TierJobState.ABANDONED and not job.holding:
             self.ledger.fire_tier_job(job, "release")  # its slots are free: the spec's couplings free them
             self._ended(job)
+
+    def _outcome(self, job: TierJob) -> TierOutcome | None:
+        """The job's end over every rank once every rank reported it (a tensor-parallel control replaces this)."""
+        return every_rank_tier_outcome(job, self.num_workers)
 
     def _abandon(self, job: TierJob, failed: dict[int, str], step: int) -> None:
         """Failed at the deadline, I/O still running: nobody waits for it (its slots leave the catalogue), but the

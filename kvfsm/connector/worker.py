@@ -102,13 +102,14 @@ class WorkerConnector:
                                                k * caches.gpu_block_bytes))
             transfers = Transfers(self.device, caches, pool, block_size_factor=k, mechanism=self.config.mechanism,
                                   staging_bytes=self.config.staging_bytes)
+            checksums = SlotChecksums(pool) if self.config.checksum else None
             tiers = None
             if self.config.lower_tiers:  # `open_tiers` closes the tiers it opened if a later one fails
                 site = TierSite(self.config, pool.slot_bytes, self.worker, caches, pool)
-                tiers = TierRunner(open_tiers(site, self._tier_io, self._keep_lookups, self._machines), pool)
+                tiers = TierRunner(open_tiers(site, self._tier_io, self._keep_lookups, self._machines), pool,
+                                   checksums)
             undo.pop_all()  # registered: the pool now lives until `shutdown`
-        self._pool, self._transfers, self._tiers = pool, transfers, tiers
-        self._checksums = SlotChecksums(pool) if self.config.checksum else None
+        self._pool, self._transfers, self._tiers, self._checksums = pool, transfers, tiers, checksums
         self._caches = caches
         return caches
 
@@ -179,9 +180,10 @@ class WorkerConnector:
 
     def wait_for_layer_load(self, layer: str) -> None:
         """Before `layer` reads KV: the compute stream waits on that layer's segment of this step's loads only.
-        Without `layer_loads` nothing this step computes reads them (loads are asynchronous), so nothing waits."""
+        Without inline loads (`layer_loads` off, or an engine that schedules ahead) nothing this step computes reads
+        them (loads are asynchronous), so nothing waits."""
         segment = self.transfers.segment_of(layer)  # an unknown layer is an error whatever the configuration
-        if not self.config.layer_loads:
+        if not self.config.inline_loads:
             return
         waited: set[int] = set()
         for job_id in self._step_loads:

@@ -115,7 +115,7 @@ def main(
                                                  "a schedule that only the test suite's generated interleavings "
                                                  "and explorer set up (or a lower tier), so they may pass here."),
     disk: Path = folder_option(None, "--disk", help="Put a disk tier below the CPU pool, in this directory (its "
-                                                    "slot file is removed at exit); the CPU pool then defaults "
+                                                    "blocks are removed at exit); the CPU pool then defaults "
                                                     "small, so prefixes reach disk."),
     disk_blocks: int = typer.Option(DemoConfig.disk_blocks, min=1, help="Disk tier size in CPU blocks."),
     writeback: WriteBack = typer.Option(DemoConfig.writeback, help="When CPU blocks are written back to disk: "

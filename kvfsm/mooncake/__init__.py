@@ -8,8 +8,10 @@ from __future__ import annotations
 
 
 def available() -> bool:
-    """Whether Mooncake Store's Python bindings load (the `mooncake` extra, and Debian's `libibverbs1`)."""
+    """Whether Mooncake Store's Python bindings and the MAC's BLAKE3 load (the `mooncake` extra, and Debian's
+    `libibverbs1`)."""
     try:
+        import blake3  # noqa: F401
         import mooncake.store  # noqa: F401
     except ImportError:
         return False

@@ -19,6 +19,13 @@ only state both sides write (the backlog under a lock).
 Zero-copy: payloads and trailers are handed over as numpy views of host memory; each is registered with Mooncake
 the first time it is seen (`register` registers a whole buffer up front, which covers every view into it;
 `kvfsm.mooncake.host_memory` keeps which ranges are registered).
+
+Integrity at transfer speed: every value is sealed and checked with the tenant's MAC (`kvfsm.mooncake.value`), a
+pass over every byte. A batch is cut into chunks of about `pipeline_bytes`; the MACs run on `hash_threads` threads of
+their own (BLAKE3 releases the GIL), overlapped with the transfers: a write-back seals the chunks ahead while the I/O
+thread puts the ones already sealed, and a fetch checks each chunk while the I/O thread gets the next. The I/O
+thread waits for the last chunk's MACs before it answers, so a `Pending` never settles while a hashing thread still
+reads a slot.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -40,12 +49,25 @@ from kvfsm.mooncake.errors import (
 from kvfsm.mooncake.host_memory import Registrations, address
 from kvfsm.mooncake.io_thread import CancellableCall, IoThread, Pending
 from kvfsm.mooncake.local import LOOPBACK, MasterAddress, port_accepts
+from kvfsm.mooncake.value import ValueMac
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-KeyResult = int | TierFault
-"""Per key: the CRC-32 sealed in the value when the key was written (or read and verified), else the fault."""
+KeyResult = int | None | TierFault
+"""Per key, else its fault: of a write-back, the value's own checksum (`ValueMac.seal`); of a fetch, the block
+checksum the verified value carries (None if its writer carried none)."""
+Verify = Callable[[np.ndarray, str, np.ndarray], int | None]
+
+
+@contextmanager
+def _settling(futures: list[Future[Any]]) -> Iterator[None]:
+    """Leave only once every MAC submitted for the call finished, however the call ends: a call's answer means
+    nothing touches its memory any more."""
+    try:
+        yield
+    finally:
+        wait(futures)
 
 
 class ClientSettings(BaseModel):
@@ -64,13 +86,19 @@ class ClientSettings(BaseModel):
     max_pending: PositiveInt = 32
     retry_after_s: PositiveFloat = 1.0
     """After the store was found unreachable or slow, new calls are refused at once for this long."""
+    hash_threads: PositiveInt = 2
+    """Threads that seal and check values' MACs, beside the I/O thread that moves the bytes."""
+    pipeline_bytes: PositiveInt = 8 << 20
+    """A batch moves in chunks of about this many bytes, so the MACs of one chunk overlap the transfer of the next."""
 
 
 class MooncakeClient:
     """A connected `MooncakeDistributedStore`, driven through an I/O executor with deadlines."""
 
-    def __init__(self, settings: ClientSettings, io: IoExecutor | None = None) -> None:
+    def __init__(self, settings: ClientSettings, mac: ValueMac, io: IoExecutor | None = None) -> None:
+        """`mac`: the tenant's sealer (`kvfsm.mooncake.secret.load_value_key` reads its secret)."""
         self.settings = settings
+        self.mac = mac
         self._store: Any = None
         self._io: IoExecutor = io if io is not None else IoThread()
         self._queries = IoThread("kvfsm-mooncake-lookup")
@@ -82,8 +110,12 @@ class MooncakeClient:
         self._backlog = 0
         self._lock = threading.Lock()
         self._registered = Registrations()
-        self.verify_value: Callable[[np.ndarray, str, np.ndarray], int] = value.check
-        """How a fetched value is checked against its trailer (an attribute so a test's mutant can drop it)."""
+        self.verify_value: Verify = mac.check
+        """How a value read from the store is checked against its trailer, for a fetch and for a key found present
+        by a write-back (an attribute so a test's control can drop the MAC)."""
+        self._hashing = ThreadPoolExecutor(settings.hash_threads, thread_name_prefix="kvfsm-mooncake-mac")
+        self._scratch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        """Per payload size, memory a write-back reads a value already in the store into, to verify it."""
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -146,6 +178,7 @@ class MooncakeClient:
         if isinstance(self._io, IoThread):
             self._io.shutdown(wait=False)
         self._queries.shutdown(wait=False)
+        self._hashing.shutdown(wait=False)
         return True
 
     @property
@@ -221,47 +254,110 @@ class MooncakeClient:
         return faults
 
     # -- operations -----------------------------------------------------------------------------------------------
+    def _chunks(self, payloads: Sequence[np.ndarray], growing: bool = False) -> list[range]:
+        """The batch's indices cut into runs of about `pipeline_bytes`, at least one block each; `growing`: each
+        run twice the one before (a write-back: the first put waits only for a small chunk's MACs, and a batch
+        costs few puts, each of which asks the master twice)."""
+        chunks, start, size, limit = [], 0, 0, self.settings.pipeline_bytes
+        for i, payload in enumerate(payloads):
+            size += payload.nbytes
+            if size >= limit:
+                chunks.append(range(start, i + 1))
+                start, size, limit = i + 1, 0, 2 * limit if growing else limit
+        return chunks + ([range(start, len(payloads))] if start < len(payloads) else [])
+
     def write_back(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
-                   units: Sequence[np.ndarray] = ()) -> Pending[list[KeyResult]]:
-        """Store each payload under its key, sealed with its trailer (one object each). A key the store already
-        holds counts as written: keys name content, so the object there holds these bytes. `units` are buffers to
+                   units: Sequence[np.ndarray] = (), carried: Sequence[int | None] = ()
+                   ) -> Pending[list[KeyResult]]:
+        """Store each payload under its key, sealed with the tenant's MAC in its trailer (one object each),
+        carrying `carried[i]`, the block's own checksum, if given. A key the store already holds counts as written
+        only once the value there verifies (this tenant wrote it: keys name content, so it holds these bytes); a
+        value there that does not is `ChecksumMismatch`. Mooncake answers success to a put onto a present key and
+        keeps the value there, so presence is asked first (one `batch_is_exist` per call); a value planted between
+        that answer and the put is still refused by every fetch of it (docs/security.md). `units` are buffers to
         register whole before the first use of views into them."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
+        sums = list(carried) or [None] * len(keys)
+
+        def seal(i: int) -> int:
+            return self.mac.seal(trailers[i], keys[i], payloads[i], sums[i])
 
         def call() -> list[KeyResult]:
             self._ensure_registered(list(units) + payloads + trailers)
-            crcs = [value.seal(t, k, p) for k, p, t in zip(keys, payloads, trailers, strict=True)]
-            codes = self._store.batch_put_from_multi_buffers(
-                keys, [[address(p), address(t)] for p, t in zip(payloads, trailers)],
-                [[p.nbytes, value.TRAILER_BYTES] for p in payloads])
-            return [crc if fault is None else fault
-                    for crc, fault in zip(crcs, self._faults(keys, codes, "write-back of"))]
+            sealed = [self._hashing.submit(seal, i) for i in range(len(keys))]  # in order, on every MAC thread
+            with _settling(sealed):
+                return put(sealed)
+
+        def put(sealed: list[Future[int]]) -> list[KeyResult]:
+            results: list[KeyResult] = []
+            present = dict(enumerate(self._store.batch_is_exist(keys)))  # asked while the first chunk is sealed
+            unasked = {i: self._unanswered(keys[i]) for i, answer in present.items() if answer < 0}
+            for chunk in self._chunks(payloads, growing=True):
+                tags = [sealed[i].result() for i in chunk]  # the chunk's trailers are sealed: only now may it go
+                fresh = [i for i in chunk if present[i] == 0]
+                codes = dict(zip(fresh, self._store.batch_put_from_multi_buffers(
+                    [keys[i] for i in fresh], [[address(payloads[i]), address(trailers[i])] for i in fresh],
+                    [[payloads[i].nbytes, value.TRAILER_BYTES] for i in fresh]) if fresh else []))
+                faults = dict(zip(fresh, self._faults([keys[i] for i in fresh], list(codes.values()),
+                                                      "write-back of")))
+                for i, tag in zip(chunk, tags):
+                    results.append(unasked[i] if i in unasked else self._verify_present(keys[i], payloads[i].nbytes)
+                                   if i not in codes else faults[i] if faults[i] is not None else tag)
+            return results
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 
+    def _unanswered(self, key: str) -> TierFault:
+        """A key whose presence the store did not answer is not put (a stalled master would make the put wait out
+        its RPC timeout a second time); the store is refused for a while, as after any failed call."""
+        self._back_off()
+        return StoreUnavailable(f"write-back of {key}: the store did not say whether it holds the key")
+
+    def _verify_present(self, key: str, nbytes: int) -> KeyResult:
+        """The own checksum of the value already stored under `key` once it verifies, else the fault: a key another
+        client planted is never counted as written by this tenant."""
+        if nbytes not in self._scratch:
+            scratch = torch.zeros(nbytes + value.TRAILER_BYTES, dtype=torch.uint8).numpy()
+            self._scratch[nbytes] = (scratch[:nbytes], scratch[nbytes:])
+        payload, trailer = self._scratch[nbytes]
+        self._ensure_registered([payload, trailer])
+        [code] = self._store.batch_get_into_multi_buffers([key], [[address(payload), address(trailer)]],
+                                                          [[nbytes, value.TRAILER_BYTES]])
+        [fault] = self._faults([key], [code], "check of the value present under")
+        answer = fault if fault is not None else self._verified(key, payload, trailer, code)
+        return answer if isinstance(answer, TierFault) else self.mac.checksum_of(trailer)
+
+    def _verified(self, key: str, payload: np.ndarray, trailer: np.ndarray, nbytes: int) -> KeyResult:
+        expected = payload.nbytes + value.TRAILER_BYTES
+        if nbytes != expected:
+            return ChecksumMismatch(f"{key}: read {nbytes} bytes, expected {expected}")
+        try:
+            return self.verify_value(trailer, key, payload)
+        except TierFault as fault:
+            return fault
+
     def fetch(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
               units: Sequence[np.ndarray] = ()) -> Pending[list[KeyResult]]:
-        """Read each key into its payload and trailer and verify them; a payload whose result is a fault holds
+        """Read each key into its payload and trailer and verify its MAC; a payload whose result is a fault holds
         garbage and must not be used."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
 
-        def verify(key: str, payload: np.ndarray, trailer: np.ndarray, nbytes: int) -> KeyResult:
-            expected = payload.nbytes + value.TRAILER_BYTES
-            if nbytes != expected:
-                return ChecksumMismatch(f"{key}: read {nbytes} bytes, expected {expected}")
-            try:
-                return self.verify_value(trailer, key, payload)
-            except TierFault as fault:
-                return fault
+        def verify(i: int, code: int, fault: TierFault | None) -> KeyResult:
+            return fault if fault is not None else self._verified(keys[i], payloads[i], trailers[i], code)
 
         def call() -> list[KeyResult]:
             self._ensure_registered(list(units) + payloads + trailers)
-            codes = self._store.batch_get_into_multi_buffers(
-                keys, [[address(p), address(t)] for p, t in zip(payloads, trailers)],
-                [[p.nbytes, value.TRAILER_BYTES] for p in payloads])
-            faults = self._faults(keys, codes, "fetch of")
-            return [fault if fault is not None else verify(k, p, t, code)
-                    for k, p, t, code, fault in zip(keys, payloads, trailers, codes, faults)]
+            checked: list[Future[KeyResult]] = []
+            with _settling(checked):
+                for chunk in self._chunks(payloads):
+                    names = [keys[i] for i in chunk]
+                    codes = self._store.batch_get_into_multi_buffers(
+                        names, [[address(payloads[i]), address(trailers[i])] for i in chunk],
+                        [[payloads[i].nbytes, value.TRAILER_BYTES] for i in chunk])
+                    faults = self._faults(names, codes, "fetch of")
+                    checked += [self._hashing.submit(verify, i, code, fault)
+                                for i, code, fault in zip(chunk, codes, faults)]
+                return [future.result() for future in checked]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 

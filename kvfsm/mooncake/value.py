@@ -1,46 +1,76 @@
-"""The stored value of one block: the slot's bytes, then a 32-byte trailer that lets a reader refuse bad bytes.
+"""The stored value of one block: the slot's bytes, then a 32-byte trailer that lets a reader refuse any value its
+tenant did not write.
 
-The store itself guarantees that a get sees only a completely written object, but not that the object under a key
-is the one this tier wrote for it: another writer, a bug, a bad DIMM on the segment host or a foreign format can put
-other bytes there. The trailer binds the value to its key and its bytes: a BLAKE2b tag of the key, the payload
-length and a CRC-32 of the payload. A reader checks all three before the slot may become loadable; any mismatch is
-`ChecksumMismatch`, a failed fetch. The trailer travels in the same object (one multi-buffer put), so a value and
-its trailer can never come from two different writes.
+The store guarantees that a get sees only a completely written object, not that the object under a key is one this
+tenant wrote for it: every client of the master may put any bytes under any key it can name, and keys are derived
+from configuration anyone can guess (`kvfsm.mooncake.keys`). So the trailer holds a MAC: BLAKE3 in keyed mode
+under the tenant's `ValueKey`, over the key, the payload's length, the block's own checksum (when the engine carries
+one) and every payload byte. A reader recomputes it before the slot may become loadable; a value whose MAC does not
+verify (another writer's, a corrupted one, a value of the old unkeyed format) is `ChecksumMismatch`, a failed
+fetch. The MAC subsumes the former CRC-32 trailer: a keyed hash detects accidental corruption as well as forgery.
+
+The block's own checksum (`OffloadConfig.checksum`: the CRC-32 the CPU pool took when the block was first stored)
+travels in the trailer, under the MAC, so a fetch hands it back and the load that follows is checked against the
+bytes as first stored, not as found in the store.
+
+The trailer travels in the same object as the payload (one multi-buffer put), so a value and its trailer can never
+come from two different writes. What the MAC cannot tell apart is two values this tenant itself wrote for the same
+key (a replay of its own older value): see docs/security.md.
 """
 
 from __future__ import annotations
 
-import hashlib
+import hmac
 import struct
-import zlib
 
 import numpy as np
 
 from kvfsm.mooncake.errors import ChecksumMismatch
+from kvfsm.mooncake.secret import ValueKey
 
-TRAILER = struct.Struct("<20sIQ")
+TAG_BYTES = 16
+"""128-bit tags: forging one takes 2**128 tries; a longer tag would only grow every value."""
+TRAILER = struct.Struct(f"<{TAG_BYTES}sIIQ")
+"""MAC tag, carried block checksum, whether one is carried (0 or 1), payload length."""
 TRAILER_BYTES = TRAILER.size
+_HEADER = struct.Struct("<8sIIQI")
+"""What the MAC covers before the payload: format, carried flag and checksum, payload length, key length."""
+_FORMAT = b"kvfsm-v2"
 
 
-def key_tag(key: str) -> bytes:
-    return hashlib.blake2b(key.encode(), digest_size=20).digest()
+class ValueMac:
+    """Seals and checks the values of one tenant (its `ValueKey`); safe to use from several threads at once."""
 
+    def __init__(self, key: ValueKey) -> None:
+        self._key = key
 
-def seal(trailer: np.ndarray, key: str, payload: np.ndarray) -> int:
-    """Fill `trailer` (TRAILER_BYTES uint8) for `payload` stored under `key`; returns the payload's CRC-32."""
-    crc = zlib.crc32(payload)
-    trailer[:] = np.frombuffer(TRAILER.pack(key_tag(key), crc, payload.nbytes), dtype=np.uint8)
-    return crc
+    def _tag(self, key: str, payload: np.ndarray, carried: int | None) -> bytes:
+        name = key.encode()
+        hasher = self._key.mac()
+        hasher.update(_HEADER.pack(_FORMAT, carried is not None, carried or 0, payload.nbytes, len(name)) + name)
+        hasher.update(payload)
+        return hasher.digest(TAG_BYTES)
 
+    def seal(self, trailer: np.ndarray, key: str, payload: np.ndarray, carried: int | None = None) -> int:
+        """Fill `trailer` (TRAILER_BYTES uint8) for `payload` stored under `key`, carrying the block's checksum
+        `carried` if the engine keeps one; returns the value's own checksum (its tag's first 8 bytes)."""
+        tag = self._tag(key, payload, carried)
+        trailer[:] = np.frombuffer(TRAILER.pack(tag, carried or 0, carried is not None, payload.nbytes), np.uint8)
+        return int.from_bytes(tag[:8], "little")
 
-def check(trailer: np.ndarray, key: str, payload: np.ndarray) -> int:
-    """The payload's CRC-32 if `trailer` was sealed for exactly these `payload` bytes under `key`, else raise
-    `ChecksumMismatch`."""
-    tag, crc, length = TRAILER.unpack(trailer.tobytes())
-    if tag != key_tag(key):
-        raise ChecksumMismatch(f"{key}: the value was written for another key")
-    if length != payload.nbytes:
-        raise ChecksumMismatch(f"{key}: the value holds {length} bytes, the slot {payload.nbytes}")
-    if crc != zlib.crc32(payload):
-        raise ChecksumMismatch(f"{key}: CRC-32 of the value does not match its trailer")
-    return int(crc)
+    def check(self, trailer: np.ndarray, key: str, payload: np.ndarray) -> int | None:
+        """The block checksum the value carries (None if it carries none) when `trailer` is this tenant's seal of
+        exactly these `payload` bytes under `key`; else `ChecksumMismatch`."""
+        tag, carried, has, length = TRAILER.unpack(trailer.tobytes())
+        if length != payload.nbytes:
+            raise ChecksumMismatch(f"{key}: the value holds {length} bytes, the slot {payload.nbytes}")
+        if has not in (0, 1) or not hmac.compare_digest(tag, self._tag(key, payload, carried if has else None)):
+            raise ChecksumMismatch(f"{key}: the value's MAC does not verify (not written by this tenant, or corrupted)")
+        return carried if has else None
+
+    def checksum_of(self, trailer: np.ndarray) -> int:
+        """The value's own checksum as `seal` answered it (for a value found in the store and verified)."""
+        return int.from_bytes(bytes(trailer[:8]), "little")
+
+    def __repr__(self) -> str:
+        return "ValueMac(<key hidden>)"

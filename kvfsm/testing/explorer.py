@@ -192,7 +192,8 @@ class _Replay:
         for worker in h.connector.workers:
             digest.update(worker.pool.buffer.numpy().tobytes())
         if h.disk is not None:
-            digest.update(h.disk.file.read_bytes())
+            for path in sorted(h.disk.directory.iterdir()):
+                digest.update(path.name.encode() + path.read_bytes())
         return digest.hexdigest()
 
 

@@ -63,19 +63,22 @@ class Harness:
                  writeback_bound_blocks: int = 2, report_lag: int = 0, mooncake_master: str | None = None,
                  mooncake_options: dict[str, object] | None = None, tier_threads: bool = False,
                  staging_blocks: int | None = None, store_threshold: int = 1,
-                 keep_history: bool = True, eviction: str = "lru") -> None:
+                 keep_history: bool = True, eviction: str = "lru", shared_disk: Path | None = None) -> None:
+        """`shared_disk`: a directory the disk tier (`disk_slots`) shares with other engines of the toy model and
+        keeps when the harness closes, instead of a private one removed then."""
         self.devices = list(device) if isinstance(device, Sequence) else [device]
         self.device = self.devices[0]
         self.shape = shape
         cpu_block_bytes = block_size_factor * shape.gpu_block_bytes
-        self.disk_dir = Path(tempfile.mkdtemp(prefix="kvfsm-disk-")) if disk_slots else None
+        self.disk_dir = Path(tempfile.mkdtemp(prefix="kvfsm-disk-")) if disk_slots and not shared_disk else None
+        names = dict(model_id="kvfsm-toy", kv_dtype=str(shape.dtype))
         tiers: tuple[LowerTierConfig, ...] = (DiskTierConfig(
-            path=self.disk_dir, capacity_bytes=disk_slots * cpu_block_bytes, writeback=writeback,
-            evict_lookahead_blocks=2),) if self.disk_dir else ()
+            path=shared_disk or self.disk_dir, capacity_bytes=disk_slots * cpu_block_bytes, writeback=writeback,
+            evict_lookahead_blocks=2, **(names if shared_disk else {})),) if disk_slots else ()
         if mooncake_master is not None:
             # A tenant of its own per harness: examples sharing one master never see each other's keys.
             options: dict[str, object] = dict(
-                master=mooncake_master, model_id="kvfsm-toy", kv_dtype=str(shape.dtype), tenant=uuid.uuid4().hex,
+                master=mooncake_master, **names, tenant=uuid.uuid4().hex,
                 writeback=writeback, evict_lookahead_blocks=2, op_timeout_s=60.0, lookup_timeout_s=10.0)
             tiers += (MooncakeTierConfig(**(options | (mooncake_options or {}))),)  # type: ignore[arg-type]
         config = OffloadConfig(cpu_blocks=cpu_blocks, block_size_factor=block_size_factor,
@@ -198,11 +201,15 @@ class Harness:
 
     def _disk_bytes(self) -> list[str]:
         """Every published disk entry holds exactly the bytes of its prefix (a corruption injected on purpose aside:
-        the fetch of a corrupted entry must fail, which the CPU bytes and outputs check)."""
+        the fetch of a corrupted entry must fail, which the CPU bytes and outputs check). A shared disk's block of a
+        prompt this engine never saw (an earlier engine wrote it) has no prefix to compare with here; if it is
+        fetched, its bytes are checked as they land in the CPU pool."""
         if self.disk is None:
             return []
         found = []
         for entry in self.disk.entries:
+            if entry.adopted and entry.key not in self.oracle.tokens:
+                continue
             if entry.state in (Entry.PUBLISHED, Entry.READING) and not self.tier_faults.is_corrupted(entry):
                 stored = self.disk.stored_bytes(entry.key)
                 expected = self.oracle.cpu_block_bytes(entry.key).numpy().tobytes()

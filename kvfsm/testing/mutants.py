@@ -224,6 +224,13 @@ def publish_on_partial_failure(scheduler: SchedulerConnector) -> None:
     scheduler._verdict = any_rank_succeeded  # type: ignore[method-assign]
 
 
+def inline_under_async_scheduling(scheduler: SchedulerConnector) -> None:
+    """`layer_loads` taken at its word although the engine schedules each step before it read the previous one's
+    output: CPU hits are computed in the step that loads them, and a failed load's step is followed by one computed on
+    the blocks that did not land. A control for vLLM's async scheduling: under synchronous scheduling it is kvfsm."""
+    scheduler.inline_loads = scheduler.config.layer_loads
+
+
 MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (

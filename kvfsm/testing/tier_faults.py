@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
+from typing import Sequence
 
-from kvfsm.tiers.disk import DiskIo, DiskTier
 from kvfsm.records import TierEntry
+from kvfsm.tiers.blockfile import RECORD, DiskIo
+from kvfsm.tiers.disk import DiskTier
 
 
 class FaultyDiskIo(DiskIo):
@@ -21,18 +24,31 @@ class FaultyDiskIo(DiskIo):
     def __init__(self) -> None:
         self.write_errno: int | None = None
         self.read_errno: int | None = None
+        self.full = False
+        """Every write fails with ENOSPC while set: a disk other files filled up (the soak's failing disk)."""
 
-    def write(self, fd: int, data: memoryview, offset: int) -> None:
+    def write(self, fd: int, parts: Sequence[memoryview]) -> None:
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if self.write_errno is not None:
             code, self.write_errno = self.write_errno, None
             raise OSError(code, os.strerror(code))
-        super().write(fd, data, offset)
+        super().write(fd, parts)
 
-    def read(self, fd: int, into: memoryview, offset: int) -> int:
+    def read(self, fd: int, parts: Sequence[memoryview]) -> int:
         if self.read_errno is not None:
             code, self.read_errno = self.read_errno, None
             raise OSError(code, os.strerror(code))
-        return super().read(fd, into, offset)
+        return super().read(fd, parts)
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Invert one byte of a file in place, as bit rot or a stray writer would."""
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
 
 
 FAULTS = ("disk-full", "write-io-error", "read-io-error", "corrupt-block", "evict-before-fetch", "stall")
@@ -57,7 +73,7 @@ class TierFaults:
         self.injected: list[str] = []
         self.clock = FakeClock()
         if disk is not None:
-            disk._disk = self.io
+            disk.files.disk = self.io
             disk._jobs.clock = self.clock
 
     def inject(self, fault: str, choice: int = 0) -> None:
@@ -100,13 +116,8 @@ class TierFaults:
         if not published:
             return
         entry = published[choice % len(published)]
-        assert self.disk is not None and entry.slot is not None
-        offset = entry.slot * self.disk.block_bytes + choice % self.disk.block_bytes
-        with open(self.disk.file, "r+b") as file:
-            file.seek(offset)
-            byte = file.read(1)
-            file.seek(offset)
-            file.write(bytes([byte[0] ^ 0xFF]))
+        assert self.disk is not None
+        flip_byte(self.disk.files.path(entry.key), RECORD.size + choice % self.disk.block_bytes)
         self.corrupted.append(entry)
 
     def _evict_before_next_fetch(self) -> None:

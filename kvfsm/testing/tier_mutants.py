@@ -1,18 +1,22 @@
 """Controls for the lower-tier invariants: kvfsm with one tier rule removed, each caught by some interleaving.
 
-Each patches one running engine + connector (instance attributes only), like `kvfsm.testing.mutants`.
+Each patches one running engine + connector (instance attributes only), like `kvfsm.testing.mutants`; those of
+`disk-block-whole` (`DISK_FILE_MUTANTS`) patch one disk tier, and the shared-directory tests stage what shows them.
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 from typing import Any, Callable, Iterable, Sequence
 
 from kvfsm.connector import Connector
+from kvfsm.connector.ranks import TierOutcome
 from kvfsm.engine.engine import Engine
-from kvfsm.tiers.disk import DiskIo, DiskTier
+from kvfsm.tiers.blockfile import RECORD
+from kvfsm.tiers.disk import DiskTier
 from kvfsm.connector.tier_planner import TierPlanner
-from kvfsm.records import TierEntry
+from kvfsm.records import TierEntry, TierJob
 
 
 def _disk(connector: Connector) -> DiskTier:
@@ -28,13 +32,13 @@ def _planner(connector: Connector) -> TierPlanner:
 def publish_before_written(engine: Engine, connector: Connector) -> None:
     """A write is acknowledged (and its key published) when queued; the bytes land in a later I/O operation."""
     disk = _disk(connector)
-    io = disk._io
+    io, write = disk._io, disk.files.write
 
-    def write(slot: int, source: memoryview) -> int:
-        io.submit(lambda: DiskIo().write(disk._fd, source, slot * disk.block_bytes))
+    def acknowledge_then_write(key: int, source: memoryview) -> int:
+        io.submit(lambda: write(key, source))
         return zlib.crc32(source)
 
-    disk._write = write  # type: ignore[method-assign]
+    disk.files.write = acknowledge_then_write  # type: ignore[method-assign]
 
 
 def lookup_counts_writing(engine: Engine, connector: Connector) -> None:
@@ -138,3 +142,65 @@ TIER_MUTANTS: tuple[tuple[str, str, Callable[[Engine, Connector], None]], ...] =
     ("free-at-deadline", "late-io-holds-slot (a late read lands in a reused CPU slot)", free_at_deadline),
     ("unbounded-write-back", "writeback-bounded (write-backs flood the disk)", unbounded_write_back),
 )
+
+
+def tier_first_report(planner: TierPlanner) -> None:
+    """A tier job ends on the first rank's report (later ones are only logged): a fetch one rank read and another
+    failed is loadable, or freed while another rank's read still lands in it. A control for tensor parallelism:
+    with one worker it is kvfsm, so it is not among `TIER_MUTANTS` (the one-worker interleavings)."""
+
+    def first_report(job: TierJob) -> TierOutcome | None:
+        if len(job.reports) != 1:
+            return None
+        report = next(iter(job.reports.values()))
+        return TierOutcome(failed=dict(report.failed), held=report.held)
+
+    planner._outcome = first_report  # type: ignore[method-assign]
+
+
+TIER_RANK_CONTROLS: dict[str, Callable[[TierPlanner], None]] = {"tier-first-report": tier_first_report}
+"""Controls of the tier planner that differ from kvfsm only with several workers (`tier-job-every-rank`)."""
+
+
+# --- controls of `disk-block-whole`: one disk tier's block files with one half of the rule removed ---------------
+
+
+def publish_in_place(tier: DiskTier) -> None:
+    """A block is written straight under its name: a reader meets it partial while it is written, and a writer
+    killed mid-write leaves it torn there."""
+    files = tier.files
+
+    def write_in_place(key: int, source: memoryview, carried: int | None = None) -> int:
+        checksum = zlib.crc32(source) if carried is None else carried
+        fd = os.open(files.path(key), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            files.disk.write(fd, [memoryview(files.record(key, checksum)), source])
+        finally:
+            os.close(fd)
+        return checksum
+
+    files.write = write_in_place  # type: ignore[method-assign]
+
+
+def unverified_read(tier: DiskTier) -> None:
+    """A block's file is loaded as found: its record and checksum are not checked."""
+    files = tier.files
+
+    def read_unchecked(key: int, destination: memoryview) -> int:
+        fd = os.open(files.path(key), os.O_RDONLY)
+        try:
+            files.disk.read(fd, [memoryview(bytearray(RECORD.size)), destination])
+        finally:
+            os.close(fd)
+        return zlib.crc32(destination)
+
+    files.read = read_unchecked  # type: ignore[method-assign]
+
+
+DISK_FILE_MUTANTS: tuple[tuple[str, str, Callable[[DiskTier], None]], ...] = (
+    ("publish-in-place", "disk-block-whole (a block visible to other engines while partial, or torn by a crash)",
+     publish_in_place),
+    ("unverified-read", "disk-block-whole (a corrupted, torn or foreign block file loaded)", unverified_read),
+)
+"""Applied to one tier, not an engine: each shows only with a second engine, a crash or a file changed on disk,
+which `tests/test_tiers_disk_shared.py` stages (one process's generated interleavings never meet them)."""

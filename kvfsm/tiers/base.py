@@ -14,9 +14,10 @@ since the lookup end as a key listed in `TierCompletion.failed`, which the sched
 recomputes). Only misuse (a job id submitted twice, a view of the wrong size) raises, before anything changes; and a
 bug (an error no I/O produces) raises from `poll`, but only once every finished job has settled (see `TierJobs`).
 
-What every tier shares beyond the interface lives here too, so a tier writes only what is its own (a disk its slot
-file and offsets, Mooncake its keys, values and client): `TierJobs` keeps the jobs in flight, their deadline and the
-poll loop that settles them into `TierCompletion`s, including the held/release protocol of a job past its deadline.
+What every tier shares beyond the interface lives here too, so a tier writes only what is its own (a disk its
+directory of block files, Mooncake its keys, values and client): `TierJobs` keeps the jobs in flight, their deadline
+and the poll loop that settles them into `TierCompletion`s, including the held/release protocol of a job past its
+deadline.
 
 Threads: the tier's thread (the worker's, which owns the CPU pool) calls `submit_write`, `submit_read`, `poll`,
 `reads_in_flight`, `discard` and `close`; the scheduler's thread calls `lookup` (in-process, the same thread in the
@@ -37,6 +38,7 @@ from typing import Callable, Iterable, Literal, Mapping, Protocol, Sequence, run
 from kvfsm.config import OffloadConfig
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.executor.pool import HostPool
+from kvfsm.mooncake.keys import KvNamespace
 from kvfsm.records import TierEntry
 from kvfsm.tiers.entries import TierEntries
 
@@ -69,6 +71,10 @@ class TierCompletion:
     failed: Mapping[int, TierFailure] = field(default_factory=dict)
     held: bool = False
     release: bool = False
+    checksums: Mapping[int, int | None] = field(default_factory=dict)
+    """Of a read, for each key it moved: the block checksum the tier keeps with the key's bytes, i.e. the one its
+    write was handed (taken when the block was first stored in the CPU pool); where it was handed none, a CRC-32
+    the tier took of the bytes it wrote, or None. The worker checks the CPU slot's next load against it."""
 
     @property
     def ok(self) -> bool:
@@ -80,9 +86,10 @@ class TierCompletion:
         return cls(job_id, {**{key: TierFailure.timeout for key in keys}, **failed}, held=True)
 
     @classmethod
-    def ended(cls, job_id: int, held: bool, failed: Mapping[int, TierFailure]) -> TierCompletion:
+    def ended(cls, job_id: int, held: bool, failed: Mapping[int, TierFailure],
+              checksums: Mapping[int, int | None]) -> TierCompletion:
         """The report of a job whose every call returned: its release if it was reported at its deadline already."""
-        return cls(job_id, release=True) if held else cls(job_id, failed)
+        return cls(job_id, release=True) if held else cls(job_id, failed, checksums=checksums)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,22 @@ class TierSite:
     """The registered KV caches: how the bytes of a block are laid out."""
     pool: HostPool
     """The CPU pool every view handed to the tier points into."""
+
+    def namespace(self, model_id: str, dtype: str) -> KvNamespace:
+        """What a block stored from this site is the KV of, beside its prefix hash: the model, dtype, layout, block
+        size and shard. A tier that stores blocks where other engines (or a later one) read them names them by it."""
+        offload = self.offload
+        return KvNamespace(model_id=model_id, dtype=dtype, layout=layout_of(self.caches),
+                           block_tokens=offload.cpu_block_tokens, tp_rank=self.worker,
+                           tp_world_size=offload.num_workers)
+
+
+def layout_of(caches: KVCaches) -> str:
+    """Where each piece of a block lives in a CPU block: layouts per group, then each plane's name, piece count,
+    piece size and offset. Two engines whose KV bytes are arranged differently get different namespaces."""
+    groups = ",".join(f"{group}={layout}" for group, layout in sorted(caches.layouts.items()))
+    planes = ",".join(f"{p.name}:{p.pieces}x{p.piece_bytes}@{p.offset}" for p in caches.planes)
+    return f"{groups};{planes}"
 
 
 class TierMisuse(ValueError):
@@ -121,16 +144,20 @@ class LowerTier(Protocol):
         the scheduler's thread once per lookup: it answers from a local index or one batched query, never waits on
         the bytes."""
 
-    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview]) -> None:
+    def submit_write(self, job_id: int, keys: Sequence[int], sources: Sequence[memoryview],
+                     checksums: Sequence[int | None] = ()) -> None:
         """Start writing each `sources[i]` (a CPU slot, pinned by the caller until this job is reported) under
         `keys[i]`; return at once. A key is published only once its bytes and their checksum are complete in the
         tier. A key already published or being written is skipped (it counts as moved). A key with no room, even
-        after the tier's own eviction of published, unpinned keys, fails with `full`."""
+        after the tier's own eviction of published, unpinned keys, fails with `full`. `checksums[i]` (when given:
+        the engine runs with `OffloadConfig.checksum`) is the block's checksum taken when it was first stored: the
+        tier keeps it with the bytes and hands it back with every read of them (`TierCompletion.checksums`)."""
 
     def submit_read(self, job_id: int, keys: Sequence[int], destinations: Sequence[memoryview]) -> None:
         """Start reading each key's bytes into `destinations[i]` (a CPU slot only this job touches); return at once.
         A key not published now fails with `missing` (it was evicted or dropped since the lookup); a read whose
-        bytes do not match their checksum fails with `corrupt`. A failed key is dropped from the tier, so the next
+        bytes do not match their checksum fails with `corrupt`. The job's completion hands back, per key moved, the
+        block checksum its write was handed. A failed key is dropped from the tier, so the next
         lookup misses it instead of fetching it again. While a key is read it is pinned: not evicted, not
         rewritten."""
 
@@ -156,14 +183,15 @@ class LowerTier(Protocol):
 
 class JobCalls(Protocol):
     """The I/O one job started: one answer per entry of the job, once every call of it returned (or will never
-    run). An answer is the call's value (a write's checksum) or the exception it ended with."""
+    run). An answer is the call's value (the checksum of the block written or read) or the exception it ended with."""
 
     @property
     def deadline(self) -> float:
         """When the job counts as hung if its calls have not all returned (on the clock of its `TierJobs`)."""
 
     def poll(self, now: float) -> Sequence[object] | None:
-        """Each entry's answer, in the job's entry order; None while a call may still touch the job's buffers."""
+        """Each entry's answer (a write's: the entry's checksum; a read's: the block checksum stored with the key,
+        or None), in the job's entry order; None while a call may still touch the job's buffers."""
 
 
 class FutureCalls:
@@ -190,6 +218,8 @@ class IoJob:
     failed: dict[int, TierFailure] = field(default_factory=dict)
     held: bool = False
     """Reported failed (`timeout`) at its deadline while its calls still run; released once they all returned."""
+    checksums: dict[int, int | None] = field(default_factory=dict)
+    """Of a read: the block checksum each key's call answered, for `TierCompletion.checksums`."""
 
 
 Reason = Callable[[BaseException], TierFailure | None]
@@ -197,7 +227,7 @@ Reason = Callable[[BaseException], TierFailure | None]
 bug, which must not pass as a miss)."""
 
 Settled = Callable[[IoKind, TierEntry, TierFailure | None], None]
-"""What a tier does of its own once an entry's call settled (a disk frees a failed key's slot)."""
+"""What a tier does of its own once an entry's call settled (Mooncake shuns a key whose value failed its check)."""
 
 
 def _nothing_more(kind: IoKind, entry: TierEntry, failure: TierFailure | None) -> None:
@@ -269,15 +299,19 @@ class TierJobs:
             del self._jobs[job_id]
             for entry, answer in reversed(list(zip(job.entries, answers, strict=True))):
                 self._settle(job, entry, answer, bugs)
-            finished.append(TierCompletion.ended(job_id, job.held, job.failed))
+            finished.append(TierCompletion.ended(job_id, job.held, job.failed, job.checksums))
         if bugs:
             self._unreported = finished
             raise bugs[0] if len(bugs) == 1 else ExceptionGroup(f"{self.label}: errors no I/O produces", bugs)
         return finished
 
     def _settle(self, job: IoJob, entry: TierEntry, answer: object, bugs: list[BaseException]) -> None:
-        if not isinstance(answer, BaseException):
+        if not isinstance(answer, BaseException):  # a write's answer: the entry's checksum; a read's: the block's
+            if job.kind == "read":
+                job.checksums[entry.key] = answer  # type: ignore[assignment]
             self.entries.settle(job.kind, entry, checksum=answer)  # type: ignore[arg-type]
+            if job.kind == "read" and isinstance(answer, int):
+                job.checksums[entry.key] = answer
             self.settled(job.kind, entry, None)
             return
         failure = self.reason(answer)

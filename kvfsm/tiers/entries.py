@@ -15,7 +15,7 @@ Threads: used only from its tier's thread (`lookup` from the scheduler's, which 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 from kvfsm.machines import LifecycleMachine, MachineSet
 from kvfsm.records import TierEntry
@@ -25,8 +25,10 @@ PUBLISHED, EMPTY = TierEntryState.PUBLISHED, TierEntryState.EMPTY
 
 
 class TierEntries:
-    def __init__(self, tier: str, machines: MachineSet, keep_lookups: bool = False) -> None:
-        """`machines`: the connector's machine set, so its observers trace this tier too."""
+    def __init__(self, tier: str, machines: MachineSet, keep_lookups: bool = False, bound: int | None = None) -> None:
+        """`machines`: the connector's machine set, so its observers trace this tier too. `bound`: at most this many
+        keys published or being read are remembered; publishing or adopting one more evicts the least recently used
+        (None: the tier bounds its keys itself, as a disk does by its slots)."""
         if not isinstance(machines, MachineSet):
             raise TypeError(f"tier {tier!r}: its entries need the connector's MachineSet, got {machines!r}")
         self.tier = tier
@@ -34,6 +36,7 @@ class TierEntries:
         self._recency: OrderedDict[int, None] = OrderedDict()  # published keys, least recently used first
         self._machine: LifecycleMachine = machines["tier-entry"]
         self.keep_lookups = keep_lookups
+        self.bound = bound
         self.lookups: list[tuple[int, str]] = []
         """(key, state when counted) for every key a lookup counted, kept only when `keep_lookups` (tests)."""
 
@@ -46,14 +49,19 @@ class TierEntries:
     def get(self, key: int) -> TierEntry | None:
         return self.by_key.get(key)
 
-    def lookup(self, keys: Sequence[int]) -> int:
-        """Leading keys that are published now."""
+    def published_prefix(self, keys: Sequence[int]) -> int:
+        """Leading keys that are published now (what `lookup` answers, without logging it)."""
         count = 0
         for key in keys:
             entry = self.by_key.get(key)
             if entry is None or entry.state != PUBLISHED:
                 break
             count += 1
+        return count
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        """Leading keys that are published now."""
+        count = self.published_prefix(keys)
         if self.keep_lookups:
             self.lookups.extend((key, self.by_key[key].state) for key in keys[:count])
         return count
@@ -70,6 +78,7 @@ class TierEntries:
     def publish(self, entry: TierEntry, checksum: int) -> None:
         self._machine.fire(entry, "write-done", checksum=checksum)
         self._recency[entry.key] = None
+        self._forget_beyond_bound()
 
     def adopt(self, key: int) -> TierEntry | None:
         """A published entry for `key`, which a shared store showed complete though this process did not write it;
@@ -80,6 +89,7 @@ class TierEntries:
         self._machine.fire(entry, "adopt")
         self.by_key[key] = entry
         self._recency[key] = None
+        self._forget_beyond_bound()
         return entry
 
     def settle(self, kind: str, entry: TierEntry, checksum: int | None = None, failed: bool = False) -> None:
@@ -117,9 +127,18 @@ class TierEntries:
         self._forget_if_empty(entry, self._machine.fire(entry, "evict"))
         return entry
 
-    def least_recent_evictable(self) -> int | None:
-        """The published key used longest ago; reading keys are pinned and skipped."""
-        return next((k for k in self._recency if self.by_key[k].state == PUBLISHED), None)
+    def least_recent_evictable(self, keep: Collection[int] = ()) -> int | None:
+        """The published key used longest ago, other than those in `keep`; reading keys are pinned and skipped."""
+        return next((k for k in self._recency if self.by_key[k].state == PUBLISHED and k not in keep), None)
+
+    def _forget_beyond_bound(self) -> None:
+        """Evict the least recently used published keys while more than `bound` are remembered; keys being read
+        are pinned and stay (the bound is then exceeded by reads in flight only, until they end)."""
+        while self.bound is not None and len(self._recency) > self.bound:
+            key = self.least_recent_evictable()
+            if key is None:
+                return
+            self.evict(key)
 
     def _forget_if_empty(self, entry: TierEntry, state: str) -> None:
         if state == EMPTY:

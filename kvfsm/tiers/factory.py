@@ -23,9 +23,11 @@ TierFactory = Callable[[LowerTierConfig, TierSite, IoExecutor | None, bool, Mach
 def _open_disk(config: LowerTierConfig, site: TierSite, io: IoExecutor | None, keep_lookups: bool,
                machines: MachineSet) -> LowerTier:
     assert isinstance(config, DiskTierConfig)
+    namespace = site.namespace(config.model_id, config.kv_dtype) if config.shared else None  # type: ignore[arg-type]
     return DiskTier(config.tier_name, config.path, config.capacity_bytes, site.block_bytes,
                     io or io_threads(config.io_threads, config.tier_name), worker=site.worker,
-                    keep_lookups=keep_lookups, io_timeout_s=config.io_timeout_s, machines=machines)
+                    keep_lookups=keep_lookups, io_timeout_s=config.io_timeout_s, machines=machines,
+                    namespace=namespace)
 
 
 def _open_mooncake(config: LowerTierConfig, site: TierSite, io: IoExecutor | None, keep_lookups: bool,

@@ -15,6 +15,8 @@ import pytest
 
 from kvfsm.mooncake.client import ClientSettings, MooncakeClient
 from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
+from kvfsm.mooncake.value import ValueMac
+from kvfsm.testing.mooncake_store import tenant_mac
 
 SEGMENT_BYTES = 64 << 20
 
@@ -54,11 +56,12 @@ ClientFactory = Callable[..., MooncakeClient]
 
 @pytest.fixture
 def connect() -> Iterator[ClientFactory]:
-    """`connect(deployment, **settings)`: a connected client, closed when the test ends."""
+    """`connect(deployment, mac=..., **settings)`: a connected client, closed when the test ends."""
     clients: list[MooncakeClient] = []
 
-    def make(deployment: LocalMooncake, **overrides: object) -> MooncakeClient:
-        client = MooncakeClient(ClientSettings(master=deployment.address, **overrides))  # type: ignore[arg-type]
+    def make(deployment: LocalMooncake, mac: ValueMac | None = None, **overrides: object) -> MooncakeClient:
+        client = MooncakeClient(ClientSettings(master=deployment.address, **overrides),  # type: ignore[arg-type]
+                                mac or tenant_mac())
         client.connect()
         clients.append(client)
         return client

@@ -1,4 +1,5 @@
-"""Key scheme: a key names model, dtype, layout, block size, TP rank and world size, and the tenant's salt."""
+"""Key scheme: a key names model, dtype, layout, block size, TP rank and world size, and the tenant's salt; a per-head
+key names the head instead of the TP rank and world size, so every TP size of one model agrees on it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given, strategies as st
 from pydantic import ValidationError
 
-from kvfsm.mooncake.keys import KvNamespace, object_key
+from kvfsm.mooncake.keys import KvNamespace, head_key, object_key
 
 BASE = KvNamespace(model_id="org/model@abc", dtype="bfloat16", layout="kv-first", block_tokens=16,
                    tp_rank=0, tp_world_size=2)
@@ -46,9 +47,30 @@ def test_parts_cannot_be_shifted_across_field_boundaries(a: tuple[str, str], b: 
 def test_keys_are_stable_and_short() -> None:
     key = object_key(BASE, 123456789)
     assert key == object_key(KvNamespace(**BASE.model_dump()), 123456789)
-    assert key.startswith("kvfsm1-") and len(key) == len("kvfsm1-") + 40
+    assert key.startswith("kvfsm2-") and len(key) == len("kvfsm2-") + 40
 
 
 def test_a_rank_outside_its_world_is_refused() -> None:
     with pytest.raises(ValidationError):
         KvNamespace(model_id="m", dtype="bfloat16", layout="kv-first", block_tokens=16, tp_rank=2, tp_world_size=2)
+
+
+def test_a_head_key_names_the_head_and_no_tensor_parallel_rank_or_size() -> None:
+    assert head_key(VARIANTS["tp rank"], 7, 3) == head_key(VARIANTS["tp world"], 7, 3) == head_key(BASE, 7, 3)
+    assert head_key(BASE, 7, 3) != head_key(BASE, 7, 2)
+
+
+@pytest.mark.parametrize("part", sorted(set(VARIANTS) - {"tp rank", "tp world"}))
+def test_each_shared_part_of_the_namespace_changes_a_head_key(part: str) -> None:
+    assert head_key(VARIANTS[part], 7, 0) != head_key(BASE, 7, 0)
+
+
+def test_a_salt_changes_a_head_key() -> None:
+    assert head_key(BASE, 7, 0, "tenant-a") != head_key(BASE, 7, 0)
+
+
+def test_a_head_key_is_never_a_block_key() -> None:
+    """A per-rank value and a per-head value hold different bytes: no key may name both."""
+    blocks = {object_key(BASE.model_copy(update={"tp_rank": r, "tp_world_size": 4}), 7, salt)
+              for r in range(4) for salt in (None, "s")}
+    assert not blocks & {head_key(BASE, 7, head, salt) for head in range(4) for salt in (None, "s")}

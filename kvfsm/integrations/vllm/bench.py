@@ -55,6 +55,7 @@ from kvfsm.integrations.vllm.rig import (
     BLOCK_SIZE,
     KVFSM_CONNECTOR,
     FakeWorker,
+    StepOutputs,
     kv_cache_config,
     model_config,
     model_output,
@@ -142,18 +143,23 @@ class Run:
     """One workload through one vLLM scheduler; everything it measured."""
 
     def __init__(self, workload: Workload, connector: str, model: Any, admission: str = "every-block",
-                 layer_loads: bool = False) -> None:
+                 layer_loads: bool = False, async_scheduling: bool = False) -> None:
+        """With `async_scheduling` vLLM's `AsyncScheduler` runs as vLLM's engine core drives it then: step N+1 is
+        scheduled before step N's output is processed."""
         init_none_hash(sha256)
         name = CONNECTORS[connector]
         extra = {"cpu_blocks": CPU_BLOCKS, "layer_loads": layer_loads} if name == KVFSM_CONNECTOR else {
             "cpu_bytes_to_use": CPU_BLOCKS * gpu_block_bytes(kv_cache_config(1))}
         extra |= ADMISSION[admission].get(connector, {})
-        config = vllm_config(model, extra, workload.gpu_blocks, connector=name,
+        config = vllm_config(model, extra, workload.gpu_blocks, connector=name, async_scheduling=async_scheduling,
                              max_batched_tokens=workload.max_batched_tokens, max_seqs=workload.max_seqs)
-        self.scheduler = Scheduler(config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config),
-                                   block_size=BLOCK_SIZE)
+        self.scheduler: Scheduler = config.scheduler_config.get_scheduler_cls()(
+            config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config), block_size=BLOCK_SIZE)
+        # A load computed in its own step is reported in that step (the adapter's worker waits for it).
+        inline = connector == "kvfsm" and self.scheduler.connector.scheduler_side.kvfsm.inline_loads
         self.worker = (None if name is None else OffloadingFakeWorker() if connector == "vllm"
-                       else FakeWorker(load_steps=1 if layer_loads else LOAD_STEPS, store_steps=STORE_STEPS))
+                       else FakeWorker(load_steps=1 if inline else LOAD_STEPS, store_steps=STORE_STEPS))
+        self.outputs = StepOutputs(self._process, async_scheduling)
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.deferrals = 0
         if self.scheduler.connector is not None:
@@ -202,19 +208,22 @@ class Run:
         connector_output = None if self.worker is None else self.worker.step(self.step_no, output, self.scheduler)
         result = model_output(self.scheduler, output, connector_output)
         updating = time.thread_time()
-        outputs = self.scheduler.update_from_output(output, result)
+        self.outputs.ran(self.step_no, output, result)
         end = time.thread_time()
-        for req_id in sampled_requests(outputs):
-            self.first_token.setdefault(req_id, self.step_no)
-        for engine in outputs.values():
-            for out in engine.outputs:
-                self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         if measured:
             self.step_us.append((scheduled - start + end - updating) * 1e6)
             self.jobs = [a + b for a, b in zip(self.jobs, job_counts(output))]
             self.preemptions += len(output.preempted_req_ids or ())
             self.held.append(held)
             self.flushed += flushed_stores(output)
+
+    def _process(self, step: int, output: SchedulerOutput, result: Any) -> None:
+        outputs = self.scheduler.update_from_output(output, result)
+        for req_id in sampled_requests(outputs):
+            self.first_token.setdefault(req_id, step)
+        for engine in outputs.values():
+            for out in engine.outputs:
+                self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
 
     def figures(self, measured: set[str]) -> dict[str, Any]:
         ttft = [self.first_token[r] - self.arrived[r] for r in measured if r in self.first_token]
@@ -254,13 +263,14 @@ def run(workload: Workload, connector: str, model: Any, admission: str = "every-
 
 
 def play(workload: Workload, connector: str, model: Any, admission: str = "every-block",
-         layer_loads: bool = False) -> tuple[Run, set[str]]:
+         layer_loads: bool = False, async_scheduling: bool = False) -> tuple[Run, set[str]]:
     """The workload through one connector; the run and the requests it measured."""
-    bench = Run(workload, connector, model, admission, layer_loads)
+    bench = Run(workload, connector, model, admission, layer_loads, async_scheduling)
     for arrival in workload.warm:
         bench.add(arrival)
     while bench.scheduler.has_requests() or _due_jobs(bench.worker):
         bench.step(measured=False)
+    bench.outputs.flush()
     bench.scheduler.reset_prefix_cache()
     measured: set[str] = set()
     gc.collect()
@@ -270,6 +280,7 @@ def play(workload: Workload, connector: str, model: Any, admission: str = "every
             bench.add(arrival)
             measured.add(arrival.req_id)
         bench.step(measured=workload.measure_from(bench.scheduler))
+    bench.outputs.flush()
     return bench, measured
 
 

@@ -6,10 +6,12 @@ A prefix that comes back from the CPU pool is computed, with vLLM's `OffloadingC
 layer waiting for its own segment of the load (`wait_for_layer_load`). This bench runs one stream of returning
 prefixes (every measured request a CPU hit: its document was stored in the warm-up and vLLM's GPU prefix cache then
 reset) through the three and compares, request by request, the steps from arrival to first token, and the tokens
-each request got (equal in every run).
+each request got (equal in every run). It does so twice: with vLLM's scheduling synchronous, and under async
+scheduling (vLLM 0.32's default: vLLM's `AsyncScheduler`, step N+1 scheduled before step N's output is processed),
+where kvfsm loads every CPU hit asynchronously whatever `layer_loads` says (`no-inline-load-under-async-scheduling`).
 
 Steps, not seconds: the fake worker reports an asynchronous load `LOAD_STEPS` steps after its order (as
-`bench.py` does for both connectors), an inline load in its own step, which is what the adapter's worker does (it
+`bench.py` does for both connectors), a load the connector computes inline in its own step, which is what the adapter's worker does (it
 waits on the host for the step's loads before reporting). On a GPU the load's step is longer by whatever of the
 load its compute does not overlap; the per-layer reload's time against its PCIe floor is measured in
 docs/benchmarks.md's TTFT section. CPU µs per step is the scheduler's own thread time, as in `bench.py`.
@@ -26,7 +28,7 @@ from typing import Any, Iterator
 from rich.console import Console
 from rich.table import Table
 
-from kvfsm.integrations.vllm.bench import Arrival, Workload, _tokens, play
+from kvfsm.integrations.vllm.bench import Arrival, Run, Workload, _tokens, play
 from kvfsm.integrations.vllm.rig import model_config
 
 RUNS: dict[str, tuple[str, bool]] = {
@@ -34,6 +36,9 @@ RUNS: dict[str, tuple[str, bool]] = {
 }
 """Row name: (connector in `bench.CONNECTORS`, `layer_loads`)."""
 BASELINE = "vllm"
+SCHEDULING = {"sync": False, "async": True}
+"""vLLM's scheduling: synchronous (`--no-async-scheduling`), or async (vLLM 0.32's default), where kvfsm loads every
+CPU hit asynchronously whatever `layer_loads` says (docs/vllm.md)."""
 
 
 def returning_prefixes(documents: int = 96, doc_tokens: int = 2048, per_step: int = 4, seed: int = 0) -> Workload:
@@ -54,19 +59,25 @@ QUICK = {"documents": 12, "doc_tokens": 256, "per_step": 3}
 
 
 def compare_inline(quick: bool = False) -> Iterator[dict[str, Any]]:
-    """One row per run: steps to first token of every CPU hit, the fewest steps gained over vLLM's connector by any
-    one request, whether every request got the same tokens as there, and the scheduler's CPU µs per step."""
+    """One row per run and scheduling: steps to first token of every CPU hit, the fewest steps gained over vLLM's
+    connector (same scheduling) by any one request, whether every request got the same tokens as there, and the
+    scheduler's CPU µs per step."""
     with tempfile.TemporaryDirectory() as folder:
         model = model_config(Path(folder) / "tiny-llama")
         workload = returning_prefixes(**(QUICK if quick else {}))
-        played = {name: play(workload, connector, model, layer_loads=layer_loads) for name, (connector, layer_loads)
-                  in RUNS.items()}
+        for scheduling, ahead in SCHEDULING.items():
+            played = {name: play(workload, connector, model, layer_loads=layer_loads, async_scheduling=ahead)
+                      for name, (connector, layer_loads) in RUNS.items()}
+            yield from _rows(workload.name, scheduling, played)
+
+
+def _rows(workload: str, scheduling: str, played: dict[str, tuple[Run, set[str]]]) -> Iterator[dict[str, Any]]:
     base, measured = played[BASELINE]
     base_ttft = {r: base.first_token[r] - base.arrived[r] for r in measured}
     for name, (bench, _) in played.items():
         ttft = {r: bench.first_token[r] - bench.arrived[r] for r in measured}
         gains = [base_ttft[r] - ttft[r] for r in measured]
-        yield {"workload": workload.name, "run": name, "requests": len(measured),
+        yield {"workload": workload, "scheduling": scheduling, "run": name, "requests": len(measured),
                "cpu_hit_blocks": bench.jobs[1], "ttft_steps_mean": statistics.fmean(ttft.values()),
                "ttft_steps_max": max(ttft.values()), "fewest_steps_gained": min(gains),
                "same_tokens": all(bench.tokens.get(r) == base.tokens.get(r) for r in measured),
@@ -74,7 +85,7 @@ def compare_inline(quick: bool = False) -> Iterator[dict[str, Any]]:
 
 
 COLUMNS = {
-    "workload": "workload", "run": "connector", "requests": "CPU hits", "cpu_hit_blocks": "blocks in",
+    "workload": "workload", "scheduling": "scheduling", "run": "connector", "requests": "CPU hits", "cpu_hit_blocks": "blocks in",
     "ttft_steps_mean": "steps to 1st token", "ttft_steps_max": "max", "fewest_steps_gained": "gained on vLLM's (min)",
     "same_tokens": "same tokens", "us_per_step": "CPU µs/step", "us_per_step_median": "median",
 }
@@ -96,7 +107,7 @@ def main(out: Path = Path("bench-out"), quick: bool = False) -> list[dict[str, A
     rows = list(compare_inline(quick))
     table = Table(title="vLLM 0.32 Scheduler, returning prefixes: a CPU hit's steps to first token")
     for title in COLUMNS.values():
-        table.add_column(title, justify="left" if title in ("workload", "connector") else "right")
+        table.add_column(title, justify="left" if title in ("workload", "scheduling", "connector") else "right")
     for row in rows:
         table.add_row(*_cells(row))
     Console(width=200).print(table)

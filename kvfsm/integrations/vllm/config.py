@@ -7,7 +7,10 @@ vLLM drains the connector's KV-cache events every step and publishes them only u
 '{"enable_kv_cache_events": true}'`, so kvfsm records them (`kv_events`) exactly then. Every worker of the engine
 reports each job: vLLM's `KVOutputAggregator` counts `parallel_config.world_size` of them (tensor x pipeline x
 prefill-context parallel; pipeline stages other than the last pass their connector output through), so that is
-`num_workers`.
+`num_workers`. Whether vLLM schedules a step before it read the previous step's output is kvfsm's `async_scheduling`:
+vLLM's engine core then keeps more than one batch in flight (`max_concurrent_batches`), under async scheduling (its
+default where the platform and executor allow it) and with pipeline parallelism. With it on, `layer_loads` loads CPU
+hits asynchronously (`no-inline-load-under-async-scheduling`), in both halves alike.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
         "gpu_block_size": vllm_config.cache_config.block_size,
         "num_workers": vllm_config.parallel_config.world_size,
         "kv_events": events is not None and events.enable_kv_cache_events,
+        "async_scheduling": vllm_config.max_concurrent_batches > 1,
     }
     _read_offload_prompt_only(extra)
     for key, value in from_engine.items():

@@ -3,7 +3,8 @@
 vLLM builds one instance per role: in the scheduler process it delegates to `SchedulerSide`, in each worker to
 `WorkerSide`. Calls that belong to the other role are refused with `WrongRole` rather than ignored, so a wiring
 mistake shows at once. Loads are asynchronous under vLLM (a request is computed once its load is reported) unless
-`layer_loads` is set: then a CPU hit is computed in the step that loads it, `start_load_kv` sends the step's loads one
+`layer_loads` is set and vLLM reads each step's output before it schedules the next (no async scheduling, no pipeline
+parallelism): then a CPU hit is computed in the step that loads it, `start_load_kv` sends the step's loads one
 segment per layer and `wait_for_layer_load` makes the compute stream wait for that layer's segment only.
 `save_kv_layer` starts each layer's stores right after that layer's KV write when `layer_stores` is set (otherwise
 stores follow the forward pass).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -63,9 +63,12 @@ KVFSM_CONNECTOR = "KvfsmConnector"
 
 def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
                 connector: str | None = KVFSM_CONNECTOR, max_batched_tokens: int = 512,
-                max_seqs: int = 32, tensor_parallel_size: int = 1, prefix_caching: bool = True) -> VllmConfig:
+                max_seqs: int = 32, tensor_parallel_size: int = 1, prefix_caching: bool = True,
+                async_scheduling: bool = False, pipeline_parallel_size: int = 1) -> VllmConfig:
     """vLLM's configuration with `connector` (kvfsm's, one of vLLM's own by name, or None for none); without
-    `prefix_caching` vLLM's GPU prefix cache is off (every request looks its whole prefix up in the connector)."""
+    `prefix_caching` vLLM's GPU prefix cache is off (every request looks its whole prefix up in the connector).
+    `async_scheduling` is set after vLLM resolved its configuration: vLLM's CPU platform turns it off, where a GPU
+    platform leaves it on by default; the scheduler and the connector read it when they are built."""
     transfer = None if connector is None else KVTransferConfig(
         kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra,
         kv_connector_module_path="kvfsm.integrations.vllm" if connector == KVFSM_CONNECTOR else None,
@@ -74,8 +77,10 @@ def vllm_config(model: ModelConfig, extra: dict[str, Any], num_gpu_blocks: int,
         model_config=model, cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_batched_tokens, max_num_seqs=max_seqs,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False),
-        kv_transfer_config=transfer, parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+        kv_transfer_config=transfer, parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                                                   pipeline_parallel_size=pipeline_parallel_size))
     config.cache_config.num_gpu_blocks = num_gpu_blocks
+    config.scheduler_config.async_scheduling = async_scheduling
     return config
 
 
@@ -100,6 +105,35 @@ def model_output(scheduler: Scheduler, output: SchedulerOutput,
 def sampled_requests(outputs: dict[int, Any]) -> list[str]:
     """Requests that got a new token in `Scheduler.update_from_output`'s result."""
     return [out.request_id for engine in outputs.values() for out in engine.outputs if out.new_token_ids]
+
+
+class StepOutputs:
+    """When a scheduler's step outputs are processed, as vLLM's engine core does it: at once, or under async
+    scheduling (`ahead`) step N's only after step N+1 was scheduled and run."""
+
+    def __init__(self, process: Callable[[int, SchedulerOutput, ModelRunnerOutput], None], ahead: bool) -> None:
+        self._process = process
+        self.ahead = ahead
+        self._unprocessed: tuple[int, SchedulerOutput, ModelRunnerOutput] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """A step ran whose output is not processed yet."""
+        return self._unprocessed is not None
+
+    def ran(self, step: int, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Step `step` ran: process its output now, or under async scheduling the previous step's."""
+        earlier, self._unprocessed = self._unprocessed, (step, output, result)
+        if not self.ahead:
+            self.flush()
+        elif earlier is not None:
+            self._process(*earlier)
+
+    def flush(self) -> None:
+        """Process the step run but not processed yet, if any."""
+        earlier, self._unprocessed = self._unprocessed, None
+        if earlier is not None:
+            self._process(*earlier)
 
 
 @dataclass

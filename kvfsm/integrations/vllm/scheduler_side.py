@@ -9,11 +9,14 @@ Two places where vLLM's protocol differs from kvfsm's, bridged here and nowhere 
   answer into that output before vLLM reads it (`update_connector_output` runs first). With `layer_loads` a CPU hit
   is a synchronous load: vLLM computes the request in the step that loads it and waits for nothing, so a finished
   load is news to vLLM only as a failed load's blocks, which the workers name themselves in that step's output
-  (`load_reports_in_step`).
+  (`load_reports_in_step`). Under vLLM's async scheduling the next step is scheduled before that output is read, so
+  a failed load's token could not be taken back: CPU hits then load asynchronously whatever `layer_loads` says
+  (`no-inline-load-under-async-scheduling`), and start-up logs it once.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+log = logging.getLogger(__name__)
+
 _NORMAL_FINISH = frozenset({
     RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION,
 })
@@ -57,6 +62,11 @@ class SchedulerSide:
         self.kvfsm = SchedulerConnector(config, gpu_block_bytes(kv_cache_config),
                                         num_gpu_blocks=kv_cache_config.num_blocks)
         self.kvfsm.load_reports_in_step = True  # vLLM reads invalid blocks only in the output of their step
+        if config.layer_loads and not config.inline_loads:
+            log.warning("kvfsm: layer_loads is set but vLLM schedules each step before it read the previous one's "
+                        "output (async scheduling, or pipeline parallelism), so a failed load's step could not be "
+                        "taken back; CPU hits load asynchronously instead (kvfsm_loads_total{mode=\"async\"}). Per-layer "
+                        "loads need --no-async-scheduling and no pipeline parallelism.")
         self.codec = HashCodec()
         self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage)
         self._matched: dict[str, RequestView] = {}
@@ -93,7 +103,7 @@ class SchedulerSide:
             raise TypeError(f"expected kvfsm worker metadata, got {type(meta).__name__}")
         result = self.kvfsm.update_connector_output(ConnectorOutput(workers=meta.reports if meta else ()))
         self.kvfsm.get_block_ids_with_load_errors()  # the workers reported these blocks to vLLM themselves
-        if result.loaded and not self.kvfsm.config.layer_loads:  # an inline load's request is running already
+        if result.loaded and not self.kvfsm.inline_loads:  # an inline load's request is running already
             output.finished_recving = set(output.finished_recving or ()) | result.loaded
         if result.released:
             output.finished_sending = set(output.finished_sending or ()) | result.released

@@ -92,7 +92,7 @@ class WorkerSide:
         """Collect the jobs that finished since the last poll (once per step, before the two reports below)."""
         if isinstance(self.device, SimDevice):
             self.device.run_until_idle()
-        elif self.config.layer_loads:  # computed on this step: reported in this step's output
+        elif self.config.inline_loads:  # computed on this step: reported in this step's output
             self.kvfsm.wait(self._step_loads)
         report = self.kvfsm.get_finished()
         for job_id in report.failed:
