@@ -192,7 +192,7 @@ def test_stats_count_lookups_hits_transfers_and_bytes() -> None:
         lookups=3, cpu_hit_blocks=4, cpu_misses=2, deferrals=0, store_refusals=0, blocks_skipped_prompt_only=0,
         blocks_skipped_threshold=0, blocks_stored=2,
         blocks_loaded=4, bytes_stored=2 * 2 * GPU_BLOCK_BYTES, bytes_loaded=4 * GPU_BLOCK_BYTES,
-        stores_failed=0, loads_failed=0)
+        stores_failed=0, loads_failed=0, loads_async=1, loads_inline=0)
 
 
 def test_a_fence_record_made_on_first_use_names_its_block() -> None:
