@@ -5,6 +5,7 @@ control `one-eager-queue` (the first tier's pick hides the block from the second
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -13,9 +14,17 @@ from kvfsm.executor.sim import SimDevice
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.mooncake_store import shared_master
 from kvfsm.testing.tier_mutants import MULTI_TIER_CONTROLS
-from test_tier_planner import Below, below  # noqa: F401  (the fixture)
+from test_tier_planner import Below
 
 PROMPT = tuple(range(3, 3 + 16))
+
+
+@pytest.fixture
+def two_disks(tmp_path: Path) -> Iterator[Below]:
+    """The planner alone over two disk tiers, `near` and `far`, both eager."""
+    b = Below(tmp_path, ("eager", "eager"), cpu_blocks=4, bound_blocks=4)
+    yield b
+    b.close()
 
 
 def written_back(b: Below) -> dict[str, set[int]]:
@@ -30,16 +39,16 @@ def written_back(b: Below) -> dict[str, set[int]]:
     return ordered
 
 
-def test_every_eager_tier_is_offered_every_stored_block(below: Callable[..., Below]) -> None:
-    b = below("eager", "eager")
+def test_every_eager_tier_is_offered_every_stored_block(two_disks: Below) -> None:
+    b = two_disks
     b.ready([1, 2])
     b.planner.stored([1, 2])
     assert written_back(b) == {"near": {1, 2}, "far": {1, 2}}
 
 
 def test_a_block_another_tier_is_writing_back_waits_for_the_write_to_end_then_goes_to_the_next_tier(
-        below: Callable[..., Below]) -> None:
-    b = below("eager", "eager")
+        two_disks: Below) -> None:
+    b = two_disks
     b.ready([1])
     b.planner.stored([1])
     assert b.orders() == [("write-back", "near", (1,))]
@@ -49,8 +58,8 @@ def test_a_block_another_tier_is_writing_back_waits_for_the_write_to_end_then_go
 
 
 def test_the_control_in_which_the_first_tiers_pick_hides_the_block_starves_the_second_tier(
-        below: Callable[..., Below]) -> None:
-    b = below("eager", "eager")
+        two_disks: Below) -> None:
+    b = two_disks
     MULTI_TIER_CONTROLS["one-eager-queue"](b.planner)
     b.ready([1, 2])
     b.planner.stored([1, 2])
