@@ -20,9 +20,9 @@ until that write ended, as an on-evict tier's victim does until the next step's 
 Bookkeeping is not here: the jobs live on the connector's `Ledger` beside the transfer jobs (one table per kind, one
 history policy), their ranks' reports are aggregated as a transfer job's are (`kvfsm.connector.ranks`), and what a
 job's end does to its CPU slots is declared as couplings in `tier-job.yaml`, which the ledger fires. What this module
-remembers between steps is planning only, each bounded by the CPU pool (per tier) whatever the number of jobs: each
-eager tier's write-back queue, the keys whose write-back failed, the write-backs in flight at a cache reset, and which fetch
-brought each CPU slot's block (for the per-tier statistics).
+remembers between steps is planning only, each bounded by the CPU pool (per tier) whatever the number of jobs:
+each eager tier's write-back queue, the keys whose write-back failed, the write-backs in flight at a cache reset,
+and which fetch brought each CPU slot's block (for the per-tier statistics).
 """
 
 from __future__ import annotations
