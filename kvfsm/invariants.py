@@ -68,6 +68,7 @@ class World(Protocol):
     tiers: Sequence[TierView]  # the open lower tiers, in lookup order
     tier_jobs: Mapping[int, TierJob]  # every write-back and fetch of the run (ids shared with `jobs`)
     writeback_bound: int  # configured bound on the bytes of write-backs in flight
+    eager_tiers: frozenset[str]  # the lower tiers whose write-back policy is eager
     num_workers: int  # ranks whose reports a job waits for
     rank: int  # the rank whose device log `accesses` is
     replicated: bool  # every rank holds the same KV and the ranks share one host pool

@@ -85,6 +85,28 @@ def writeback_pins_slot(world: World) -> list[str]:
     return found
 
 
+@REGISTRY.invariant("eager-every-tier")
+def eager_every_tier(world: World) -> list[str]:
+    """Checked at idle, when every eager write-back the planner queued was ordered or dropped: each ready block a
+    store wrote was offered to each eager tier (a write-back of it to that tier was ordered, whatever its end) or
+    that tier has it (published by an earlier write-back, or read from it). Reads the run's history (ended stores
+    and tier jobs); a store it no longer keeps makes its block unchecked rather than flagged."""
+    if not world.idle or not world.eager_tiers:
+        return []
+    stores = {job.job_id for job in world.jobs.values() if job.kind == "store"}
+    offered = {(job.tier, key) for job in world.tier_jobs.values() for key in job.keys}
+    found = []
+    for tier in world.tiers:
+        if tier.name not in world.eager_tiers:
+            continue
+        held = {entry.key for entry in tier.entries}
+        found += [f"{tier.name}: CPU slot {block.slot}'s stored key {block.block_hash:#x} was never offered to it"
+                  for block in world.cpu_blocks
+                  if block.state == Cpu.READY and block.writer_job in stores and block.block_hash is not None
+                  and (tier.name, block.block_hash) not in offered and block.block_hash not in held]
+    return found
+
+
 @REGISTRY.invariant("fetch-lands-private")
 def fetch_lands_private(world: World) -> list[str]:
     fetches = _in_flight(world, "fetch")

@@ -79,6 +79,10 @@ class ConnectorWorld:
         return self.scheduler.config.writeback_max_bytes_in_flight
 
     @property
+    def eager_tiers(self) -> frozenset[str]:
+        return frozenset(t.tier_name for t in self.scheduler.config.lower_tiers if t.writeback == "eager")
+
+    @property
     def num_workers(self) -> int:
         return self.scheduler.config.num_workers
 

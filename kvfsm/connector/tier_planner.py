@@ -12,14 +12,17 @@ and waits on the same fetch instead of starting a second one.
 Write-back: each tier's `writeback` policy picks CPU blocks to copy down, `eager` (every stored block, soon after
 its store completed) or `on-evict` (the blocks the CPU eviction policy will give up next); either way the blocks
 are pinned `writing-back` until the write ended, and the bytes of write-backs in flight stay within
-`OffloadConfig.writeback_max_bytes_in_flight` (a candidate that does not fit waits for a later step).
+`OffloadConfig.writeback_max_bytes_in_flight` (a candidate that does not fit waits for a later step). A slot is read
+by one write-back at a time (`writeback-pins-slot`), so with several tiers its write-backs run one after another:
+each eager tier keeps its own queue (`eager-every-tier`), and a block another tier is writing back waits in it
+until that write ended, as an on-evict tier's victim does until the next step's plan.
 
 Bookkeeping is not here: the jobs live on the connector's `Ledger` beside the transfer jobs (one table per kind, one
 history policy), their ranks' reports are aggregated as a transfer job's are (`kvfsm.connector.ranks`), and what a
 job's end does to its CPU slots is declared as couplings in `tier-job.yaml`, which the ledger fires. What this module
-remembers between steps is planning only, each bounded by the CPU pool whatever the number of jobs: the eager
-write-back queue, the keys whose write-back failed, the write-backs in flight at a cache reset, and which fetch
-brought each CPU slot's block (for the per-tier statistics).
+remembers between steps is planning only, each bounded by the CPU pool (per tier) whatever the number of jobs:
+each eager tier's write-back queue, the keys whose write-back failed, the write-backs in flight at a cache reset,
+and which fetch brought each CPU slot's block (for the per-tier statistics).
 """
 
 from __future__ import annotations
@@ -68,7 +71,10 @@ class TierPlanner:
         is in the CPU pool, so a pool's worth per tier is all the rule needs; the oldest beyond it is tried again."""
         self._new_job_id = new_job_id
         self._created: list[TierJob] = []
-        self._eager: deque[int] = deque()
+        self._eager: dict[str, deque[int]] = {name: deque() for name, policy in self.policies.items()
+                                              if policy == "eager"}
+        """Each eager tier's stored keys not yet offered to it, oldest first: one queue per tier, so one tier's pick
+        (which pins the slot `writing-back` for a while) hides the block from no other tier."""
         self._origin: dict[int, tuple[int, str]] = {}  # CPU slot -> (fetch job, tier) that filled it, until loaded
         self._stale: set[int] = set()  # write-backs in flight at a cache reset: their keys are dropped when they end
         self._gave_up: OrderedDict[tuple[str, int], None] = OrderedDict()  # (tier, key) whose write-back failed
@@ -107,26 +113,26 @@ class TierPlanner:
     # --- write-back ------------------------------------------------------------------------------------------
 
     def stored(self, hashes: Sequence[int]) -> None:
-        """These blocks' store completed: eager tiers write them back."""
-        if "eager" in self.policies.values():
-            self._eager.extend(hashes)
+        """These blocks' store completed: every eager tier writes them back."""
+        for queue in self._eager.values():
+            queue.extend(hashes)
 
     def _plan_write_backs(self, step: int) -> None:
         budget = self.bound - sum(j.nbytes for j in self.ledger.tier_jobs.values()
                                   if j.kind == "write-back" and j.in_flight)
         room = budget // self.block_bytes
-        eager = self._eager_candidates() if "eager" in self.policies.values() else []
         blocks = self.manager.blocks
         for tier in self.tiers:
-            eager_tier = self.policies[tier.name] == "eager"
-            candidates = eager if eager_tier else self._next_victims(self.lookahead[tier.name])
+            queue = self._eager.get(tier.name)
+            candidates = self._eager_candidates(queue) if queue is not None else self._next_victims(
+                self.lookahead[tier.name])
             eligible = [s for s in candidates if blocks[s].state == Cpu.READY and not self._held_by(tier, s)
                         and (tier.name, blocks[s].block_hash) not in self._gave_up]
             picked, left = eligible[:max(room, 0)], eligible[max(room, 0):]
             if left:
                 self.stats.writebacks_held += 1
-                if eager_tier:
-                    self._eager.extendleft(reversed([blocks[s].block_hash for s in left]))  # type: ignore[misc]
+                if queue is not None:
+                    queue.extendleft(reversed([blocks[s].block_hash for s in left]))  # type: ignore[misc]
             if not picked:
                 continue
             room -= len(picked)
@@ -140,11 +146,12 @@ class TierPlanner:
         assert block_hash is not None
         return tier.entries.get(block_hash) is not None or tier.lookup([block_hash]) > 0
 
-    def _eager_candidates(self) -> list[int]:
-        """Slots of stored blocks not yet written back, oldest first; blocks evicted since are dropped."""
+    def _eager_candidates(self, queue: deque[int]) -> list[int]:
+        """Slots of one eager tier's stored blocks not yet written back to it, oldest first; blocks evicted since are
+        dropped, and blocks not readable now (another tier's write-back among them) stay queued for a later step."""
         slots: dict[int, None] = {}
-        for _ in range(len(self._eager)):
-            block_hash = self._eager.popleft()
+        for _ in range(len(queue)):
+            block_hash = queue.popleft()
             slot = self.manager.catalogue.get(block_hash)
             if slot is None or slot in slots:
                 continue
@@ -152,7 +159,7 @@ class TierPlanner:
             if state == Cpu.READY:
                 slots[slot] = None
             elif state in (Cpu.PENDING_STORE, Cpu.SUBMITTED, Cpu.LOADING, Cpu.WRITING_BACK):
-                self._eager.append(block_hash)  # not readable for a write-back now: later
+                queue.append(block_hash)  # not readable for a write-back now: later
         return list(slots)
 
     def _next_victims(self, room: int) -> list[int]:
@@ -239,13 +246,14 @@ class TierPlanner:
         for tier in self.tiers:
             tier.discard([e.key for e in tier.entries if e.state == TierEntryState.PUBLISHED])
         self._stale = {j.job_id for j in self.ledger.tier_jobs.values() if j.kind == "write-back" and j.in_flight}
-        self._eager.clear()
+        for queue in self._eager.values():
+            queue.clear()
         self._gave_up.clear()
 
     @property
     def idle(self) -> bool:
         """Nothing in flight and no eager write-back waiting to be ordered."""
-        return not self._eager and not any(j.in_flight for j in self.ledger.tier_jobs.values())
+        return not any(self._eager.values()) and not any(j.in_flight for j in self.ledger.tier_jobs.values())
 
     # --- helpers ---------------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections import deque
 from typing import Any, Callable, Iterable, Sequence
 
 from kvfsm.connector import Connector
@@ -160,6 +161,19 @@ def tier_first_report(planner: TierPlanner) -> None:
 
 TIER_RANK_CONTROLS: dict[str, Callable[[TierPlanner], None]] = {"tier-first-report": tier_first_report}
 """Controls of the tier planner that differ from kvfsm only with several workers (`tier-job-every-rank`)."""
+
+
+def one_eager_queue(planner: TierPlanner) -> None:
+    """Every eager tier reads one write-back queue: the first tier's pick pins the block `writing-back`, and once
+    its write ended that tier holds the key and drops it from the queue the next tier would have read, so the next
+    tier gets only the blocks the first gave up on. A control for several eager tiers: with one it is kvfsm, so it
+    is not among `TIER_MUTANTS` (whose interleavings open one lower tier)."""
+    shared: deque[int] = deque()
+    planner._eager = dict.fromkeys(planner._eager, shared)
+
+
+MULTI_TIER_CONTROLS: dict[str, Callable[[TierPlanner], None]] = {"one-eager-queue": one_eager_queue}
+"""Controls of the tier planner that differ from kvfsm only with several lower tiers (`eager-every-tier`)."""
 
 
 # --- controls of `disk-block-whole`: one disk tier's block files with one half of the rule removed ---------------
