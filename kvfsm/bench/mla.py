@@ -42,6 +42,8 @@ MODES = (("TP=1", 1, True), ("TP=2, one host copy", 2, True), ("TP=2, a pool per
 
 @dataclass(frozen=True)
 class MlaShape:
+    """A DeepSeek-V3-shaped replicated cache (61 layers, a 576-wide latent of bf16 per token) and the run's size."""
+
     layers: int = 61
     block_tokens: int = 64
     latent: int = 576
