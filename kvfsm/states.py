@@ -26,7 +26,6 @@ class GpuBlockState:
 
     WRITABLE: Final = "writable"
     FENCED: Final = "fenced"
-    FREED_WHILE_READ: Final = "freed-while-read"
 
 
 class RequestState:
@@ -39,7 +38,6 @@ class RequestState:
     RUNNING: Final = "running"
     PREEMPTED: Final = "preempted"
     DRAINING: Final = "draining"
-    RETURNED: Final = "returned"
     RELEASED: Final = "released"
     LOADING_INLINE: Final = "loading-inline"
 
