@@ -35,9 +35,9 @@ def publish_before_written(engine: Engine, connector: Connector) -> None:
     disk = _disk(connector)
     io, write = disk._io, disk.files.write
 
-    def acknowledge_then_write(key: int, source: memoryview) -> int:
-        io.submit(lambda: write(key, source))
-        return zlib.crc32(source)
+    def acknowledge_then_write(key: int, source: memoryview, carried: int | None = None) -> int:
+        io.submit(lambda: write(key, source, carried))
+        return zlib.crc32(source) if carried is None else carried
 
     disk.files.write = acknowledge_then_write  # type: ignore[method-assign]
 
