@@ -98,7 +98,7 @@ MESSAGES = {
                                      "or more",
     "step-not-a-scheduler-output": "build_connector_meta: output must be a SchedulerOutput, got dict",
     "step-preempts-a-loading-request": "build_connector_meta: request 'loading' is loading, which has no 'preempt' "
-                                       "transition; legal only for a request that is loading-inline or running",
+                                       "transition; legal only for a request that is running",
 }
 
 
