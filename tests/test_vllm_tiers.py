@@ -77,11 +77,10 @@ def tiered(model, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tup
             worker.close()
 
 
-def evict_from_cpu_then_reload(d: Driver, workers: list[AdapterWorker],
-                               meanwhile: Callable[[], None] = lambda: None) -> list[LoadOrder]:
-    """The writer stores PREFIX (written back below the CPU pool), other prompts push it out of the CPU pool,
-    `meanwhile` runs, vLLM's GPU cache forgets everything and every rank's GPU caches are zeroed; then a reader of
-    the same prefix runs. Its loads."""
+def push_below_cpu(d: Driver, workers: list[AdapterWorker]) -> None:
+    """The writer stores PREFIX (written back below the CPU pool), other prompts push it out of the CPU pool, vLLM's
+    GPU cache forgets everything and every rank's GPU caches are zeroed: whatever a reader of PREFIX finds now came
+    through the CPU pool from below it."""
     d.add("writer", PREFIX + [1, 2, 3])
     d.run(MAX_STEPS)
     for i, other in enumerate(OTHERS):
@@ -89,13 +88,23 @@ def evict_from_cpu_then_reload(d: Driver, workers: list[AdapterWorker],
         d.run(MAX_STEPS)
     kvfsm = d.connector.scheduler_side.kvfsm
     assert not any(h in kvfsm.manager.catalogue for h in prefix_keys(d, PREFIX)), "the CPU pool still holds it"
-    meanwhile()
     d.reset_gpu_prefix_cache()
     for cache in (c for worker in workers for c in worker.caches.values()):
-        cache.zero_()  # whatever the reader finds now came through the CPU pool from below it
+        cache.zero_()
+
+
+def reader_loads(d: Driver) -> list[LoadOrder]:
+    return [o for log in d.log for o in log.orders.loads if o.req_id == "reader"]
+
+
+def evict_from_cpu_then_reload(d: Driver, workers: list[AdapterWorker],
+                               meanwhile: Callable[[], None] = lambda: None) -> list[LoadOrder]:
+    """`push_below_cpu`, then `meanwhile` runs and a reader of the same prefix runs. Its loads."""
+    push_below_cpu(d, workers)
+    meanwhile()
     d.add("reader", PREFIX + [9])
     d.run(MAX_STEPS)
-    return [o for log in d.log for o in log.orders.loads if o.req_id == "reader"]
+    return reader_loads(d)
 
 
 def prefix_keys(d: Driver, prefix: list[int]) -> list[int]:
