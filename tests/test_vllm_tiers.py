@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -77,24 +78,25 @@ def tiered(model, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tup
             worker.close()
 
 
-def push_below_cpu(d: Driver, workers: list[AdapterWorker]) -> None:
-    """The writer stores PREFIX (written back below the CPU pool), other prompts push it out of the CPU pool, vLLM's
-    GPU cache forgets everything and every rank's GPU caches are zeroed: whatever a reader of PREFIX finds now came
-    through the CPU pool from below it."""
-    d.add("writer", PREFIX + [1, 2, 3])
+def push_below_cpu(d: Driver, workers: list[AdapterWorker], prefix: list[int] = PREFIX,
+                   others: list[list[int]] = OTHERS, tag: str = "") -> None:
+    """The writer stores `prefix` (written back below the CPU pool), `others` push it out of the CPU pool, vLLM's
+    GPU cache forgets everything and every rank's GPU caches are zeroed: whatever a reader of `prefix` finds now came
+    through the CPU pool from below it. `tag` keeps request ids apart when a test does this more than once."""
+    d.add(f"{tag}writer", prefix + [1, 2, 3])
     d.run(MAX_STEPS)
-    for i, other in enumerate(OTHERS):
-        d.add(f"other{i}", other + [1])
+    for i, other in enumerate(others):
+        d.add(f"{tag}other{i}", other + [1])
         d.run(MAX_STEPS)
     kvfsm = d.connector.scheduler_side.kvfsm
-    assert not any(h in kvfsm.manager.catalogue for h in prefix_keys(d, PREFIX)), "the CPU pool still holds it"
+    assert not any(h in kvfsm.manager.catalogue for h in prefix_keys(d, prefix)), "the CPU pool still holds it"
     d.reset_gpu_prefix_cache()
     for cache in (c for worker in workers for c in worker.caches.values()):
         cache.zero_()
 
 
-def reader_loads(d: Driver) -> list[LoadOrder]:
-    return [o for log in d.log for o in log.orders.loads if o.req_id == "reader"]
+def reader_loads(d: Driver, reader: str = "reader") -> list[LoadOrder]:
+    return [o for log in d.log for o in log.orders.loads if o.req_id == reader]
 
 
 def evict_from_cpu_then_reload(d: Driver, workers: list[AdapterWorker],
@@ -114,8 +116,15 @@ def prefix_keys(d: Driver, prefix: list[int]) -> list[int]:
 
 
 def holds_prefix(worker: AdapterWorker, load: LoadOrder, prefix: list[int] = PREFIX) -> bool:
-    return all(worker.block_tokens(block) == [t % 251 for t in prefix[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
-               for i, block in enumerate(load.gpu_blocks))
+    """Every K and V value of every layer of each loaded block is the one its writer's forward pass wrote there (the
+    token id at that position, mod 251): not one byte wrong."""
+    for i, block in enumerate(load.gpu_blocks):
+        tokens = torch.tensor([t % 251 for t in prefix[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]])
+        for cache in worker.caches.values():
+            written = cache[:, block]  # (K and V, positions, heads, head size)
+            if not bool((written == tokens.view(1, -1, 1, 1).to(written.dtype)).all()):
+                return False
+    return True
 
 
 def misplace_fetches(monkeypatch: pytest.MonkeyPatch) -> None:
