@@ -33,11 +33,10 @@ from test_vllm_tiers import (  # noqa: E402
     holds_prefix,
     prefix_keys,
     push_below_cpu,
-    reader_loads,
     tiered,
 )
 from vllm_harness import AdapterWorker, Driver  # noqa: E402
-from vllm_support import model  # noqa: E402,F401
+from vllm_support import loads_of, model  # noqa: E402,F401
 
 __all__ = ["model", "tiered"]
 """Fixtures used here, defined beside the vLLM tests."""
@@ -61,7 +60,7 @@ def tier_stats(d: Driver) -> Any:
 def recomputed_with_no_wrong_byte(d: Driver, worker: AdapterWorker) -> None:
     """The fault's end: the reader ran, every block it loaded (if any) holds its prefix's bytes, and all drained."""
     assert "reader" in d.first_token
-    assert all(holds_prefix(worker, load) for load in reader_loads(d))
+    assert all(holds_prefix(worker, load) for load in loads_of(d, "reader"))
     assert d.cpu_pool_drained()
 
 
@@ -99,7 +98,7 @@ def test_a_full_disk_fails_its_write_backs_and_the_reader_recomputes(tiered, tmp
     d, worker = full_disk_then_reload(tiered, tmp_path)
     stats = tier_stats(d)
     assert stats.failures["full"] > 0 and stats.blocks_written_back["disk"] == 0
-    assert not fetches(d) and not reader_loads(d)
+    assert not fetches(d) and not loads_of(d, "reader")
     recomputed_with_no_wrong_byte(d, worker)
 
 
@@ -157,7 +156,7 @@ def test_a_disk_hung_past_its_deadline_is_a_miss_and_the_reader_recomputes_meanw
     assert served_while_the_disk_hangs(d, worker, lambda faults: faults.inject("stall"))
     stats = tier_stats(d)
     assert stats.failures["timeout"] > 0 and stats.tokens_loaded_from["disk"] == 0
-    assert not reader_loads(d)
+    assert not loads_of(d, "reader")
     recomputed_with_no_wrong_byte(d, worker)
 
 
@@ -177,7 +176,7 @@ def test_a_corrupted_block_fails_its_fetch_and_the_reader_recomputes(tiered, tmp
     evict_from_cpu_then_reload(d, [worker], lambda: corrupt_slot_file(worker))
     stats = tier_stats(d)
     assert fetches(d) and stats.failures["corrupt"] > 0 and stats.tokens_loaded_from["disk"] == 0
-    assert not reader_loads(d)
+    assert not loads_of(d, "reader")
     recomputed_with_no_wrong_byte(d, worker)
 
 
@@ -203,7 +202,7 @@ def test_a_key_the_disk_evicted_after_the_lookup_fails_its_fetch_and_is_forgotte
     d = evicted_before_its_fetch(tiered, tmp_path)
     assert len(fetches(d)) == 1, "the index offered the lost key again"
     assert tier_stats(d).failures["missing"] > 0
-    assert sum(len(load.gpu_blocks) for load in reader_loads(d)) < len(prefix_keys(d, PREFIX)), "a lost key loaded"
+    assert sum(len(load.gpu_blocks) for load in loads_of(d, "reader")) < len(prefix_keys(d, PREFIX)), "a lost key loaded"
     recomputed_with_no_wrong_byte(d, d.worker)  # type: ignore[arg-type]
 
 

@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm.config import KVEventsConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -33,7 +34,7 @@ from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
 from kvfsm.records import TierJob  # noqa: E402
 from kvfsm.tiers.disk import DiskIo  # noqa: E402
 from vllm_harness import AdapterWorker, Driver, FakeRanks  # noqa: E402
-from vllm_support import model  # noqa: E402,F401
+from vllm_support import loads_of, model  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
@@ -53,15 +54,17 @@ def disk_tier(path: Path, blocks: int = 64, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def tiered(model, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Driver, list[AdapterWorker]]]]:
-    """`tiered(tier, ranks=1)`: a driver over one lower tier and its real worker roles, one per tensor-parallel rank
+    """`tiered(tier, ranks=1, async_scheduling=False, kv_events=False)`: a driver over one lower tier and its real worker roles, one per tensor-parallel rank
     (each its own slot file; several ranks' outputs combined by vLLM's `KVOutputAggregator`). Each driver stops
     tracing and each worker closes its tiers when the test ends."""
     opened: list[tuple[Driver, list[AdapterWorker]]] = []
 
-    def build(tier: dict[str, Any], ranks: int = 1, async_scheduling: bool = False
+    def build(tier: dict[str, Any], ranks: int = 1, async_scheduling: bool = False, kv_events: bool = False
               ) -> tuple[Driver, list[AdapterWorker]]:
         config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [tier]}, 64, tensor_parallel_size=ranks,
                              async_scheduling=async_scheduling)
+        if kv_events:  # vLLM publishes KV events: the connector records them
+            config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         workers = []
         for rank in range(ranks):
             monkeypatch.setattr(connector_module, "worker_rank", lambda world_size, rank=rank: rank)
@@ -95,10 +98,6 @@ def push_below_cpu(d: Driver, workers: list[AdapterWorker], prefix: list[int] = 
         cache.zero_()
 
 
-def reader_loads(d: Driver, reader: str = "reader") -> list[LoadOrder]:
-    return [o for log in d.log for o in log.orders.loads if o.req_id == reader]
-
-
 def evict_from_cpu_then_reload(d: Driver, workers: list[AdapterWorker],
                                meanwhile: Callable[[], None] = lambda: None) -> list[LoadOrder]:
     """`push_below_cpu`, then `meanwhile` runs and a reader of the same prefix runs. Its loads."""
@@ -106,7 +105,7 @@ def evict_from_cpu_then_reload(d: Driver, workers: list[AdapterWorker],
     meanwhile()
     d.add("reader", PREFIX + [9])
     d.run(MAX_STEPS)
-    return reader_loads(d)
+    return loads_of(d, "reader")
 
 
 def prefix_keys(d: Driver, prefix: list[int]) -> list[int]:

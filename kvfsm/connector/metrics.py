@@ -1,15 +1,18 @@
 """The metrics kvfsm exports, declared once: each counter names the `ConnectorStats` field it reads.
 
-Two exporters read this catalogue: `kvfsm.connector.prometheus.KvfsmCollector` (prometheus_client, any engine) and
+A connector with lower tiers exports more (`counters`): each tier's hits under `kvfsm_hit_blocks`, and its own
+families, labelled by tier name. Two exporters read this catalogue: `kvfsm.connector.prometheus.KvfsmCollector` (prometheus_client, any engine) and
 the vLLM adapter's `KvfsmPromMetrics` (vLLM's own Prometheus registry, fed by its connector-stats hook), so both
 expose the same names, labels and buckets. Nothing here imports prometheus_client.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from kvfsm.connector.stats import TRANSFER_BUCKETS
+from kvfsm.tiers.base import TierFailure
 
 DIRECTIONS = ("store", "load")
 """store: GPU to CPU; load: CPU to GPU."""
@@ -68,6 +71,43 @@ COUNTERS: tuple[CounterFamily, ...] = (
     CounterFamily("kvfsm_failed_jobs", "Transfer jobs that failed (a failed load is recomputed), by direction.",
                   (({"direction": "store"}, "stores_failed"), ({"direction": "load"}, "loads_failed"))),
 )
+TIER_DIRECTIONS = ("write-back", "fetch")
+"""write-back: CPU pool to a lower tier; fetch: a lower tier to the CPU pool."""
+
+
+def tier_key(counter: str, label: str) -> str:
+    """The name a lower tier's running total travels under beside the `ConnectorStats` fields: `counter` of the
+    tier (or failure reason) `label`. `kvfsm.connector.tier_planner.TierPlanner.totals` writes these."""
+    return f"tier.{counter}.{label}"
+
+
+def counters(lower_tiers: Sequence[str] = ()) -> tuple[CounterFamily, ...]:
+    """Every counter of a connector whose lower tiers are named `lower_tiers` (in lookup order): `COUNTERS`, with
+    each lower tier's hits beside the CPU pool's, then the blocks and bytes each tier moved by direction, the tokens
+    it served, and the keys that did not move by reason. A block found below the CPU pool is counted under its tier
+    when its fetch is ordered, and under `cpu` again when the CPU pool it was fetched into serves it."""
+    if not lower_tiers:
+        return COUNTERS
+    hits = [({"tier": tier}, tier_key("hit_blocks", tier)) for tier in lower_tiers]
+    extended = tuple(replace(c, samples=c.samples + tuple(hits)) if c.name == "kvfsm_hit_blocks" else c
+                     for c in COUNTERS)
+    by_direction = [(tier, d) for tier in lower_tiers for d in TIER_DIRECTIONS]
+    return extended + (
+        CounterFamily("kvfsm_tier_blocks", "CPU blocks moved between the CPU pool and a lower tier by jobs that "
+                      "ended, by tier and direction.",
+                      tuple(({"direction": d, "tier": t}, tier_key(f"blocks.{d}", t)) for t, d in by_direction)),
+        CounterFamily("kvfsm_tier_bytes", "Bytes moved between the CPU pool and a lower tier by jobs that ended, by "
+                      "tier and direction.",
+                      tuple(({"direction": d, "tier": t}, tier_key(f"bytes.{d}", t)) for t, d in by_direction)),
+        CounterFamily("kvfsm_tier_loaded_tokens", "Tokens loaded into the GPU from CPU blocks a fetch brought from "
+                      "a lower tier, by tier.",
+                      tuple(({"tier": t}, tier_key("loaded_tokens", t)) for t in lower_tiers)),
+        CounterFamily("kvfsm_tier_failures", "Keys a write-back or fetch did not move (a miss, never wrong bytes), "
+                      "by reason.",
+                      tuple(({"reason": r.value}, tier_key("failures", r.value)) for r in TierFailure)),
+    )
+
+
 TRANSFER_SECONDS = HistogramFamily(
     "kvfsm_transfer_seconds", "Each job's time in flight, from the step that submitted it to the report of its end, "
     "by direction.")

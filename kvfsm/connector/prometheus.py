@@ -17,24 +17,29 @@ from typing import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfsm.connector.metrics import COUNTERS, DIRECTIONS, POOL_BLOCKS, TRANSFER_SECONDS
+from kvfsm.connector.metrics import DIRECTIONS, POOL_BLOCKS, TRANSFER_SECONDS, counters
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.connector.stats import ConnectorStats
+from kvfsm.connector.tier_planner import TierPlanner
 
 
 class KvfsmCollector(Collector):
-    def __init__(self, stats: ConnectorStats, pool_usage: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, stats: ConnectorStats, pool_usage: Callable[[], Mapping[str, int]],
+                 tiers: TierPlanner | None = None) -> None:
+        """`tiers`: the scheduler half's lower tiers, whose counters are exported beside the CPU pool's."""
         self._stats = stats
         self._pool_usage = pool_usage
+        self._tiers = tiers
+        self._counters = counters([tier.name for tier in tiers.tiers] if tiers is not None else ())
 
     @classmethod
     def of(cls, scheduler: SchedulerConnector) -> "KvfsmCollector":
-        """The collector of one scheduler half: its stats and its host pool."""
-        return cls(scheduler.stats, scheduler.manager.usage)
+        """The collector of one scheduler half: its stats, its host pool and its lower tiers."""
+        return cls(scheduler.stats, scheduler.manager.usage, scheduler.tiers)
 
     def collect(self) -> Iterator[Metric]:
-        totals = self._stats.as_dict()
-        for counter in COUNTERS:
+        totals = {**self._stats.as_dict(), **(self._tiers.totals() if self._tiers is not None else {})}
+        for counter in self._counters:
             family = CounterMetricFamily(counter.name, counter.documentation, labels=counter.labelnames)
             for labels, source in counter.samples:
                 family.add_metric([labels[name] for name in counter.labelnames], totals[source])

@@ -33,13 +33,14 @@ from typing import Callable, Sequence
 
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.ledger import Ledger
+from kvfsm.connector.metrics import tier_key
 from kvfsm.connector.metadata import TierOrder, TierReport
 from kvfsm.connector.ranks import TierOutcome, every_rank_tier_outcome
 from kvfsm.manager import OffloadingManager
 from kvfsm.records import TierJob
 from kvfsm.states import CpuBlockState as Cpu
 from kvfsm.states import TierEntryState, TierJobState
-from kvfsm.tiers.base import LowerTier
+from kvfsm.tiers.base import LowerTier, TierFailure
 
 
 @dataclass
@@ -52,6 +53,8 @@ class TierStats:
     """Times a write-back candidate waited because the bytes in flight were at the bound."""
     tokens_loaded_from: Counter[str] = field(default_factory=Counter)
     """Tokens loaded into the GPU from CPU blocks that a fetch brought from each tier."""
+    hit_blocks: Counter[str] = field(default_factory=Counter)
+    """GPU blocks a lookup found in each tier (not in the CPU pool) and ordered fetched."""
 
 
 class TierPlanner:
@@ -63,6 +66,7 @@ class TierPlanner:
         self.block_bytes = block_bytes
         self.bound = config.writeback_max_bytes_in_flight
         self.num_workers = config.num_workers
+        self.block_size_factor = config.block_size_factor
         self.policies = {tier.tier_name: tier.writeback for tier in config.lower_tiers}
         self.lookahead = {tier.tier_name: tier.evict_lookahead_blocks for tier in config.lower_tiers}
         self.stats = TierStats()
@@ -96,6 +100,7 @@ class TierPlanner:
             if plan is None or not plan.hashes:
                 break
             job = self._new_job(job_id, "fetch", tier.name, plan.hashes, plan.slots, step)
+            self.stats.hit_blocks[tier.name] += len(plan.hashes) * self.block_size_factor
             self._origin.update((slot, (job_id, tier.name)) for slot in plan.slots)
             blockers.append(job.job_id)
             start += count
@@ -249,6 +254,18 @@ class TierPlanner:
         for queue in self._eager.values():
             queue.clear()
         self._gave_up.clear()
+
+    def totals(self) -> dict[str, int]:
+        """The running totals `kvfsm.connector.metrics.counters` exports for these tiers, every tier and reason
+        listed (0 until it counts)."""
+        stats, names = self.stats, [tier.name for tier in self.tiers]
+        moved = {"write-back": stats.blocks_written_back, "fetch": stats.blocks_fetched}
+        totals = {tier_key(f"blocks.{d}", t): blocks[t] for d, blocks in moved.items() for t in names}
+        totals |= {tier_key(f"bytes.{d}", t): blocks[t] * self.block_bytes for d, blocks in moved.items()
+                   for t in names}
+        totals |= {tier_key("hit_blocks", t): stats.hit_blocks[t] for t in names}
+        totals |= {tier_key("loaded_tokens", t): stats.tokens_loaded_from[t] for t in names}
+        return totals | {tier_key("failures", r.value): stats.failures[r.value] for r in TierFailure}
 
     @property
     def idle(self) -> bool:

@@ -39,11 +39,10 @@ from test_vllm_tiers import (  # noqa: E402
     holds_prefix,
     prefix_keys,
     push_below_cpu,
-    reader_loads,
     tiered,
 )
 from vllm_harness import AdapterWorker, Driver  # noqa: E402
-from vllm_support import model  # noqa: E402,F401
+from vllm_support import loads_of, model  # noqa: E402,F401
 
 __all__ = ["model", "tiered"]
 """Fixtures used here, defined beside the vLLM tests."""
@@ -98,9 +97,9 @@ def test_a_killed_master_costs_misses_and_a_restarted_one_serves_hits_again(tier
     d, worker = killed_then_restarted(tiered, fresh_mooncake)
     stats = tier_stats(d)
     assert fetches(d)[0].keys == tuple(prefix_keys(d, PREFIX)) and stats.failures["io-error"] > 0
-    assert not reader_loads(d)
+    assert not loads_of(d, "reader")
     recomputed_with_no_wrong_byte(d, worker)
-    (load,) = reader_loads(d, "after-reader")
+    (load,) = loads_of(d, "after-reader")
     assert holds_prefix(worker, load, span(5000))
     assert stats.tokens_loaded_from["mooncake"] == len(span(5000)), "no hit after the restart"
 
@@ -143,7 +142,7 @@ def full_store_then_reload(tiered, deployment: LocalMooncake, connect) -> tuple[
 def test_a_full_store_fails_its_write_backs_and_the_reader_recomputes(tiered, fresh_mooncake, connect) -> None:
     d, worker = full_store_then_reload(tiered, fresh_mooncake, connect)
     stats = tier_stats(d)
-    assert stats.failures["full"] > 0 and not fetches(d) and not reader_loads(d)
+    assert stats.failures["full"] > 0 and not fetches(d) and not loads_of(d, "reader")
     recomputed_with_no_wrong_byte(d, worker)
 
 
@@ -184,7 +183,7 @@ def test_a_key_the_store_dropped_after_the_lookup_fails_its_fetch_and_the_reader
         tiered, mooncake) -> None:
     d = dropped_before_its_fetch(tiered, mooncake, "tiny-dropped")
     assert len(fetches(d)) == 1, "the index offered the dropped keys again"
-    assert tier_stats(d).failures["missing"] > 0 and not reader_loads(d)
+    assert tier_stats(d).failures["missing"] > 0 and not loads_of(d, "reader")
     recomputed_with_no_wrong_byte(d, d.worker)  # type: ignore[arg-type]
 
 
@@ -220,11 +219,11 @@ def test_a_corrupted_value_fails_its_fetch_and_the_reader_recomputes(tiered, moo
     d, worker = corrupted_then_reload(tiered, mooncake, "tiny-corrupt")
     stats = tier_stats(d)
     assert fetches(d) and stats.failures["corrupt"] > 0 and stats.tokens_loaded_from["mooncake"] == 0
-    assert not reader_loads(d)
+    assert not loads_of(d, "reader")
     recomputed_with_no_wrong_byte(d, worker)
 
 
 def test_control_a_tier_that_loads_values_unchecked_serves_the_corrupted_bytes(tiered, mooncake) -> None:
     d, worker = corrupted_then_reload(tiered, mooncake, "tiny-corrupt-control", checked=False)
-    (load,) = reader_loads(d)
+    (load,) = loads_of(d, "reader")
     assert not holds_prefix(worker, load)

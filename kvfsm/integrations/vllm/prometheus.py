@@ -2,7 +2,8 @@
 
 vLLM asks the scheduler-role connector for `get_kv_connector_stats()` every step and hands the intervals to the
 class `build_prom_metrics` returned; this records them on metrics built with vLLM's metric classes (so Ray and
-multiprocess deployments work as for vLLM's own), named and labelled as `kvfsm.connector.metrics` declares.
+multiprocess deployments work as for vLLM's own), named and labelled as `kvfsm.connector.metrics` declares (the lower tiers' counters labelled by the tier names the
+connector's `kv_connector_extra_config` gives).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
 
-from kvfsm.connector.metrics import COUNTERS, DIRECTIONS, POOL_BLOCKS, TRANSFER_SECONDS
+from kvfsm.connector.metrics import DIRECTIONS, POOL_BLOCKS, TRANSFER_SECONDS, counters
+from kvfsm.integrations.vllm.config import offload_config
 from kvfsm.integrations.vllm.telemetry import COUNTS, POOL, SECONDS, SUMS
 
 
@@ -22,7 +24,7 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         engines = per_engine_labelvalues.items()
         self._counters: dict[tuple[int, str], Any] = {}
-        for family in COUNTERS:
+        for family in counters([tier.tier_name for tier in offload_config(vllm_config).lower_tiers]):
             counter = self._counter_cls(name=family.name, documentation=family.documentation,
                                         labelnames=labelnames + family.labelnames)
             for engine, values in engines:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, KVCacheEvent
 from vllm.v1.request import RequestStatus
 
 from kvfsm.config import OffloadConfig
@@ -39,9 +39,9 @@ from kvfsm.integrations.vllm.convert import (
     scheduler_output,
 )
 from kvfsm.integrations.vllm.telemetry import StatsDelta
+from kvfsm.integrations.vllm.tier_events import to_vllm
 from kvfsm.integrations.vllm.tier_index import TierIndexes
 from kvfsm.machines import MachineSet
-from kvfsm.manager.events import BlockStored as KvfsmBlockStored
 from kvfsm.states import RequestState
 
 if TYPE_CHECKING:
@@ -77,7 +77,8 @@ class SchedulerSide:
                         "taken back; CPU hits load asynchronously instead (kvfsm_loads_total{mode=\"async\"}). Per-layer "
                         "loads need --no-async-scheduling and no pipeline parallelism.")
         self.codec = HashCodec()
-        self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage)
+        self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage,
+                                self.kvfsm.tiers.totals if self.kvfsm.tiers is not None else dict)
         self._matched: dict[str, RequestView] = {}
         self.block_tables = BlockTables()
 
@@ -126,13 +127,12 @@ class SchedulerSide:
         return self.kvfsm.request_finished(request.request_id, aborted=aborted), None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
+        """The CPU pool's events (`MEDIUM_CPU`), then each lower tier's (`MEDIUM_STORAGE`, `tier_events`)."""
         for event in self.kvfsm.manager.take_events():
-            hashes = [self.codec.to_bytes(h) for h in event.hashes]
-            if isinstance(event, KvfsmBlockStored):
-                yield BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=0,
-                                  lora_id=None, medium=MEDIUM_CPU, lora_name=None)
-            else:
-                yield BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU)
+            yield to_vllm(event, self.codec.to_bytes, MEDIUM_CPU)
+        for tier in self.tier_index.tiers:
+            for event in tier.take_events():
+                yield to_vllm(event, self.codec.to_bytes, MEDIUM_STORAGE, tier.locality, tier.name)
 
     def reset_cache(self) -> bool:
         self.kvfsm.reset_cache()

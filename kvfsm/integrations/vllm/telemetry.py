@@ -61,15 +61,21 @@ class KvfsmStats(KVConnectorStats):
 class StatsDelta:
     """Turns kvfsm's running totals into per-interval increases, with the interval's job times and the pool."""
 
-    def __init__(self, source: ConnectorStats, pool_usage: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, source: ConnectorStats, pool_usage: Callable[[], Mapping[str, int]],
+                 tier_totals: Callable[[], Mapping[str, int]] = dict) -> None:
+        """`tier_totals`: the lower tiers' running totals (`TierPlanner.totals`), counted like `source`'s."""
         self._source = source
         self._pool_usage = pool_usage
-        self._last = source.as_dict()
+        self._tier_totals = tier_totals
+        self._last = self._totals()
         self._last_times = {d: (list(h.counts), list(h.sums)) for d, h in source.transfer_times.items()}
         self._pool_sampled = float("-inf")
 
+    def _totals(self) -> dict[str, int | float]:
+        return {**self._source.as_dict(), **self._tier_totals()}
+
     def take(self) -> KvfsmStats | None:
-        totals = self._source.as_dict()
+        totals = self._totals()
         data: dict[str, Any] = {key: value - self._last[key] for key, value in totals.items()
                                 if value != self._last[key]}
         self._last = totals

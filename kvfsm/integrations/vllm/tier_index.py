@@ -36,7 +36,9 @@ from typing import Iterable, Mapping, Sequence
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import TierOrder
 from kvfsm.integrations.vllm.master_lookup import KeyScheme, MasterLookup
+from kvfsm.integrations.vllm.tier_events import LOCAL, REMOTE, AnnouncedEntries
 from kvfsm.machines import MachineSet
+from kvfsm.manager.events import KVCacheEvent
 from kvfsm.records import TierEntry, TierJob
 from kvfsm.states import TierEntryState, TierJobState
 from kvfsm.tiers.entries import TierEntries
@@ -51,12 +53,16 @@ class ReportedTier:
     """One lower tier's index in the scheduler process: the `LowerTier` calls the planner makes, answered from what
     the workers reported."""
 
-    def __init__(self, name: str, block_bytes: int, machines: MachineSet, master: MasterLookup | None = None) -> None:
-        """`master`: a shared tier's store, asked for keys this index does not know."""
+    def __init__(self, name: str, block_bytes: int, machines: MachineSet, master: MasterLookup | None = None,
+                 events: bool = False) -> None:
+        """`master`: a shared tier's store, asked for keys this index does not know. `events`: record the keys
+        entering and leaving this index for vLLM's KV-event consumers (`take_events`)."""
         self.name = name
         self.block_bytes = block_bytes
-        self.entries = TierEntries(name, machines)
+        self.entries = AnnouncedEntries(name, machines) if events else TierEntries(name, machines)
         self.master = master
+        self.locality = LOCAL if master is None else REMOTE
+        """Where the tier's bytes are, as vLLM's KV events say it: on this host, or in a store shared by engines."""
         self.shown: set[int] = set()
         """Keys adopted because the master held them for every rank (not because this engine wrote them), while
         this index holds them."""
@@ -159,13 +165,18 @@ class ReportedTier:
     def discards_pending(self) -> bool:
         return bool(self._discards)
 
+    def take_events(self) -> list[KVCacheEvent]:
+        """The keys that entered or left this index since the last call (none unless built with `events`)."""
+        return self.entries.take_events() if isinstance(self.entries, AnnouncedEntries) else []
+
 
 class TierIndexes:
     """Every configured lower tier's `ReportedTier`, in lookup order, and the traffic between them and the step."""
 
     def __init__(self, config: OffloadConfig, block_bytes: int, machines: MachineSet) -> None:
         self.tiers = tuple(ReportedTier(tier.tier_name, block_bytes, machines, MasterLookup(tier, config.num_workers)
-                                        if tier.kind == "mooncake" else None) for tier in config.lower_tiers)
+                                        if tier.kind == "mooncake" else None, events=config.kv_events)
+                           for tier in config.lower_tiers)
         self._by_name = {tier.name: tier for tier in self.tiers}
 
     def ordered(self, orders: Sequence[TierOrder], jobs: Mapping[int, TierJob]) -> None:
