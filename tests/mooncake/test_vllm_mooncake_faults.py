@@ -30,17 +30,8 @@ from test_vllm_tier_faults import (  # noqa: E402
     recomputed_with_no_wrong_byte,
     tier_stats,
 )
-from test_vllm_tiers import (  # noqa: E402
-    BLOCK_SIZE,
-    MAX_STEPS,
-    PREFIX,
-    evict_from_cpu_then_reload,
-    fetches,
-    holds_prefix,
-    prefix_keys,
-    push_below_cpu,
-    tiered,
-)
+from test_vllm_tiers import BLOCK_SIZE, MAX_STEPS, PREFIX, fetches, holds_prefix, prefix_keys  # noqa: E402
+from test_vllm_tiers import evict_from_cpu_then_reload, push_below_cpu, tiered  # noqa: E402
 from vllm_harness import AdapterWorker, Driver  # noqa: E402
 from vllm_support import loads_of, model  # noqa: E402,F401
 
