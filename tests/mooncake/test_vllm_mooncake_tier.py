@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.store")
 
+from vllm.distributed.kv_events import MEDIUM_STORAGE  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from kvfsm.integrations.vllm import KvfsmConnector  # noqa: E402
@@ -30,6 +31,7 @@ from test_vllm_tiers import (  # noqa: E402
     prefix_keys,
     tiered,
 )
+from test_vllm_tier_telemetry import Recorded, replay  # noqa: E402
 from vllm_support import model  # noqa: E402,F401
 
 __all__ = ["model", "tiered"]
@@ -110,3 +112,16 @@ def test_an_unreachable_master_stops_the_scheduler_at_start_up_by_name(model) ->
     with pytest.raises(StoreUnavailable) as refused:
         KvfsmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(64))
     assert "127.0.0.1:1" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_blocks_entering_the_mooncake_tier_are_announced_as_remote_storage(tiered, mooncake: LocalMooncake) -> None:
+    """Told apart from the disk tier's (LOCAL) and the CPU pool's (MEDIUM_CPU) by locality and owner."""
+    d, (worker,) = tiered(mooncake_tier(mooncake, "tiny-events"), kv_events=True)
+    published = Recorded()
+    d.scheduler.kv_event_publisher = published
+    evict_from_cpu_then_reload(d, [worker])
+    storage = {(e.locality, e.ownership) for e in published.events if getattr(e, "medium", None) == MEDIUM_STORAGE}
+    assert storage == {("REMOTE", "mooncake")}
+    codec = d.connector.scheduler_side.codec
+    assert {codec.to_bytes(k) for k in prefix_keys(d, PREFIX)} <= replay(published.events)[
+        (MEDIUM_STORAGE, "REMOTE", "mooncake")]
