@@ -139,6 +139,7 @@ def served_while_the_disk_hangs(d: Driver, worker: AdapterWorker, deadline: Call
     release = hang_the_next_read(faults, returned)
     d.add("reader", PREFIX + [9])
     while not fetches(d):
+        assert d.step_no < MAX_STEPS, "no fetch was ordered"
         d.step()
     deadline(faults)
     for _ in range(HUNG_STEPS):

@@ -24,6 +24,9 @@ A shared tier (Mooncake) also asks its master, within a bounded wait, for keys o
 here failed on (the master may hold a value some rank cannot read: adopting it again would fetch and fail it every
 step, and the request waiting on it would never run) until this engine writes it back itself.
 
+With vLLM's KV events on, each index announces the keys it adopts and forgets (`tier_events`), so vLLM's consumers
+know what each tier can serve.
+
 Threads: everything here runs on vLLM's scheduler thread (lookups in `get_num_new_matched_tokens`, orders in
 `build_connector_meta`, reports in `update_connector_output`).
 """
