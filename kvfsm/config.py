@@ -38,6 +38,10 @@ _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 """Every config model: unknown keys refused, immutable once built, no type coercion."""
 
 
+CPU_TIER = "cpu"
+"""The CPU pool's name where tiers are named side by side (`kvfsm_hit_blocks_total{tier=...}`): no lower tier's."""
+
+
 class _TierConfig(BaseModel):
     model_config = _STRICT
 
@@ -225,6 +229,8 @@ class OffloadConfig(BaseModel):
         names = [tier.tier_name for tier in self.lower_tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"lower tier names must be unique, got {names}")
+        if CPU_TIER in names:
+            raise ValueError(f"a lower tier may not be named {CPU_TIER!r}: metrics and KV events name the CPU pool so")
         return self
 
     @property

@@ -55,6 +55,13 @@ def test_a_lower_tier_given_as_a_dict_is_as_strict_as_the_top_level() -> None:
         OffloadConfig(cpu_blocks=8, lower_tiers=[MOONCAKE | {"max_pending": True}])
 
 
+def test_a_lower_tier_named_like_the_cpu_pool_is_refused(tmp_path: Path) -> None:
+    """Its hits and events would pass for the CPU pool's."""
+    with pytest.raises(pydantic.ValidationError, match="may not be named 'cpu'"):
+        OffloadConfig(cpu_blocks=8, lower_tiers=[{"kind": "disk", "name": "cpu", "path": str(tmp_path),
+                                                  "capacity_bytes": 1 << 20}])
+
+
 def test_a_config_read_from_json_is_accepted_with_a_list_of_tiers_and_a_string_path(tmp_path: Path) -> None:
     """What vLLM's `kv_connector_extra_config` holds: JSON types, tiers as a list, a path as a string."""
     extra: dict[str, Any] = json.loads(json.dumps({

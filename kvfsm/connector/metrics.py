@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from kvfsm.config import CPU_TIER
 from kvfsm.connector.stats import TRANSFER_BUCKETS
 from kvfsm.tiers.base import TierFailure
 
@@ -49,9 +50,9 @@ COUNTERS: tuple[CounterFamily, ...] = (
     CounterFamily("kvfsm_lookups", "Prefix lookups answered by the connector (deferred ones included).",
                   (({}, "lookups"),)),
     CounterFamily("kvfsm_hit_blocks", "GPU blocks a lookup offered to reload, by the tier that holds them.",
-                  (({"tier": "cpu"}, "cpu_hit_blocks"),)),
+                  (({"tier": CPU_TIER}, "cpu_hit_blocks"),)),
     CounterFamily("kvfsm_lookup_misses", "Lookups that found nothing beyond the GPU prefix, by tier.",
-                  (({"tier": "cpu"}, "cpu_misses"),)),
+                  (({"tier": CPU_TIER}, "cpu_misses"),)),
     CounterFamily("kvfsm_deferrals", "Lookups deferred because blocks they need were being moved by another job.",
                   (({}, "deferrals"),)),
     CounterFamily("kvfsm_store_refusals", "Stores not ordered because no CPU block could be freed for them.",
