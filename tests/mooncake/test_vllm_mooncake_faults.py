@@ -1,6 +1,7 @@
 """A Mooncake tier's faults under vLLM's real Scheduler, on a real `mooncake_master`: each ends as a miss or a
 recompute, with 0 bytes wrong and no exception reaching vLLM. The master killed mid-run (and restarted: hits resume),
-a full store, a key the store dropped between the scheduler's lookup and the worker's read, and a corrupted value.
+a full store, a key the store dropped between the scheduler's lookup and the worker's read, a corrupted value, and a
+master that stops answering (a lookup costs at most its bound: never a stalled scheduling step).
 Each is produced in the real store, each run is traced, checked after every step and drained, and each has a
 control with its rule removed that the same test catches. Skipped when vLLM or Mooncake is not installed.
 """
@@ -217,3 +218,49 @@ def test_control_a_tier_that_loads_values_unchecked_serves_the_corrupted_bytes(t
     d, worker = corrupted_then_reload(tiered, mooncake, "tiny-corrupt-control", checked=False)
     (load,) = loads_of(d, "reader")
     assert not holds_prefix(worker, load)
+
+
+# --- a stalled master ------------------------------------------------------------------------------------------
+
+
+STEP_BOUND_S = QUICK["lookup_timeout_s"] + 0.5
+"""The longest a scheduling step may take while the master does not answer: the lookup's bound, and slack for a
+busy machine."""
+
+
+def slowest_step_while_stalled(tiered, deployment: LocalMooncake, lookup_timeout_s: float | None = None) -> float:
+    """Engine A writes PREFIX back; the master stops answering (SIGSTOP); engine B, which must ask the master for
+    A's keys, serves a reader of PREFIX. The slowest of B's steps until the reader's first token; then the master
+    answers again and B drains. `lookup_timeout_s` overrides the bound on B's master lookups (a control)."""
+    tier = mooncake_tier(deployment, "tiny-stalled", **QUICK)
+    a, _ = tiered(tier)
+    a.add("writer", PREFIX + [1, 2, 3])
+    a.run(MAX_STEPS)
+    b, _ = tiered(tier)
+    b.step()  # B's workers tell its scheduler how they name keys: now it can ask the master
+    if lookup_timeout_s is not None:
+        master = b.connector.scheduler_side.tier_index.tiers[0].master
+        assert master is not None
+        master.timeout_s = lookup_timeout_s
+    slowest = 0.0
+    deployment.pause_master()
+    try:
+        b.add("reader", PREFIX + [9])
+        while "reader" not in b.first_token:
+            assert b.step_no < MAX_STEPS, "the reader was never served while the master stalled"
+            started = time.monotonic()
+            b.step()
+            slowest = max(slowest, time.monotonic() - started)
+    finally:
+        deployment.resume_master()
+    b.run(MAX_STEPS)
+    assert not loads_of(b, "reader") and b.cpu_pool_drained()
+    return slowest
+
+
+def test_a_stalled_master_costs_a_bounded_miss_never_a_stalled_step(tiered, fresh_mooncake) -> None:
+    assert slowest_step_while_stalled(tiered, fresh_mooncake) < STEP_BOUND_S
+
+
+def test_control_a_lookup_that_waits_longer_for_the_master_stalls_the_step(tiered, fresh_mooncake) -> None:
+    assert slowest_step_while_stalled(tiered, fresh_mooncake, lookup_timeout_s=1.0) > STEP_BOUND_S
