@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfsm.connector.stats import TRANSFER_BUCKETS
+from kvfsm.connector.stats import SHED_PREFIX, TRANSFER_BUCKETS
 
 DIRECTIONS = ("store", "load")
 """store: GPU to CPU; load: CPU to GPU."""
@@ -27,6 +27,20 @@ class CounterFamily:
     @property
     def labelnames(self) -> list[str]:
         return sorted(self.samples[0][0]) if self.samples else []
+
+
+@dataclass(frozen=True)
+class TierCounterFamily:
+    """One Prometheus counter labelled `tier`, one sample per tier that has a count: the `ConnectorStats.as_dict` keys
+    under `prefix`, whose rest is the tier's name (lower tiers are named by the user, so the samples are not fixed)."""
+
+    name: str
+    documentation: str
+    prefix: str
+
+    def tier(self, key: str) -> str | None:
+        """The tier a totals key counts for, or None for a key of another metric."""
+        return key[len(self.prefix):] if key.startswith(self.prefix) else None
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,10 @@ COUNTERS: tuple[CounterFamily, ...] = (
     CounterFamily("kvfsm_failed_jobs", "Transfer jobs that failed (a failed load is recomputed), by direction.",
                   (({"direction": "store"}, "stores_failed"), ({"direction": "load"}, "loads_failed"))),
 )
+STORE_SHED = TierCounterFamily(
+    "kvfsm_store_shed", "Blocks back-pressure shed instead of queueing them, by tier: cpu (GPU-to-CPU stores beyond "
+    "store_max_blocks_in_flight) or a lower tier's name (write-backs beyond its writeback_max_queued_blocks).",
+    SHED_PREFIX)
 TRANSFER_SECONDS = HistogramFamily(
     "kvfsm_transfer_seconds", "Each job's time in flight, from the step that submitted it to the report of its end, "
     "by direction.")

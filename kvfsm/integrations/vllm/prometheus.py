@@ -12,7 +12,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
 
-from kvfsm.connector.metrics import COUNTERS, DIRECTIONS, POOL_BLOCKS, TRANSFER_SECONDS
+from kvfsm.connector.metrics import COUNTERS, DIRECTIONS, POOL_BLOCKS, STORE_SHED, TRANSFER_SECONDS
 from kvfsm.integrations.vllm.telemetry import COUNTS, POOL, SECONDS, SUMS
 
 
@@ -35,6 +35,8 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                          for d in DIRECTIONS}
         self._pool = self._gauge_cls(name=POOL_BLOCKS.name, documentation=POOL_BLOCKS.documentation,
                                      labelnames=labelnames + ["state"], multiprocess_mode="mostrecent")
+        self._shed = self._counter_cls(name=STORE_SHED.name, documentation=STORE_SHED.documentation,
+                                       labelnames=labelnames + ["tier"])
         self._engine_labels = dict(engines)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -50,3 +52,5 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                         histogram.observe(total / count)
             elif (engine_idx, key) in self._counters:
                 self._counters[(engine_idx, key)].inc(value)
+            elif (tier := STORE_SHED.tier(key)) is not None:
+                self._shed.labels(*self._engine_labels[engine_idx], tier).inc(value)
