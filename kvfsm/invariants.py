@@ -69,7 +69,7 @@ class World(Protocol):
     tier_jobs: Mapping[int, TierJob]  # every write-back and fetch of the run (ids shared with `jobs`)
     writeback_bound: int  # configured bound on the bytes of write-backs in flight
     store_bound: int | None  # configured bound on the CPU blocks of stores in flight (None: the pool alone)
-    writeback_queues: Mapping[str, tuple[int, int]]  # each eager tier with a queue bound: (blocks queued, bound)
+    writeback_queues: Mapping[str, tuple[int, int | None]]  # each eager tier: (blocks queued, bound or None)
     eager_tiers: frozenset[str]  # the lower tiers whose write-back policy is eager
     num_workers: int  # ranks whose reports a job waits for
     rank: int  # the rank whose device log `accesses` is

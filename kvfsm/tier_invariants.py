@@ -163,7 +163,7 @@ def writeback_bounded(world: World) -> list[str]:
 @REGISTRY.invariant("writeback-queue-bounded")
 def writeback_queue_bounded(world: World) -> list[str]:
     return [f"{tier}: {queued} stored blocks wait for their write-back, bound {bound}"
-            for tier, (queued, bound) in world.writeback_queues.items() if queued > bound]
+            for tier, (queued, bound) in world.writeback_queues.items() if bound is not None and queued > bound]
 
 
 @REGISTRY.invariant("tier-job-every-rank")

@@ -83,7 +83,7 @@ class ConnectorWorld:
         return self.scheduler.config.store_max_blocks_in_flight
 
     @property
-    def writeback_queues(self) -> Mapping[str, tuple[int, int]]:
+    def writeback_queues(self) -> Mapping[str, tuple[int, int | None]]:
         tiers = self.scheduler.tiers
         return tiers.queues() if tiers is not None else {}
 

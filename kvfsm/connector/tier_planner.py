@@ -149,9 +149,10 @@ class TierPlanner:
         self.ledger.fire_tier_job(job, "shed")
         self.connector_stats.record_shed(tier, len(keys))
 
-    def queues(self) -> dict[str, tuple[int, int]]:
-        """Each bounded eager tier's blocks waiting for their write-back, with the bound (`writeback-queue-bounded`)."""
-        return {name: (len(self._eager[name]), bound) for name, bound in self.queue_bounds.items()}
+    def queues(self) -> dict[str, tuple[int, int | None]]:
+        """Each eager tier's blocks waiting for their write-back, with its bound (None: unbounded), as
+        `writeback-queue-bounded` reads them."""
+        return {name: (len(queue), self.queue_bounds.get(name)) for name, queue in self._eager.items()}
 
     def _plan_write_backs(self, step: int) -> None:
         budget = self.bound - sum(j.nbytes for j in self.ledger.tier_jobs.values()
