@@ -8,7 +8,7 @@ check, where a shed block costs a recompute and no wrong token, and each rule's 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import pydantic
 import pytest
@@ -22,7 +22,7 @@ from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.executor.sim import SimDevice
 from kvfsm.states import TierJobState
 from kvfsm.testing.harness import Harness
-from test_connector_scheduler import BLOCK, GPU_BLOCK_BYTES, admit, compute, idle_step, prompt, report
+from test_connector_scheduler import BLOCK, GPU_BLOCK_BYTES, Req, admit, compute, idle_step, prompt, report
 
 
 def connector(bound: int | None) -> SchedulerConnector:
@@ -103,38 +103,35 @@ def test_stores_in_flight_of_every_request_share_the_bound() -> None:
     assert sched.ledger.store_blocks_in_flight == 3
 
 
+def run_to_report(sched: SchedulerConnector, req: Req, blocks: Sequence[int], ok: bool = True) -> None:
+    """`req` computes its prompt; its store goes out next step and is reported done (or failed)."""
+    admit(sched, req, blocks, accept=False)
+    (order,) = compute(sched, req, blocks).stores
+    idle_step(sched)
+    report(sched, **{"done" if ok else "failed": [order.job_id]})
+
+
 def test_room_returns_as_stores_end() -> None:
     sched = connector(1)
     req = prompt("a", [1])
-    admit(sched, req, range(3))
-    first = compute(sched, req, range(3)).stores
-    idle_step(sched)
-    report(sched, done=[first[0].job_id])
+    run_to_report(sched, req, range(3))
     assert sched.ledger.store_blocks_in_flight == 0
     req.block_hashes += (2,)
     req.num_tokens += BLOCK
-    assert [o.cpu_slots for o in compute(sched, req, range(3)).stores] and stored(sched) == [1, 2]
-    assert not sched.stats.store_shed
+    compute(sched, req, range(3))
+    assert stored(sched) == [1, 2] and not sched.stats.store_shed
 
 
 def test_a_failed_store_gives_its_room_back_too() -> None:
     sched = connector(1)
-    req = prompt("a", [1])
-    admit(sched, req, range(3))
-    (order,) = compute(sched, req, range(3)).stores
-    idle_step(sched)
-    report(sched, failed=[order.job_id])
+    run_to_report(sched, prompt("a", [1]), range(3), ok=False)
     assert sched.ledger.store_blocks_in_flight == 0
 
 
 def test_a_block_the_pool_holds_is_never_shed() -> None:
     """Held blocks cost no store: they neither take room nor count as shed, so the new blocks after them fit."""
     sched = connector(2)
-    first = prompt("a", [1, 2])
-    admit(sched, first, range(3))
-    (order,) = compute(sched, first, range(3)).stores
-    idle_step(sched)
-    report(sched, done=[order.job_id])
+    run_to_report(sched, prompt("a", [1, 2]), range(3))
     sched.request_finished("a")
     second = prompt("b", [1, 2, 3, 4])
     admit(sched, second, range(3, 8), accept=False)  # recomputes the held prefix: its blocks are offered again
@@ -146,10 +143,7 @@ def test_a_shed_block_stays_shed_for_its_request() -> None:
     """A shed is final for the request, as every skip is: its later stores never carry the block, even with room."""
     sched = connector(1)
     req = prompt("a", [1, 2])
-    admit(sched, req, range(4))
-    (order,) = compute(sched, req, range(4)).stores
-    idle_step(sched)
-    report(sched, done=[order.job_id])
+    run_to_report(sched, req, range(4))
     req.block_hashes += (3,)
     req.num_tokens += BLOCK
     compute(sched, req, range(4))

@@ -10,7 +10,6 @@ the bound, which the same bound check catches growing past it. Skipped when vLLM
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -24,9 +23,8 @@ from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.config import gpu_block_bytes  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker, kv_cache_config, vllm_config  # noqa: E402
 from kvfsm.testing.mutants import bound_per_store  # noqa: E402
-from kvfsm.tiers.disk import DiskIo  # noqa: E402
 from vllm_harness import AdapterWorker, Driver  # noqa: E402
-from vllm_support import make_driver, model, scraped  # noqa: E402,F401
+from vllm_support import hold_disk_writes, make_driver, model, scraped  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
@@ -95,14 +93,7 @@ def held_disk(model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     """`held_disk(queue_blocks)`: a driver over an eager disk tier whose writes wait until every request finished
     (a saturated tier), one write-back in flight at a time; the requests run to the end and the disk then catches
     up. The peak of the tier's queue of blocks waiting for write-back."""
-    released = threading.Event()
-    write = DiskIo.write
-
-    def held(self: DiskIo, fd: int, parts: Any) -> None:
-        released.wait(30)
-        write(self, fd, parts)
-
-    monkeypatch.setattr(DiskIo, "write", held)
+    released = hold_disk_writes(monkeypatch)
     opened: list[tuple[Driver, AdapterWorker]] = []
     block_bytes = gpu_block_bytes(kv_cache_config(1))
 
