@@ -19,6 +19,9 @@ pytest.importorskip("vllm")
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvfsm.integrations.vllm import InvalidExtraConfig, KvfsmConnector  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.config import gpu_block_bytes  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker, kv_cache_config, vllm_config  # noqa: E402
@@ -138,3 +141,18 @@ def test_a_saturated_tier_sheds_its_write_backs_at_the_queue_bound(held_disk) ->
 def test_control_without_a_queue_bound_a_saturated_tier_queues_every_stored_block(held_disk) -> None:
     _, peak = held_disk(None)
     assert peak.value > BOUND, "the same run without a bound should queue past it: the bound check would see it"
+
+
+# bad input -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"store_max_blocks_in_flight": 0}, "store_max_blocks_in_flight"),
+    ({"lower_tiers": [{"kind": "disk", "path": "/tmp/kvfsm-unused", "capacity_bytes": 1 << 20,
+                       "writeback_max_queued_blocks": 4}]}, "queue_bound_without_queue"),
+])
+def test_a_bad_bound_is_refused_at_start_up_by_name(model, extra: dict[str, Any], named: str) -> None:
+    """A bound of 0, or a queue bound on an on-evict tier (the default policy), stops vLLM's start-up."""
+    config = vllm_config(model, {"cpu_blocks": 8, **extra}, 64)
+    with pytest.raises(InvalidExtraConfig, match=named):
+        KvfsmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(64))
