@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 Mechanism = Literal["auto", "copy-per-block", "staged-gather", "fused-gather", "cross-layer", "staged-copy"]
 WriteBack = Literal["eager", "on-evict"]
@@ -34,6 +35,10 @@ EvictionName = Literal["lru", "arc", "s3-fifo", "s3-fifo-adaptive", "tinylfu", "
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 
+QUEUE_BOUND_WITHOUT_QUEUE = "queue_bound_without_queue"
+"""The pydantic error type of a `writeback_max_queued_blocks` given to an on-evict tier."""
+
+
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 """Every config model: unknown keys refused, immutable once built, no type coercion."""
 
@@ -50,6 +55,20 @@ class _TierConfig(BaseModel):
     writeback: WriteBack = "on-evict"
     evict_lookahead_blocks: PositiveInt = 32
     """on-evict: how many of the CPU pool's next eviction victims are kept written back to this tier."""
+    writeback_max_queued_blocks: PositiveInt | None = None
+    """eager: most stored blocks waiting for their write-back to this tier. A block stored while the queue is full
+    is shed for this tier (`stores-bounded`): never written back to it (a later miss there), counted in
+    `kvfsm_store_shed_total{tier=...}`. None: the queue is bounded by the CPU pool alone, so a saturated tier keeps
+    up to a pool's worth of stale work queued and every step walks it. An on-evict tier has no queue (it writes back
+    the pool's next `evict_lookahead_blocks` victims) and refuses the bound by name."""
+
+    @model_validator(mode="after")
+    def _queue_bound_needs_queue(self) -> "_TierConfig":
+        if self.writeback_max_queued_blocks is not None and self.writeback != "eager":
+            raise PydanticCustomError(
+                QUEUE_BOUND_WITHOUT_QUEUE, "tier {tier}: writeback_max_queued_blocks bounds an eager tier's queue; "
+                "an on-evict tier has none (its evict_lookahead_blocks bounds its work)", {"tier": self.tier_name})
+        return self
 
     @property
     def tier_name(self) -> str:
@@ -206,6 +225,12 @@ class OffloadConfig(BaseModel):
     """Stores below the CPU pool, looked up in this order after it; CPU blocks are written back to each."""
     writeback_max_bytes_in_flight: PositiveInt = 256 * 1024 * 1024
     """Bound on the bytes of write-backs submitted and not yet finished, across all lower tiers."""
+    store_max_blocks_in_flight: PositiveInt | None = None
+    """Back-pressure on GPU-to-CPU stores: most CPU blocks of stores ordered and not yet reported done or failed.
+    A block a request completes while the bound is reached is shed (`stores-bounded`): its request's `skip-store`
+    with reason `shed`, never stored (a later lookup misses it and recomputes), counted in
+    `kvfsm_store_shed_total{tier="cpu"}`. Stores that fall behind (copy engines saturated) then stop piling up on
+    the copy stream ahead of the loads that queue behind them. None: bounded by the CPU pool alone."""
     kv_events: bool = False
     """Record a `BlockStored` / `BlockRemoved` event each time CPU blocks become loadable or stop being so, for an
     engine that publishes which prefixes the host pool serves and drains them every step (`take_events()`). Off

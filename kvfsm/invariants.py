@@ -68,6 +68,8 @@ class World(Protocol):
     tiers: Sequence[TierView]  # the open lower tiers, in lookup order
     tier_jobs: Mapping[int, TierJob]  # every write-back and fetch of the run (ids shared with `jobs`)
     writeback_bound: int  # configured bound on the bytes of write-backs in flight
+    store_bound: int | None  # configured bound on the CPU blocks of stores in flight (None: the pool alone)
+    writeback_queues: Mapping[str, tuple[int, int | None]]  # each eager tier: (blocks queued, bound or None)
     eager_tiers: frozenset[str]  # the lower tiers whose write-back policy is eager
     num_workers: int  # ranks whose reports a job waits for
     rank: int  # the rank whose device log `accesses` is
@@ -234,6 +236,15 @@ def skipped_not_stored(world: World) -> list[str]:
             found.append(f"store job {job.job_id} of request {job.req_id} carries {len(carried)} block(s) admission "
                          f"skipped ({request.skipped[carried[0]]}), e.g. {carried[0]:#x}")
     return found
+
+
+@REGISTRY.invariant("stores-bounded")
+def stores_bounded(world: World) -> list[str]:
+    bound = world.store_bound
+    if bound is None:
+        return []
+    in_flight = sum(len(job.cpu_slots) for job in world.jobs.values() if job.kind == "store" and job.in_flight)
+    return [f"{in_flight} CPU blocks of stores in flight, bound {bound}"] if in_flight > bound else []
 
 
 LOAD_OWNER_STATES = frozenset({R.LOADING, R.LOADING_INLINE, R.DRAINING})

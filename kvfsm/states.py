@@ -58,6 +58,7 @@ class TierJobState:
     SUBMITTED: Final = "submitted"
     DONE: Final = "done"
     ABANDONED: Final = "abandoned"
+    SHED: Final = "shed"
     FAILED: Final = "failed"
 
 

@@ -160,11 +160,17 @@ def writeback_bounded(world: World) -> list[str]:
     return [f"{in_flight} bytes of write-backs in flight, bound {bound}"] if in_flight > bound else []
 
 
+@REGISTRY.invariant("writeback-queue-bounded")
+def writeback_queue_bounded(world: World) -> list[str]:
+    return [f"{tier}: {queued} stored blocks wait for their write-back, bound {bound}"
+            for tier, (queued, bound) in world.writeback_queues.items() if bound is not None and queued > bound]
+
+
 @REGISTRY.invariant("tier-job-every-rank")
 def tier_job_every_rank(world: World) -> list[str]:
     found = []
     for job in world.tier_jobs.values():
-        if job.in_flight:
+        if job.in_flight or job.state == Job.SHED:  # a shed write-back never reached a rank
             continue
         if len(job.reports) != world.num_workers:
             found.append(f"{job.kind} {job.job_id} is {job.state} with reports from ranks {sorted(job.reports)} "

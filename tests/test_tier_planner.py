@@ -254,11 +254,13 @@ class Below:
     (`ready`) and the tiers (`publish`), then run steps: `orders` submits the step's orders to the tiers through a
     `TierRunner`, as a worker does, and `land` runs their I/O and reports what ended."""
 
-    def __init__(self, path: Path, writebacks: Sequence[WriteBack], cpu_blocks: int, bound_blocks: int) -> None:
+    def __init__(self, path: Path, writebacks: Sequence[WriteBack], cpu_blocks: int, bound_blocks: int,
+                 queue_blocks: int | None = None) -> None:
         names = ("near", "far")[:len(writebacks)]
         config = OffloadConfig(cpu_blocks=cpu_blocks, writeback_max_bytes_in_flight=bound_blocks * BLOCK,
                                lower_tiers=tuple(DiskTierConfig(name=name, path=path, capacity_bytes=4 * BLOCK,
-                                                                writeback=policy, evict_lookahead_blocks=2)
+                                                                writeback=policy, evict_lookahead_blocks=2,
+                                                                writeback_max_queued_blocks=queue_blocks)
                                                  for name, policy in zip(names, writebacks)))
         machines = MachineSet(default_spec())
         self.io = ManualIo()
@@ -300,8 +302,9 @@ class Below:
 def below(tmp_path: Path) -> Iterator[Callable[..., Below]]:
     opened: list[Below] = []
 
-    def open_(*writebacks: WriteBack, cpu_blocks: int = 4, bound_blocks: int = 4) -> Below:
-        opened.append(Below(tmp_path, writebacks, cpu_blocks, bound_blocks))
+    def open_(*writebacks: WriteBack, cpu_blocks: int = 4, bound_blocks: int = 4,
+              queue_blocks: int | None = None) -> Below:
+        opened.append(Below(tmp_path, writebacks, cpu_blocks, bound_blocks, queue_blocks))
         return opened[-1]
 
     yield open_

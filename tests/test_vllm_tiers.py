@@ -7,7 +7,6 @@ scheduler's tier indexes included) and required to drain. Skipped when vLLM is n
 from __future__ import annotations
 
 import errno
-import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -34,7 +33,7 @@ from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
 from kvfsm.records import TierJob  # noqa: E402
 from kvfsm.tiers.disk import DiskIo  # noqa: E402
 from vllm_harness import AdapterWorker, Driver, FakeRanks  # noqa: E402
-from vllm_support import loads_of, model  # noqa: E402,F401
+from vllm_support import hold_disk_writes, loads_of, model  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
@@ -54,9 +53,9 @@ def disk_tier(path: Path, blocks: int = 64, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def tiered(model, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Driver, list[AdapterWorker]]]]:
-    """`tiered(tier, ranks=1, async_scheduling=False, kv_events=False)`: a driver over one lower tier and its real worker roles, one per tensor-parallel rank
-    (each its own slot file; several ranks' outputs combined by vLLM's `KVOutputAggregator`). Each driver stops
-    tracing and each worker closes its tiers when the test ends."""
+    """`tiered(tier, ranks=1, async_scheduling=False, kv_events=False)`: a driver over one lower tier and its real
+    worker roles, one per tensor-parallel rank (each its own slot file; several ranks' outputs combined by vLLM's
+    `KVOutputAggregator`). Each driver stops tracing and each worker closes its tiers when the test ends."""
     opened: list[tuple[Driver, list[AdapterWorker]]] = []
 
     def build(tier: dict[str, Any], ranks: int = 1, async_scheduling: bool = False, kv_events: bool = False
@@ -277,14 +276,7 @@ def test_a_write_back_in_flight_at_a_cache_reset_is_never_offered(tiered, tmp_pa
     """What it wrote is from before the reset: the index does not adopt it when it ends, and every worker's tier
     drops it (the stale write-back's keys are discarded in a later step's metadata). The disk's writes wait for the
     reset, so the write-back is in flight at it however fast the disk is."""
-    reset = threading.Event()
-    write = DiskIo.write
-
-    def after_the_reset(self: DiskIo, fd: int, parts: Any) -> None:
-        reset.wait(30)
-        write(self, fd, parts)
-
-    monkeypatch.setattr(DiskIo, "write", after_the_reset)
+    reset = hold_disk_writes(monkeypatch)
     d, (worker,) = tiered(disk_tier(tmp_path))
     d.add("writer", PREFIX + [1, 2, 3])
     while not any(o.kind == "write-back" for log in d.log for o in log.orders.tier_orders):

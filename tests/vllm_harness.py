@@ -13,7 +13,7 @@ scheduled (and handed to the worker) before step N's output is processed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -183,9 +183,9 @@ class Driver:
         self.check_held()
         self.checks.after_step(step)
 
-    def run(self, max_steps: int = 50) -> None:
+    def run(self, max_steps: int = 50, after_step: Callable[[], object] = lambda: None) -> None:
         """Step until the scheduler has nothing left (finished requests' held blocks included), then require the
-        adapter drained."""
+        adapter drained; `after_step` runs after each step (a test's own sampling)."""
         while self.scheduler.has_requests() or self.worker.pending_jobs or self.outputs.pending:
             if self.step_no >= max_steps:
                 raise AssertionError(f"not idle after {max_steps} steps")
@@ -193,6 +193,7 @@ class Driver:
                 self.step()
             else:
                 self.outputs.flush()
+            after_step()
         self.checks.after_idle(self.step_no)
 
     def close(self) -> None:

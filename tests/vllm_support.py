@@ -5,6 +5,7 @@ Imported only by `test_vllm_*.py` files, after they skip themselves when vLLM is
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from functools import partial
 from typing import Any, Iterator
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvfsm.connector.metadata import LoadOrder
 from kvfsm.integrations.vllm import KvfsmConnector
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker, model_config, vllm_config
+from kvfsm.tiers.disk import DiskIo
 from vllm_harness import AdapterWorker, Driver
 
 PREFIX = list(range(100, 100 + 4 * BLOCK_SIZE))
@@ -67,3 +69,17 @@ def scraped(d: Driver) -> CollectorRegistry:
     for payload in d.connector_stats:
         metrics.observe(payload, engine_idx=0)
     return registry
+
+
+def hold_disk_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every disk tier's block writes wait (on the tier's I/O threads) until the returned event is set, 30 s at
+    most: a disk that falls behind for as long as a test says."""
+    released = threading.Event()
+    write = DiskIo.write
+
+    def held(self: DiskIo, fd: int, parts: Any) -> None:
+        released.wait(30)
+        write(self, fd, parts)
+
+    monkeypatch.setattr(DiskIo, "write", held)
+    return released

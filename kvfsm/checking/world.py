@@ -79,6 +79,15 @@ class ConnectorWorld:
         return self.scheduler.config.writeback_max_bytes_in_flight
 
     @property
+    def store_bound(self) -> int | None:
+        return self.scheduler.config.store_max_blocks_in_flight
+
+    @property
+    def writeback_queues(self) -> Mapping[str, tuple[int, int | None]]:
+        tiers = self.scheduler.tiers
+        return tiers.queues() if tiers is not None else {}
+
+    @property
     def eager_tiers(self) -> frozenset[str]:
         return frozenset(t.tier_name for t in self.scheduler.config.lower_tiers if t.writeback == "eager")
 

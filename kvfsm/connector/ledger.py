@@ -31,7 +31,7 @@ from kvfsm.records import RequestRecord, TierJob, TransferJob
 from kvfsm.states import RequestState, TierJobState, TransferJobState
 
 JOB_ENDS = frozenset({TransferJobState.DONE, TransferJobState.FAILED})
-TIER_JOB_ENDS = frozenset({TierJobState.DONE, TierJobState.FAILED})
+TIER_JOB_ENDS = frozenset({TierJobState.DONE, TierJobState.FAILED, TierJobState.SHED})
 ENDS_OF_JOBS = frozenset({"job-done", "load-done", "load-failed"})
 """Request triggers a job's end fires: a release they cause is news to the engine, unlike one by finish/abort."""
 
@@ -56,6 +56,9 @@ class Ledger:
         self.fences = GpuFences(machines["gpu-block"], num_gpu_blocks)
         self.jobs: dict[int, TransferJob] = {}
         """Jobs in flight (every job of the run with `keep_history`)."""
+        self.store_blocks_in_flight = 0
+        """CPU blocks of the stores in flight: what back-pressure bounds (`stores-bounded`), kept as they start and
+        end rather than summed over the table, which holds every job of the run with `keep_history`."""
         self.tier_jobs: dict[int, TierJob] = {}
         """Write-backs and fetches in flight, abandoned ones included (every one of the run with `keep_history`)."""
         self._tier_slots: dict[int, int] = {}
@@ -120,6 +123,8 @@ class Ledger:
             self.flushed.append(job)
         elif dest in JOB_ENDS:
             del record.jobs[job.job_id]
+            if job.kind == "store":
+                self.store_blocks_in_flight -= len(job.cpu_slots)
             self._retire(self.jobs, job.job_id, dest == TransferJobState.FAILED)
 
     def _retire(self, table: dict[int, Any], job_id: int, failed: bool) -> None:
@@ -155,6 +160,8 @@ class Ledger:
 
     def add_job(self, job: TransferJob) -> None:
         self.jobs[job.job_id] = job
+        if job.kind == "store":
+            self.store_blocks_in_flight += len(job.cpu_slots)
         self.requests[job.req_id].jobs[job.job_id] = job
 
     def add_tier_job(self, job: TierJob) -> None:

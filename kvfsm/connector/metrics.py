@@ -1,9 +1,10 @@
 """The metrics kvfsm exports, declared once: each counter names the `ConnectorStats` field it reads.
 
 A connector with lower tiers exports more (`counters`): each tier's hits under `kvfsm_hit_blocks`, and its own
-families, labelled by tier name. Two exporters read this catalogue: `kvfsm.connector.prometheus.KvfsmCollector` (prometheus_client, any engine) and
-the vLLM adapter's `KvfsmPromMetrics` (vLLM's own Prometheus registry, fed by its connector-stats hook), so both
-expose the same names, labels and buckets. Nothing here imports prometheus_client.
+families, labelled by tier name. Two exporters read this catalogue: `kvfsm.connector.prometheus.KvfsmCollector`
+(prometheus_client, any engine) and the vLLM adapter's `KvfsmPromMetrics` (vLLM's own Prometheus registry, fed by
+its connector-stats hook), so both expose the same names, labels and buckets. Nothing here imports
+prometheus_client.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from kvfsm.config import CPU_TIER
-from kvfsm.connector.stats import TRANSFER_BUCKETS
+from kvfsm.connector.stats import SHED_PREFIX, TRANSFER_BUCKETS
 from kvfsm.tiers.base import TierFailure
 
 DIRECTIONS = ("store", "load")
@@ -31,6 +32,20 @@ class CounterFamily:
     @property
     def labelnames(self) -> list[str]:
         return sorted(self.samples[0][0]) if self.samples else []
+
+
+@dataclass(frozen=True)
+class TierCounterFamily:
+    """One Prometheus counter labelled `tier`, one sample per tier that has a count: the `ConnectorStats.as_dict` keys
+    under `prefix`, whose rest is the tier's name (lower tiers are named by the user, so the samples are not fixed)."""
+
+    name: str
+    documentation: str
+    prefix: str
+
+    def tier(self, key: str) -> str | None:
+        """The tier a totals key counts for, or None for a key of another metric."""
+        return key[len(self.prefix):] if key.startswith(self.prefix) else None
 
 
 @dataclass(frozen=True)
@@ -109,6 +124,10 @@ def counters(lower_tiers: Sequence[str] = ()) -> tuple[CounterFamily, ...]:
     )
 
 
+STORE_SHED = TierCounterFamily(
+    "kvfsm_store_shed", "Blocks back-pressure shed instead of queueing them, by tier: cpu (GPU-to-CPU stores beyond "
+    "store_max_blocks_in_flight) or a lower tier's name (write-backs beyond its writeback_max_queued_blocks).",
+    SHED_PREFIX)
 TRANSFER_SECONDS = HistogramFamily(
     "kvfsm_transfer_seconds", "Each job's time in flight, from the step that submitted it to the report of its end, "
     "by direction.")

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfsm.connector.metrics import DIRECTIONS, POOL_BLOCKS, TRANSFER_SECONDS, counters
+from kvfsm.connector.metrics import DIRECTIONS, POOL_BLOCKS, STORE_SHED, TRANSFER_SECONDS, counters
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.connector.stats import ConnectorStats
 from kvfsm.connector.tier_planner import TierPlanner
@@ -44,6 +44,12 @@ class KvfsmCollector(Collector):
             for labels, source in counter.samples:
                 family.add_metric([labels[name] for name in counter.labelnames], totals[source])
             yield family
+        shed = CounterMetricFamily(STORE_SHED.name, STORE_SHED.documentation, labels=["tier"])
+        for key, value in totals.items():
+            tier = STORE_SHED.tier(key)
+            if tier is not None:
+                shed.add_metric([tier], value)
+        yield shed
         yield self._transfer_seconds()
         pool = GaugeMetricFamily(POOL_BLOCKS.name, POOL_BLOCKS.documentation, labels=["state"])
         for state, count in self._pool_usage().items():

@@ -22,6 +22,7 @@ from typing import Protocol, Sequence
 from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.admission import Admission
+from kvfsm.connector.backpressure import StoreBound
 from kvfsm.connector.due import StoreDue
 from kvfsm.connector.ledger import Ledger, StepResult
 from kvfsm.connector.metadata import (
@@ -89,6 +90,7 @@ class SchedulerConnector:
         self.ledger = Ledger(self.machines, self.manager, keep_history, num_gpu_blocks or 0)
         self.stats = ConnectorStats()
         self.admission = Admission(config)
+        self.store_bound = StoreBound(config.store_max_blocks_in_flight, self.ledger, self.stats)
         self.step = 0
         self._next_job = 0
         self._new_loads: list[TransferJob] = []
@@ -105,7 +107,7 @@ class SchedulerConnector:
         """Set by an engine that reads a failed load's blocks only in the output of the step that computed on them
         (vLLM): each load computed in its own step is then due in that step's output (`inline-load-in-step`)."""
         self.tiers = TierPlanner(config, tiers, self.manager, config.block_size_factor * gpu_block_bytes,
-                                 self._take_job_id, self.ledger) if tiers else None
+                                 self._take_job_id, self.ledger, self.stats) if tiers else None
         """The lower tiers' side of this half (lookup below CPU, fetches, write-backs); None without tiers."""
 
     # --- the ledger's tables, as the spec's invariants read them -------------------------------------------
@@ -278,9 +280,10 @@ class SchedulerConnector:
         for reason, skipped in verdict.skipped.items():
             self.ledger.fire_request(record, "skip-store", hashes=skipped, reason=reason)
             self.stats.record_skipped(reason, len(skipped))
-        if not verdict.admitted:
+        admitted = self.store_bound.admit(record, verdict.admitted, self.manager.catalogue)
+        if not admitted:
             return None
-        plan = self.manager.prepare_store(verdict.admitted, self._next_job)
+        plan = self.manager.prepare_store(admitted, self._next_job)
         if plan is None:
             self.stats.store_refusals += 1
             return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field, fields
 
 TRANSFER_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -25,6 +26,8 @@ class TransferHistogram:
 
 SKIPPED_BY_REASON = {"prompt-only": "blocks_skipped_prompt_only", "threshold": "blocks_skipped_threshold"}
 """The counter of the blocks admission skipped for each reason (`kvfsm.connector.admission.REASONS`)."""
+SHED_PREFIX = "store_shed."
+"""`as_dict`'s key of the blocks shed for one tier is this prefix and the tier's name (`store_shed.cpu`)."""
 
 
 @dataclass
@@ -56,6 +59,10 @@ class ConnectorStats:
     """Summed time stores spent in flight, from the step that submitted them to the report of their end."""
     load_seconds: float = 0.0
     """The same for loads: what a request waiting on a CPU hit waited for."""
+    store_shed: Counter[str] = field(default_factory=Counter, compare=False)
+    """Blocks back-pressure shed, by tier: `cpu` for GPU-to-CPU stores beyond `store_max_blocks_in_flight`
+    (`stores-bounded`), a lower tier's name for write-backs beyond its `writeback_max_queued_blocks`
+    (`writeback-queue-bounded`)."""
     transfer_times: dict[str, TransferHistogram] = field(
         default_factory=lambda: {"store": TransferHistogram(), "load": TransferHistogram()}, repr=False,
         compare=False)
@@ -65,6 +72,9 @@ class ConnectorStats:
         """`cpu_blocks` skipped by admission for `reason` (a key of `SKIPPED_BY_REASON`)."""
         name = SKIPPED_BY_REASON[reason]
         setattr(self, name, getattr(self, name) + cpu_blocks)
+
+    def record_shed(self, tier: str, blocks: int) -> None:
+        self.store_shed[tier] += blocks
 
     def record_store(self, cpu_blocks: int, ok: bool, cpu_block_bytes: int, seconds: float) -> None:
         self.store_seconds += seconds
@@ -91,5 +101,7 @@ class ConnectorStats:
             self.loads_failed += 1
 
     def as_dict(self) -> dict[str, int | float]:
-        """The running totals (the counters), without the histograms."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "transfer_times"}
+        """The running totals (the counters), without the histograms; the blocks shed per tier under
+        `SHED_PREFIX` + the tier's name, one key each."""
+        totals = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("transfer_times", "store_shed")}
+        return totals | {SHED_PREFIX + tier: count for tier, count in self.store_shed.items()}

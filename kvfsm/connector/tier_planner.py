@@ -17,6 +17,13 @@ by one write-back at a time (`writeback-pins-slot`), so with several tiers its w
 each eager tier keeps its own queue (`eager-every-tier`), and a block another tier is writing back waits in it
 until that write ended, as an on-evict tier's victim does until the next step's plan.
 
+Back-pressure: a tier that falls behind (a slow disk, a saturated store) keeps its eager queue growing with every
+store that completes. With the tier's `writeback_max_queued_blocks` the queue holds at most that many blocks: the
+blocks a store brings beyond it are shed for that tier at once (`writeback-queue-bounded`), as one write-back job
+that goes from created to shed without a CPU slot, so the trace shows each shed and `eager-every-tier` counts the
+blocks offered; they are simply never written to that tier (a later miss there), and are counted in
+`ConnectorStats.store_shed` under the tier's name.
+
 Bookkeeping is not here: the jobs live on the connector's `Ledger` beside the transfer jobs (one table per kind, one
 history policy), their ranks' reports are aggregated as a transfer job's are (`kvfsm.connector.ranks`), and what a
 job's end does to its CPU slots is declared as couplings in `tier-job.yaml`, which the ledger fires. What this module
@@ -36,6 +43,7 @@ from kvfsm.connector.ledger import Ledger
 from kvfsm.connector.metrics import tier_key
 from kvfsm.connector.metadata import TierOrder, TierReport
 from kvfsm.connector.ranks import TierOutcome, every_rank_tier_outcome
+from kvfsm.connector.stats import ConnectorStats
 from kvfsm.manager import OffloadingManager
 from kvfsm.records import TierJob
 from kvfsm.states import CpuBlockState as Cpu
@@ -59,7 +67,10 @@ class TierStats:
 
 class TierPlanner:
     def __init__(self, config: OffloadConfig, tiers: Sequence[LowerTier], manager: OffloadingManager,
-                 block_bytes: int, new_job_id: Callable[[], int], ledger: Ledger) -> None:
+                 block_bytes: int, new_job_id: Callable[[], int], ledger: Ledger,
+                 connector_stats: ConnectorStats | None = None) -> None:
+        """`connector_stats`: the scheduler half's counters, where the blocks shed per tier are counted (the
+        exporters read them there); a planner of its own keeps them to itself."""
         self.tiers = tuple(tiers)
         self.manager = manager
         self.ledger = ledger
@@ -70,6 +81,9 @@ class TierPlanner:
         self.policies = {tier.tier_name: tier.writeback for tier in config.lower_tiers}
         self.lookahead = {tier.tier_name: tier.evict_lookahead_blocks for tier in config.lower_tiers}
         self.stats = TierStats()
+        self.connector_stats = connector_stats or ConnectorStats()
+        self.queue_bounds = {tier.tier_name: tier.writeback_max_queued_blocks for tier in config.lower_tiers
+                             if tier.writeback_max_queued_blocks is not None}
         self.gave_up_bound = manager.capacity * len(self.tiers)
         """How many (tier, key) pairs whose write-back failed are remembered: a key is a candidate only while its block
         is in the CPU pool, so a pool's worth per tier is all the rule needs; the oldest beyond it is tried again."""
@@ -82,6 +96,7 @@ class TierPlanner:
         self._origin: dict[int, tuple[int, str]] = {}  # CPU slot -> (fetch job, tier) that filled it, until loaded
         self._stale: set[int] = set()  # write-backs in flight at a cache reset: their keys are dropped when they end
         self._gave_up: OrderedDict[tuple[str, int], None] = OrderedDict()  # (tier, key) whose write-back failed
+        self._step = 0  # the step last planned: the one whose output reports the stores that end now
 
     # --- lookup ----------------------------------------------------------------------------------------------
 
@@ -118,9 +133,31 @@ class TierPlanner:
     # --- write-back ------------------------------------------------------------------------------------------
 
     def stored(self, hashes: Sequence[int]) -> None:
-        """These blocks' store completed: every eager tier writes them back."""
-        for queue in self._eager.values():
-            queue.extend(hashes)
+        """These blocks' store completed: every eager tier writes them back, but for those its full queue sheds."""
+        for name, queue in self._eager.items():
+            room = self._queue_room(name, len(hashes))
+            queue.extend(hashes[:room])
+            if room < len(hashes):
+                self._shed(name, hashes[room:])
+
+    def _queue_room(self, tier: str, arriving: int) -> int:
+        """How many of `arriving` stored blocks the tier's eager queue takes: all without a bound, else the room the
+        blocks already queued leave."""
+        bound = self.queue_bounds.get(tier)
+        return arriving if bound is None else max(bound - len(self._eager[tier]), 0)
+
+    def _shed(self, tier: str, keys: Sequence[int]) -> None:
+        """Not written back to `tier`: a write-back job that ends shed as it is made, holding no CPU slot."""
+        job = TierJob(job_id=self._new_job_id(), kind="write-back", tier=tier, keys=tuple(keys), cpu_slots=(),
+                      block_bytes=self.block_bytes, ordered_step=self._step)
+        self.ledger.add_tier_job(job)
+        self.ledger.fire_tier_job(job, "shed")
+        self.connector_stats.record_shed(tier, len(keys))
+
+    def queues(self) -> dict[str, tuple[int, int | None]]:
+        """Each eager tier's blocks waiting for their write-back, with its bound (None: unbounded), as
+        `writeback-queue-bounded` reads them."""
+        return {name: (len(queue), self.queue_bounds.get(name)) for name, queue in self._eager.items()}
 
     def _plan_write_backs(self, step: int) -> None:
         budget = self.bound - sum(j.nbytes for j in self.ledger.tier_jobs.values()
@@ -182,6 +219,7 @@ class TierPlanner:
 
     def orders(self, step: int) -> tuple[TierOrder, ...]:
         """Plan this step's write-backs, then hand every job created since the last step to the workers."""
+        self._step = step
         self._plan_write_backs(step)
         created, self._created = self._created, []
         for job in created:

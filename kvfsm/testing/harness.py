@@ -31,7 +31,7 @@ from kvfsm.states import CpuBlockState
 from kvfsm.states import TierEntryState as Entry
 from kvfsm.testing.copy_faults import FaultInjector
 from kvfsm.testing.mooncake_store import MooncakeFaults, tier_of
-from kvfsm.testing.mutants import MUTANTS, TP_MUTANTS
+from kvfsm.testing.mutants import BOUND_MUTANTS, MUTANTS, TP_MUTANTS
 from kvfsm.testing.tier_faults import TierFaults
 from kvfsm.tiers.disk import DiskTier
 from kvfsm.tiers.io import ManualIo
@@ -66,9 +66,12 @@ class Harness:
                  staging_blocks: int | None = None, store_threshold: int = 1,
                  store_threshold_scope: ThresholdScope = "every-block",
                  keep_history: bool = True, eviction: str = "lru", shared_disk: Path | None = None,
-                 replicated: bool = False) -> None:
+                 replicated: bool = False, store_bound: int | None = None,
+                 writeback_queue_blocks: int | None = None) -> None:
         """`shared_disk`: a directory the disk tier (`disk_slots`) shares with other engines of the toy model and
-        keeps when the harness closes, instead of a private one removed then."""
+        keeps when the harness closes, instead of a private one removed then. `store_bound`: the CPU blocks of
+        stores in flight beyond which new ones are shed; `writeback_queue_blocks`: the disk tier's eager queue
+        bound (both back-pressure, None unbounded)."""
         self.devices = list(device) if isinstance(device, Sequence) else [device]
         self.device = self.devices[0]
         self.shape = shape
@@ -77,7 +80,8 @@ class Harness:
         names = dict(model_id="kvfsm-toy", kv_dtype=str(shape.dtype))
         tiers: tuple[LowerTierConfig, ...] = (DiskTierConfig(
             path=shared_disk or self.disk_dir, capacity_bytes=disk_slots * cpu_block_bytes, writeback=writeback,
-            evict_lookahead_blocks=2, **(names if shared_disk else {})),) if disk_slots else ()
+            evict_lookahead_blocks=2, writeback_max_queued_blocks=writeback_queue_blocks,
+            **(names if shared_disk else {})),) if disk_slots else ()
         if mooncake_master is not None:
             # A tenant of its own per harness: examples sharing one master never see each other's keys.
             options: dict[str, object] = dict(
@@ -91,7 +95,7 @@ class Harness:
                                num_workers=len(self.devices), eviction=eviction,
                                staging_bytes=staging_blocks * shape.gpu_block_bytes if staging_blocks else None,
                                store_threshold=store_threshold, store_threshold_scope=store_threshold_scope,
-                               replicated=replicated)
+                               replicated=replicated, store_max_blocks_in_flight=store_bound)
         self.io = ManualIo()
         """The tiers' I/O queue: tests choose when each read or write runs, as they choose device streams (unless
         `tier_threads`: the tiers' own threads, as in production)."""
@@ -117,7 +121,7 @@ class Harness:
         self.mooncake_faults = MooncakeFaults(self.mooncake)
         self.tier_faults = TierFaults(self.disk)
         if mutant is not None:
-            (MUTANTS | TP_MUTANTS)[mutant].apply(self.engine, self.connector)
+            (MUTANTS | TP_MUTANTS | BOUND_MUTANTS)[mutant].apply(self.engine, self.connector)
         self.world = EngineWorld(self.engine, self.connector)
         self.rank_worlds = [EngineWorld(self.engine, self.connector, d) for d in self.devices[1:]]
         """The other ranks' device logs, for the invariants that read one."""

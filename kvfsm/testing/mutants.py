@@ -310,3 +310,33 @@ TP_MUTANTS: dict[str, Mutant] = {
     )
 }
 """Controls that differ from kvfsm only with several workers: the tensor-parallel interleavings must catch each."""
+
+
+def bound_per_store(scheduler: SchedulerConnector) -> None:
+    """Each store is held to `store_max_blocks_in_flight` alone, as if no other store were in flight: every store
+    fits, and together they pile up past the bound on the copy stream."""
+    bound = scheduler.store_bound
+    bound.room = lambda: bound.bound  # type: ignore[method-assign,assignment,return-value]
+
+
+def queue_bound_per_batch(scheduler: SchedulerConnector) -> None:
+    """Each completed store's blocks are held to the tier's `writeback_max_queued_blocks` alone, not with the blocks
+    already queued: a tier that falls behind queues every store's worth, store after store."""
+    planner = scheduler.tiers
+    assert planner is not None
+    planner._queue_room = lambda tier, arriving: min(  # type: ignore[method-assign]
+        arriving, planner.queue_bounds.get(tier, arriving))
+
+
+BOUND_MUTANTS: dict[str, Mutant] = {
+    m.name: m
+    for m in (
+        Mutant("bound-per-store", "stores-bounded (stores in flight past the bound: loads starve behind them)",
+               lambda engine, connector: bound_per_store(connector.scheduler)),
+        Mutant("queue-bound-per-batch", "writeback-queue-bounded (a saturated tier's queue grows store by store)",
+               lambda engine, connector: queue_bound_per_batch(connector.scheduler), tier="disk"),
+    )
+}
+"""Controls of back-pressure: they differ from kvfsm only with a bound configured (`store_max_blocks_in_flight`, a
+tier's `writeback_max_queued_blocks`), which the shared interleavings and workloads do not set, so each is caught
+by its own scenario (tests/test_connector_backpressure.py, tests/test_tier_planner.py)."""

@@ -2,8 +2,8 @@
 
 vLLM asks the scheduler-role connector for `get_kv_connector_stats()` every step and hands the intervals to the
 class `build_prom_metrics` returned; this records them on metrics built with vLLM's metric classes (so Ray and
-multiprocess deployments work as for vLLM's own), named and labelled as `kvfsm.connector.metrics` declares (the lower tiers' counters labelled by the tier names the
-connector's `kv_connector_extra_config` gives).
+multiprocess deployments work as for vLLM's own), named and labelled as `kvfsm.connector.metrics` declares (the
+lower tiers' counters labelled by the tier names the connector's `kv_connector_extra_config` gives).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
 
-from kvfsm.connector.metrics import DIRECTIONS, POOL_BLOCKS, TRANSFER_SECONDS, counters
+from kvfsm.connector.metrics import DIRECTIONS, POOL_BLOCKS, STORE_SHED, TRANSFER_SECONDS, counters
 from kvfsm.integrations.vllm.config import offload_config
 from kvfsm.integrations.vllm.telemetry import COUNTS, POOL, SECONDS, SUMS
 
@@ -37,6 +37,8 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                          for d in DIRECTIONS}
         self._pool = self._gauge_cls(name=POOL_BLOCKS.name, documentation=POOL_BLOCKS.documentation,
                                      labelnames=labelnames + ["state"], multiprocess_mode="mostrecent")
+        self._shed = self._counter_cls(name=STORE_SHED.name, documentation=STORE_SHED.documentation,
+                                       labelnames=labelnames + ["tier"])
         self._engine_labels = dict(engines)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -52,3 +54,5 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                         histogram.observe(total / count)
             elif (engine_idx, key) in self._counters:
                 self._counters[(engine_idx, key)].inc(value)
+            elif (tier := STORE_SHED.tier(key)) is not None:
+                self._shed.labels(*self._engine_labels[engine_idx], tier).inc(value)
