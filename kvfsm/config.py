@@ -91,6 +91,9 @@ class DiskTierConfig(_TierConfig):
     io_timeout_s: PositiveFloat = 30.0
     """A job whose I/O has not returned after this long is reported failed (the engine recomputes); its CPU
     slots stay held until the I/O really returns."""
+    lookup_timeout_s: PositiveFloat = 0.05
+    """Under vLLM, a shared tier: longest the scheduler's step waits for the directory to say which blocks other
+    engines wrote; a late answer counts as a miss (`kvfsm.integrations.vllm.directory_lookup`)."""
 
     @field_validator("path")
     @classmethod
