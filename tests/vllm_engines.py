@@ -1,6 +1,6 @@
 """A second vLLM engine in a process of its own: engine A runs vLLM's real Scheduler and the adapter's real worker
 role over a lower tier, writes a prompt back, hands its prefix blocks' bytes to the test, and stays up (a live engine
-beside the test's engine B) until told to stop or killed.
+beside the test's engine B) until it is killed: mid-write by a test, or at the test's end.
 
 Forked, not spawned: vLLM is imported already, so a child starts in milliseconds where a fresh interpreter takes
 seconds to import it. The child builds its own configuration, scheduler, worker, tier clients and files after the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -54,7 +55,7 @@ def blocks_bytes(worker: AdapterWorker, blocks: list[int]) -> bytes:
 
 def _engine_a(conn: Connection, model_folder: str, tier: dict[str, Any], prompt: list[int], cache_salt: str | None,
               controls: tuple[Control, ...], then: Then) -> None:
-    """In the child: write `prompt` back, send its full blocks' bytes, run `then`, wait for the word to stop."""
+    """In the child: write `prompt` back, send its full blocks' bytes, run `then`, stay up until killed."""
     try:
         for control in controls:
             control(pytest.MonkeyPatch())  # never undone: the process ends with the engine
@@ -67,17 +68,13 @@ def _engine_a(conn: Connection, model_folder: str, tier: dict[str, Any], prompt:
         d.run(MAX_STEPS)
         conn.send(("written", blocks_bytes(worker, blocks)))
         then(d, worker)
-        conn.recv()
-        d.close()
-        d.connector.shutdown()
-        worker.close()
-        conn.send(("closed", None))
+        threading.Event().wait()
     except BaseException:  # the test reads it: a child's traceback is the only account of its failure
         conn.send(("error", traceback.format_exc()))
 
 
 class EngineA:
-    """Engine A in a child process, as the test sees it: `written()` its prefix bytes, then `stop()` or `kill()`."""
+    """Engine A in a child process, as the test sees it: `written()` its prefix bytes, then `kill()`."""
 
     def __init__(self, conn: Connection, pid: int) -> None:
         self._conn = conn
@@ -95,10 +92,12 @@ class EngineA:
         """Wait until A's write-back landed on every rank: the bytes of its prompt's full blocks."""
         return self._expect("written")
 
-    def stop(self) -> None:
-        """Tell A to close (its tiers, its master clients) and wait until it did."""
-        self._conn.send("stop")
-        self._expect("closed")
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
     def kill(self) -> None:
         """kill -9: whatever A was writing stays as it was."""

@@ -55,15 +55,14 @@ def served_in_b(tiered, engine_a, writer: dict[str, Any], reader: dict[str, Any]
                 ) -> tuple[bytes, Driver, AdapterWorker]:
     """A (its own process, `writer` tier) writes PREFIX back and stays up; B (`reader` tier), started afterwards,
     steps once (its worker tells its scheduler its key namespace) and serves a reader of PREFIX. `controls` apply in
-    A (the caller applies them in B). (A's prefix bytes, B's driver, B's worker); A is stopped cleanly once B is
-    idle."""
+    A (the caller applies them in B). (A's prefix bytes, B's driver, B's worker); A is still up."""
     a = engine_a(writer, writer_salt, controls)
     written = a.written()
     b, (worker,) = tiered(reader)
     b.step()
     b.add("reader", PREFIX + [9], cache_salt=reader_salt)
     b.run(MAX_STEPS)
-    a.stop()
+    assert a.alive(), "engine A is gone: B was not served by a live engine's peer"
     return written, b, worker
 
 
@@ -117,27 +116,6 @@ def tenant_blind_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(master_lookup, "object_key", blind)
 
 
-def another_kvfsm_tenant(tiered, engine_a, mooncake: LocalMooncake, model_id: str,
-                         controls: tuple[Control, ...] = ()) -> Driver:
-    _, b, _ = served_in_b(tiered, engine_a, mooncake_tier(mooncake, model_id, tenant="a"),
-                          mooncake_tier(mooncake, model_id, tenant="b"), controls=controls)
-    return b
-
-
-def test_engine_b_of_another_tenant_misses_the_prefix_engine_a_wrote_back(tiered, engine_a,
-                                                                          mooncake: LocalMooncake) -> None:
-    assert missed(another_kvfsm_tenant(tiered, engine_a, mooncake, "tiny-two-tenants"))
-
-
-def test_control_tenant_blind_store_keys_let_the_other_tenant_find_the_prefix(
-        tiered, engine_a, mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch) -> None:
-    """B's lookup finds A's values and orders a fetch; each value's MAC, keyed by A's tenant, still refuses it."""
-    tenant_blind_keys(monkeypatch)
-    b = another_kvfsm_tenant(tiered, engine_a, mooncake, "tiny-two-blind-tenants", (tenant_blind_keys,))
-    assert not missed(b) and fetches(b)
-    assert b.connector.scheduler_side.kvfsm.tiers.stats.failures["corrupt"] > 0 and not reader_loads(b)
-
-
 def salt_blind_block_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A control: vLLM's block hashes leave `cache_salt` out (patched before A forks, so both engines)."""
     extra_keys = kv_cache_utils.generate_block_hash_extra_keys
@@ -152,23 +130,35 @@ def salt_blind_block_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_cache_utils, "generate_block_hash_extra_keys", unsalted)
 
 
-def another_cache_salt(tiered, engine_a, mooncake: LocalMooncake, model_id: str,
-                       controls: tuple[Control, ...] = ()) -> Driver:
-    tier = mooncake_tier(mooncake, model_id)
-    _, b, _ = served_in_b(tiered, engine_a, tier, tier, writer_salt="tenant-a", reader_salt="tenant-b",
-                          controls=controls)
+def another_tenant(tiered, engine_a, mooncake: LocalMooncake, by: str, model_id: str,
+                   controls: tuple[Control, ...] = ()) -> Driver:
+    """B serves a reader of another tenant than A's writer: by kvfsm's `tenant` option or by vLLM's `cache_salt`."""
+    tenants = {"tenant": ({"tenant": "a"}, {"tenant": "b"}, None, None), "cache_salt": ({}, {}, "a", "b")}
+    writer, reader, writer_salt, reader_salt = tenants[by]
+    _, b, _ = served_in_b(tiered, engine_a, mooncake_tier(mooncake, model_id, **writer),
+                          mooncake_tier(mooncake, model_id, **reader), writer_salt, reader_salt, controls)
     return b
 
 
-def test_engine_b_serving_another_cache_salt_misses_the_prefix_engine_a_wrote_back(tiered, engine_a,
-                                                                                   mooncake: LocalMooncake) -> None:
-    assert missed(another_cache_salt(tiered, engine_a, mooncake, "tiny-two-salts"))
+@pytest.mark.parametrize("by", ["tenant", "cache_salt"])
+def test_engine_b_of_another_tenant_misses_the_prefix_engine_a_wrote_back(tiered, engine_a, mooncake: LocalMooncake,
+                                                                          by: str) -> None:
+    assert missed(another_tenant(tiered, engine_a, mooncake, by, f"tiny-two-{by}"))
+
+
+def test_control_tenant_blind_store_keys_let_the_other_tenant_find_the_prefix(
+        tiered, engine_a, mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch) -> None:
+    """B's lookup finds A's values and orders a fetch; each value's MAC, keyed by A's tenant, still refuses it."""
+    tenant_blind_keys(monkeypatch)
+    b = another_tenant(tiered, engine_a, mooncake, "tenant", "tiny-two-blind-tenants", (tenant_blind_keys,))
+    assert not missed(b) and fetches(b)
+    assert b.connector.scheduler_side.kvfsm.tiers.stats.failures["corrupt"] > 0 and not reader_loads(b)
 
 
 def test_control_salt_blind_block_hashes_serve_the_prefix_to_the_other_salt(
         tiered, engine_a, mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch) -> None:
     salt_blind_block_hashes(monkeypatch)
-    b = another_cache_salt(tiered, engine_a, mooncake, "tiny-two-blind-salts", (salt_blind_block_hashes,))
+    b = another_tenant(tiered, engine_a, mooncake, "cache_salt", "tiny-two-blind-salts", (salt_blind_block_hashes,))
     assert not missed(b) and len(reader_loads(b)) == 1
     assert b.connector.scheduler_side.kvfsm.tiers.stats.tokens_loaded_from["mooncake"] == len(PREFIX)
 
