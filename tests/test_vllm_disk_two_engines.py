@@ -9,6 +9,7 @@ control that breaks it and is caught. Skipped when vLLM is not installed.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
@@ -17,10 +18,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvfsm.config import DiskTierConfig  # noqa: E402
 from kvfsm.integrations.vllm.directory_lookup import DirectoryLookup  # noqa: E402
+from kvfsm.integrations.vllm.master_lookup import KeyScheme  # noqa: E402
+from kvfsm.mooncake.keys import KvNamespace  # noqa: E402
 from kvfsm.testing.tier_mutants import publish_in_place  # noqa: E402
 from kvfsm.tier_invariants import disk_block_whole  # noqa: E402
-from kvfsm.tiers.blockfile import TEMPORARY, DiskIo  # noqa: E402
+from kvfsm.tiers.blockfile import TEMPORARY, BlockFiles, DiskIo  # noqa: E402
 from test_vllm_tiers import (  # noqa: E402
     MAX_STEPS,
     OTHERS,
@@ -94,18 +98,27 @@ def engine_a(model) -> Iterator[Callable[..., ForkedEngine]]:
         engine.close()
 
 
-def two_engines(tiered, engine_a, path: Path, in_place: bool = False) -> SimpleNamespace:
+def two_engines(tiered, engine_a, path: Path, in_place: bool = False, b_after_the_kill: bool = False
+                ) -> SimpleNamespace:
     """B starts on the shared directory and steps once (its worker tells its scheduler the directory); A, forked
     then, writes PREFIX back, sends its bytes, and is killed half-way through writing TORN back. Then B serves a
-    reader of PREFIX and a reader of TORN. What `disk-block-whole` found through B's tier right after the kill, A's
-    PREFIX bytes, B's driver and worker."""
-    b, (worker,) = tiered(shared_disk(path))
-    b.step()
+    reader of PREFIX and a reader of TORN. With `b_after_the_kill` B starts only after A died (an engine restarted
+    on A's directory). What `disk-block-whole` found through B's tier right after the kill, A's PREFIX bytes, B's
+    driver and worker."""
+    def start_b() -> tuple[Driver, AdapterWorker]:
+        b, (worker,) = tiered(shared_disk(path))
+        b.step()
+        return b, worker
+
+    if not b_after_the_kill:
+        b, worker = start_b()
     half = FORK.Event()
     a = engine_a(shared_disk(path), torn_write(half, in_place))
     written = a.written()
     assert half.wait(WAIT_S), "A never half-wrote a block of TORN"
     a.kill()
+    if b_after_the_kill:
+        b, worker = start_b()
     torn = disk_block_whole(SimpleNamespace(tiers=worker.connector.worker_side.kvfsm.lower_tiers))  # type: ignore
     for req_id, prompt in (("reader", PREFIX + [9]), ("torn-reader", TORN + [9])):
         b.add(req_id, prompt)
@@ -117,9 +130,10 @@ def loads(b: Driver, req_id: str) -> list[Any]:
     return [o for log in b.log for o in log.orders.loads if o.req_id == req_id]
 
 
+@pytest.mark.parametrize("b_after_the_kill", [False, True], ids=["b-running", "b-restarted"])
 def test_engine_b_is_served_from_the_shared_disk_exactly_the_bytes_engine_a_wrote_back(
-        tiered, engine_a, tmp_path: Path) -> None:
-    seen = two_engines(tiered, engine_a, tmp_path)
+        tiered, engine_a, tmp_path: Path, b_after_the_kill: bool) -> None:
+    seen = two_engines(tiered, engine_a, tmp_path, b_after_the_kill=b_after_the_kill)
     (load,) = loads(seen.b, "reader")
     assert blocks_bytes(seen.worker, list(load.gpu_blocks)) == seen.written
     assert [log.first_computed["reader"] for log in seen.b.log if "reader" in log.first_computed] == [len(PREFIX)]
@@ -160,3 +174,43 @@ def test_control_a_fetch_that_lands_in_the_wrong_cpu_slots_serves_b_bytes_other_
     seen = two_engines(tiered, engine_a, tmp_path)
     (load,) = loads(seen.b, "reader")
     assert blocks_bytes(seen.worker, list(load.gpu_blocks)) != seen.written
+
+
+# --- a lookup never stalls the scheduler's step ------------------------------------------------------------------
+
+
+def lookups_of_a_hung_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, timeout_s: float
+                                ) -> tuple[list[int], float]:
+    """A shared tier's directory whose every `stat` hangs until released: what lookups answer (two while the first
+    check hangs, then the first after the release that is not a miss) and the longest of the first two."""
+    released = threading.Event()
+    monkeypatch.setattr(BlockFiles, "visible", lambda self, key: released.wait(WAIT_S))
+    config = DiskTierConfig(path=tmp_path, capacity_bytes=1 << 20, model_id="tiny@1", kv_dtype="float16",
+                            lookup_timeout_s=timeout_s)
+    lookup = DirectoryLookup(config, num_workers=1)
+    lookup.learn(0, KeyScheme(KvNamespace(model_id="tiny@1", dtype="float16", layout="kv-first", block_tokens=16),
+                              block_bytes=4096))
+    answers, longest = [], 0.0
+    for _ in range(2):
+        started = time.monotonic()
+        answers.append(lookup.present([1, 2]))
+        longest = max(longest, time.monotonic() - started)
+    released.set()
+    deadline = time.monotonic() + WAIT_S
+    while (answer := lookup.present([1, 2])) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the hung check ends, then a fresh one answers
+    answers.append(answer)
+    lookup.close()
+    return answers, longest
+
+
+def test_a_directory_that_hangs_is_a_miss_within_the_lookup_bound_and_a_hit_once_it_answers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    answers, longest = lookups_of_a_hung_directory(tmp_path, monkeypatch, timeout_s=0.05)
+    assert answers == [0, 0, 2] and longest < 0.5, (answers, longest)
+
+
+def test_control_a_lookup_that_waits_on_the_directory_stalls_the_step_and_is_caught(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, longest = lookups_of_a_hung_directory(tmp_path, monkeypatch, timeout_s=0.6)
+    assert longest >= 0.5
