@@ -10,17 +10,21 @@ scheduler its namespace and block bytes (`KeyScheme`, in the worker's first repo
 the KV layout the worker registered, which the scheduler process never sees. The bytes are verified by the worker's
 read (record and CRC-32); a block that fails it is a failed fetch, a miss.
 
-Bounded: the file checks run on a thread of this lookup's own and are waited at most `lookup_timeout_s` on the
-scheduler's thread; a late answer is a miss now, and while a check is still running (a hung disk) every lookup is a
-miss at once, so a slow disk costs misses, never a stalled scheduling step.
+Bounded: the file checks run on a daemon thread of this lookup's own and are waited at most `lookup_timeout_s` on
+the scheduler's thread; a late answer is a miss now, and while a check is still running (a hung disk) every lookup
+is a miss at once, so a slow disk costs misses, never a stalled scheduling step (nor a hung shut-down: the thread is
+a daemon, never joined).
 
-Threads: `present` and `learn` run on vLLM's scheduler thread; the file checks run on the lookup's thread.
+Threads: `present`, `learn` and `close` run on vLLM's scheduler thread; the file checks run on the lookup's thread,
+which takes each check's keys and rank files from a queue and hands the count back through the check's future.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
+import queue
+import threading
+from concurrent.futures import Future, TimeoutError
 from pathlib import Path
 from typing import Sequence
 
@@ -30,9 +34,12 @@ from kvfsm.mooncake.keys import namespace_name
 from kvfsm.tiers.blockfile import BlockFiles, DiskIo
 
 log = logging.getLogger(__name__)
+Check = tuple[list[int], list[BlockFiles], "Future[int]"]
 
 
 class DirectoryLookup:
+    """A named disk tier's directories, one per rank, as the scheduler's index of the tier asks them."""
+
     def __init__(self, config: DiskTierConfig, num_workers: int) -> None:
         self.name = config.tier_name
         self.path = Path(config.path)
@@ -40,8 +47,9 @@ class DirectoryLookup:
         self.num_workers = num_workers
         self.ranks: dict[int, BlockFiles] = {}
         """Each rank's block files, from the namespace and block bytes its worker reported."""
-        self._checks = ThreadPoolExecutor(1, thread_name_prefix=f"kvfsm-{self.name}-lookup")
+        self._checks: queue.SimpleQueue[Check | None] = queue.SimpleQueue()
         self._running: Future[int] | None = None
+        threading.Thread(target=self._serve, name=f"kvfsm-{self.name}-lookup", daemon=True).start()
 
     def learn(self, rank: int, scheme: KeyScheme) -> None:
         self.ranks[rank] = BlockFiles(self.path / namespace_name(scheme.namespace), scheme.namespace,
@@ -54,7 +62,8 @@ class DirectoryLookup:
             return 0
         if self._running is not None and not self._running.done():
             return 0
-        self._running = self._checks.submit(self._count, list(keys), list(self.ranks.values()))
+        self._running = Future()
+        self._checks.put((list(keys), list(self.ranks.values()), self._running))
         try:
             return self._running.result(self.timeout_s)
         except TimeoutError:
@@ -62,14 +71,15 @@ class DirectoryLookup:
                         self.timeout_s)
             return 0
 
-    @staticmethod
-    def _count(keys: list[int], ranks: list[BlockFiles]) -> int:
-        count = 0
-        for key in keys:
-            if not all(files.visible(key) for files in ranks):
-                break
-            count += 1
-        return count
+    def _serve(self) -> None:
+        """The lookup's thread: run each check queued, until `close`."""
+        while (check := self._checks.get()) is not None:
+            keys, ranks, answer = check
+            try:  # `visible` turns an I/O error into "not there"; anything else is a bug, raised in `present`
+                answer.set_result(next((i for i, key in enumerate(keys)
+                                        if not all(files.visible(key) for files in ranks)), len(keys)))
+            except BaseException as error:
+                answer.set_exception(error)
 
     def close(self) -> None:
-        self._checks.shutdown(wait=False, cancel_futures=True)
+        self._checks.put(None)
