@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, model_config, vllm_config
+from kvfsm.mooncake.local import die_with_parent
 from vllm_harness import AdapterWorker, Driver
 
 FORK = multiprocessing.get_context("fork")
@@ -55,7 +56,9 @@ def blocks_bytes(worker: AdapterWorker, blocks: list[int]) -> bytes:
 
 def _engine_a(conn: Connection, model_folder: str, tier: dict[str, Any], prompt: list[int], cache_salt: str | None,
               controls: tuple[Control, ...], then: Then) -> None:
-    """In the child: write `prompt` back, send its full blocks' bytes, run `then`, stay up until killed."""
+    """In the child: write `prompt` back, send its full blocks' bytes, run `then`, stay up until killed (by the
+    test, or with the process that forked it)."""
+    die_with_parent()
     try:
         for control in controls:
             control(pytest.MonkeyPatch())  # never undone: the process ends with the engine
@@ -133,13 +136,11 @@ class ForkedEngine(EngineA):
 
 
 def _zygote(conn: Connection) -> None:
-    """Fork an engine A for each request, until the test process closes the pipe (or exits)."""
+    """Fork an engine A for each request, for as long as the test process lives (it dies with it)."""
+    die_with_parent()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # engines are reaped as they exit
     while True:
-        try:
-            child, request = conn.recv()
-        except EOFError:
-            return
+        child, request = conn.recv()
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
