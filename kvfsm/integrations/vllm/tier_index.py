@@ -55,12 +55,13 @@ class ReportedTier:
     """One lower tier's index in the scheduler process: the `LowerTier` calls the planner makes, answered from what
     the workers reported."""
 
-    def __init__(self, name: str, block_bytes: int, machines: MachineSet, store: SharedStore | None = None) -> None:
-        """`store`: a shared tier's store (its master or directory), asked for keys this index does not know."""
+    def __init__(self, name: str, block_bytes: int, machines: MachineSet, master: SharedStore | None = None) -> None:
+        """`master`: a shared tier's store (a Mooncake master, a named disk tier's directory), asked for keys this
+        index does not know."""
         self.name = name
         self.block_bytes = block_bytes
         self.entries = TierEntries(name, machines)
-        self.store = store
+        self.master = master
         self.shown: set[int] = set()
         """Keys adopted because the store held them for every rank (not because this engine wrote them), while
         this index holds them."""
@@ -81,9 +82,9 @@ class ReportedTier:
 
     def lookup(self, keys: Sequence[int]) -> int:
         count = self.entries.lookup(keys)
-        if self.store is None or count == len(keys) or self.entries.get(keys[count]) is not None:
+        if self.master is None or count == len(keys) or self.entries.get(keys[count]) is not None:
             return count
-        for key in keys[count:count + self.store.present(keys[count:])]:
+        for key in keys[count:count + self.master.present(keys[count:])]:
             if key in self._shunned or self.entries.adopt(key) is None:
                 break
             self.shown.add(key)
@@ -192,14 +193,14 @@ class TierIndexes:
         for name, key in evicted:
             self._by_name[name].evicted((key,))
         for name, rank, scheme in schemes:
-            store = self._by_name[name].store
-            assert store is not None, f"tier {name!r} has no shared store to look keys up in"
-            store.learn(rank, scheme)
+            master = self._by_name[name].master
+            assert master is not None, f"tier {name!r} has no shared store to look keys up in"
+            master.learn(rank, scheme)
 
     def close(self) -> None:
         for tier in self.tiers:
-            if tier.store is not None:
-                tier.store.close()
+            if tier.master is not None:
+                tier.master.close()
 
     @property
     def discards_pending(self) -> bool:
