@@ -92,8 +92,8 @@ class DiskTierConfig(_TierConfig):
     """A job whose I/O has not returned after this long is reported failed (the engine recomputes); its CPU
     slots stay held until the I/O really returns."""
     lookup_timeout_s: PositiveFloat = 0.05
-    """Under vLLM, a shared tier: longest the scheduler's step waits for the directory to say which blocks other
-    engines wrote; a late answer counts as a miss (`kvfsm.integrations.vllm.directory_lookup`)."""
+    """A shared tier: longest a lookup holds the scheduling step waiting for the disk to say which blocks other
+    engines wrote (in process, the tier's own `stat`s; under vLLM, the scheduler process's); late is a miss."""
 
     @field_validator("path")
     @classmethod
