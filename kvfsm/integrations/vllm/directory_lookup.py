@@ -10,21 +10,16 @@ scheduler its namespace and block bytes (`KeyScheme`, in the worker's first repo
 the KV layout the worker registered, which the scheduler process never sees. The bytes are verified by the worker's
 read (record and CRC-32); a block that fails it is a failed fetch, a miss.
 
-Bounded: the file checks run on a daemon thread of this lookup's own and are waited at most `lookup_timeout_s` on
-the scheduler's thread; a late answer is a miss now, and while a check is still running (a hung disk) every lookup
-is a miss at once, so a slow disk costs misses, never a stalled scheduling step (nor a hung shut-down: the thread is
-a daemon, never joined).
+Bounded as the tier's own lookup is (`kvfsm.tiers.bounded.BoundedCall`): the `stat`s run on a daemon thread of
+their own and are waited at most `lookup_timeout_s` on the scheduler's thread; a late answer is a miss now, and
+while a check is still running (a hung disk) every lookup is a miss at once, so a slow disk costs misses, never a
+stalled scheduling step, nor a hung shut-down.
 
-Threads: `present`, `learn` and `close` run on vLLM's scheduler thread; the file checks run on the lookup's thread,
-which takes each check's keys and rank files from a queue and hands the count back through the check's future.
+Threads: `present`, `learn` and `close` run on vLLM's scheduler thread; the `stat`s on the lookup's own thread.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
-from concurrent.futures import Future, TimeoutError
 from pathlib import Path
 from typing import Sequence
 
@@ -32,24 +27,18 @@ from kvfsm.config import DiskTierConfig
 from kvfsm.integrations.vllm.master_lookup import KeyScheme
 from kvfsm.mooncake.keys import namespace_name
 from kvfsm.tiers.blockfile import BlockFiles, DiskIo
-
-log = logging.getLogger(__name__)
-Check = tuple[list[int], list[BlockFiles], "Future[int]"]
+from kvfsm.tiers.bounded import BoundedCall
 
 
 class DirectoryLookup:
     """A named disk tier's directories, one per rank, as the scheduler's index of the tier asks them."""
 
     def __init__(self, config: DiskTierConfig, num_workers: int) -> None:
-        self.name = config.tier_name
         self.path = Path(config.path)
-        self.timeout_s = config.lookup_timeout_s
         self.num_workers = num_workers
         self.ranks: dict[int, BlockFiles] = {}
         """Each rank's block files, from the namespace and block bytes its worker reported."""
-        self._checks: queue.SimpleQueue[Check | None] = queue.SimpleQueue()
-        self._running: Future[int] | None = None
-        threading.Thread(target=self._serve, name=f"kvfsm-{self.name}-lookup", daemon=True).start()
+        self._calls = BoundedCall(f"disk tier {config.tier_name!r} directory lookup", config.lookup_timeout_s)
 
     def learn(self, rank: int, scheme: KeyScheme) -> None:
         self.ranks[rank] = BlockFiles(self.path / namespace_name(scheme.namespace), scheme.namespace,
@@ -60,26 +49,8 @@ class DirectoryLookup:
         while an earlier check still runs, or when this one does not end within the bound."""
         if len(self.ranks) < self.num_workers or not keys:
             return 0
-        if self._running is not None and not self._running.done():
-            return 0
-        self._running = Future()
-        self._checks.put((list(keys), list(self.ranks.values()), self._running))
-        try:
-            return self._running.result(self.timeout_s)
-        except TimeoutError:
-            log.warning("disk tier %s: the directory did not answer within %ss; counted as a miss", self.name,
-                        self.timeout_s)
-            return 0
-
-    def _serve(self) -> None:
-        """The lookup's thread: run each check queued, until `close`."""
-        while (check := self._checks.get()) is not None:
-            keys, ranks, answer = check
-            try:  # `visible` turns an I/O error into "not there"; anything else is a bug, raised in `present`
-                answer.set_result(next((i for i, key in enumerate(keys)
-                                        if not all(files.visible(key) for files in ranks)), len(keys)))
-            except BaseException as error:
-                answer.set_exception(error)
+        ranks, asked = list(self.ranks.values()), tuple(keys)
+        return self._calls(lambda: min(files.visible_prefix(asked) for files in ranks)) or 0
 
     def close(self) -> None:
-        self._checks.put(None)
+        self._calls.close()
