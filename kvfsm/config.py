@@ -95,6 +95,9 @@ class DiskTierConfig(_TierConfig):
     io_timeout_s: PositiveFloat = 30.0
     """A job whose I/O has not returned after this long is reported failed (the engine recomputes); its CPU
     slots stay held until the I/O really returns."""
+    lookup_timeout_s: PositiveFloat = 0.05
+    """A shared tier: longest a lookup holds the scheduling step waiting for the disk to say which blocks other
+    engines wrote (in process, the tier's own `stat`s; under vLLM, the scheduler process's); late is a miss."""
 
     @field_validator("path")
     @classmethod

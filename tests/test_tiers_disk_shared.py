@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 import numpy as np
+import pytest
 import torch
 
 from kvfsm.config import DiskTierConfig, OffloadConfig
@@ -27,7 +28,7 @@ from kvfsm.testing.harness import Harness
 from kvfsm.testing.tier_mutants import publish_in_place, unverified_read
 from kvfsm.tier_invariants import disk_block_whole
 from kvfsm.tiers.base import TierCompletion, TierFailure
-from kvfsm.tiers.blockfile import RECORD, TEMPORARY, DiskIo
+from kvfsm.tiers.blockfile import RECORD, TEMPORARY, BlockFiles, DiskIo
 from kvfsm.tiers.disk import DiskTier
 from kvfsm.tiers.io import ManualIo, io_threads
 
@@ -37,6 +38,8 @@ FORK = multiprocessing.get_context("fork")  # the children only touch files and 
 
 
 def _tier(path: Path, slots: int = 8, namespace: KvNamespace = MODEL, **options: object) -> DiskTier:
+    """A shared tier whose lookups wait for their `stat`s as long as a busy test machine may need (unless told)."""
+    options.setdefault("lookup_timeout_s", 10.0)
     return DiskTier("disk", path, slots * BLOCK, BLOCK, options.pop("io", ManualIo()),  # type: ignore[arg-type]
                     machines=default_machines(), namespace=namespace, **options)  # type: ignore[arg-type]
 
@@ -131,6 +134,59 @@ def test_opening_a_directory_of_many_blocks_reads_none_of_them(tmp_path: Path) -
     elapsed = time.monotonic() - started
     print(f"\nopened a directory of 2000 blocks in {elapsed * 1000:.0f} ms")
     assert len(again.found.keys) == 2000 and elapsed < 5.0
+
+
+# --- a lookup never stalls the scheduling step on a slow disk --------------------------------------------------
+
+SLOW_STAT_S = 0.3
+LOOKUP_BOUND_S = 0.02
+
+
+def _lookup_on_a_slow_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           control: bool) -> tuple[int, float, int, int]:
+    """Another engine wrote key 7; this engine's `stat` of it takes `SLOW_STAT_S`. (what the first lookup counts,
+    its seconds, what a lookup counts while that `stat` is still running, how many `stat`s ran by then)."""
+    reader = _tier(tmp_path, lookup_timeout_s=LOOKUP_BOUND_S)
+    writer = _tier(tmp_path)
+    _write(writer, [7], writer=1)
+    writer.close()
+    stats: list[int] = []
+
+    def slow(key: int) -> bool:
+        stats.append(key)
+        time.sleep(SLOW_STAT_S)
+        return BlockFiles.visible(reader.files, key)
+
+    monkeypatch.setattr(reader.files, "visible", slow)
+    if control:  # no bound to speak of: the lookup waits for the `stat`s however long they take
+        monkeypatch.setattr(reader._lookups, "timeout_s", 3600.0)
+    started = time.monotonic()
+    counted = reader.lookup([7])
+    took = time.monotonic() - started
+    again = reader.lookup([7])
+    reader.close()
+    return counted, took, again, len(stats)
+
+
+def test_a_lookup_waits_for_a_slow_disk_at_most_its_bound_and_counts_a_miss(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counted, took, again, stats = _lookup_on_a_slow_disk(tmp_path, monkeypatch, control=False)
+    assert counted == 0 and took < SLOW_STAT_S / 2, (counted, took)
+    assert again == 0 and stats == 1  # while the late stat runs, lookups answer from the index and queue no stat
+
+
+def test_a_lookup_adopts_a_block_another_engine_wrote_once_the_disk_answers_in_time(tmp_path: Path) -> None:
+    reader, writer = _tier(tmp_path, lookup_timeout_s=LOOKUP_BOUND_S * 50), _tier(tmp_path)
+    _write(writer, [7], writer=1)
+    writer.close()
+    assert reader.lookup([7]) == 1
+    reader.close()
+
+
+def test_control_a_lookup_without_a_bound_stalls_for_the_whole_stat(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counted, took, _, _ = _lookup_on_a_slow_disk(tmp_path, monkeypatch, control=True)
+    assert counted == 1 and took >= SLOW_STAT_S, (counted, took)
 
 
 # --- a block is visible only once whole ------------------------------------------------------------------------
@@ -245,6 +301,7 @@ def _restarted_engine(directory: Path, corrupt: bool = False,
     assert first.final_violations() == []
     first.close()
     second = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=2, disk_slots=4, shared_disk=directory)
+    second.disk._lookups.timeout_s = 10.0  # type: ignore[union-attr]  # a busy test machine's stat is no miss
     try:
         found = second.disk.found.keys  # type: ignore[union-attr]
         assert len(found) == 4

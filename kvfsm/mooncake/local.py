@@ -95,8 +95,8 @@ def port_accepts(host: str, port: int, timeout_s: float = 0.2) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: a killed test run takes its Mooncake processes down with it."""
+def die_with_parent() -> None:
+    """Runs in a child (before exec, or after a fork): a killed test run takes its processes down with it."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
@@ -136,7 +136,7 @@ class _Child:
         with open(self.log_path, "wb") as sink:
             self._process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, start_new_session=True,
-                                             preexec_fn=_die_with_parent)
+                                             preexec_fn=die_with_parent)
         deadline = time.monotonic() + self._timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:

@@ -17,8 +17,8 @@ stored. Why this shape, and not slots in one shared file:
 - The index is the directory: a block's name is its prefix hash, so start-up rebuilds the index from one listing
   (names, sizes, modification times; no block is read), in time linear in the files, which the capacity bounds.
 
-Threads: `write`, `read` and `remove` run on the tier's I/O threads or its own thread; each touches only its block's
-files and the buffers it was handed. `scan` runs once, when the tier opens.
+Threads: `write`, `read` and `remove` run on the tier's I/O threads or its own thread, `visible_prefix` on its lookup
+thread; each touches only its block's files and the buffers it was handed. `scan` runs once, when the tier opens.
 """
 
 from __future__ import annotations
@@ -159,6 +159,11 @@ class BlockFiles:
             return self.path(key).stat().st_size == self.file_bytes
         except OSError:
             return False
+
+    def visible_prefix(self, keys: Sequence[int]) -> int:
+        """How many leading `keys` have their block file there, whole in size: one `stat` each, up to the first
+        that has none."""
+        return next((index for index, key in enumerate(keys) if not self.visible(key)), len(keys))
 
     def torn(self) -> list[str]:
         """Names of files visible under a block's name that are not whole (what `disk-block-whole` rules out)."""

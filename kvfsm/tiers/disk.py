@@ -19,10 +19,11 @@ Why these choices:
   this module keeps only the index's room and the directory.
 
 Threads: the worker's thread calls every `LowerTier` method (the reference engine's scheduler looks up on the same
-thread; a shared tier's lookup adds one `stat` per block it adopts), and the index (the entries and the blocks found
-at open, `_dormant`) is that thread's alone; the executor's threads run the block files'
-`write` and `read` only, which touch their block's files and the CPU slot they were handed and nothing of the
-index. Removing a block's file (eviction, discard) happens on the tier's thread, so it never overtakes a later write
+thread), and the index (the entries and the blocks found at open, `_dormant`) is that thread's alone; the executor's
+threads run the block files' `write` and `read` only, which touch their block's files and the CPU slot they were
+handed and nothing of the index. A shared tier's lookup `stat`s the blocks it does not know on a thread of its own
+(`kvfsm.tiers.bounded.BoundedCall`) and waits at most `lookup_timeout_s` for the answer: a slow or hung disk is a
+miss, never a stalled step; the adoption stays on the caller's thread. Removing a block's file (eviction, discard) happens on the tier's thread, so it never overtakes a later write
 of the same key. `close` hands the executor's shut-down (and a private directory's removal) to a thread of its own
 and waits for it at most `io_timeout_s`: a disk hung past the deadline never hangs the caller.
 """
@@ -37,6 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -46,6 +48,7 @@ from kvfsm.mooncake.keys import KvNamespace, namespace_name
 from kvfsm.records import TierEntry
 from kvfsm.tiers.base import FutureCalls, IoJob, IoKind, TierCompletion, TierFailure, TierJobs
 from kvfsm.tiers.blockfile import BlockFiles, CorruptBlock, DiskIo, Scan
+from kvfsm.tiers.bounded import BoundedCall
 from kvfsm.tiers.entries import TierEntries
 
 log = logging.getLogger(__name__)
@@ -77,10 +80,11 @@ class DiskTier:
     def __init__(self, name: str, path: Path, capacity_bytes: int, block_bytes: int, io: IoExecutor,
                  worker: int = 0, disk_io: DiskIo | None = None, keep_lookups: bool = False,
                  io_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic, *,
-                 machines: MachineSet, namespace: KvNamespace | None = None) -> None:
+                 machines: MachineSet, namespace: KvNamespace | None = None, lookup_timeout_s: float = 0.05) -> None:
         """`machines`: the connector's machine set, which fires this tier's `tier-entry` transitions. `namespace`:
         what the blocks are the KV of, which makes the tier shared (its directory is the namespace's, kept across
-        restarts); None makes it private to this process (`private-<name>-<worker>`, emptied at open)."""
+        restarts); None makes it private to this process (`private-<name>-<worker>`, emptied at open).
+        `lookup_timeout_s`: longest a shared tier's lookup waits for the `stat`s of blocks other engines wrote."""
         self.name = name
         self.block_bytes = block_bytes
         self.capacity_blocks = capacity_bytes // block_bytes
@@ -93,6 +97,8 @@ class DiskTier:
         self._io = io
         self._jobs = TierJobs(f"disk tier {name!r}", self.entries, block_bytes, _reason, clock=clock)
         self.io_timeout_s = io_timeout_s
+        self._lookups = BoundedCall(f"disk tier {name!r} lookup", lookup_timeout_s) if self.shared else None
+        """Runs a shared tier's lookup `stat`s, so a hung disk holds up its thread and not the caller's."""
         self._closing: threading.Thread | None = None
         """The thread releasing the directory, once `close` began."""
         self.found = self._open()
@@ -175,6 +181,9 @@ class DiskTier:
         if self._closing is not None:
             return
 
+        if self._lookups is not None:
+            self._lookups.close()
+
         def release() -> None:
             self._io.shutdown(wait=True)  # queued calls still run, into the directory they were submitted for
             if not self.shared:
@@ -216,10 +225,19 @@ class DiskTier:
 
     def _adopt_visible(self, keys: Sequence[int]) -> None:
         """Adopt the leading `keys` this tier does not know whose whole files another engine put in the directory
-        (their read verifies them). Stops at the first key held here in another state, absent, or with no room."""
-        for key in keys[self.entries.published_prefix(keys):]:
-            if self.entries.get(key) is not None or not self.files.visible(key):
-                return
+        (their read verifies them), as far as their `stat`s answer within `lookup_timeout_s`. Stops at the first key
+        held here in another state, absent, or with no room."""
+        unknown = keys[self.entries.published_prefix(keys):]
+        unknown = unknown[:next((i for i, key in enumerate(unknown) if self.entries.get(key) is not None),
+                                len(unknown))]
+        assert self._lookups is not None  # a shared tier's
+        visible = self._lookups(partial(self.files.visible_prefix, tuple(unknown))) if unknown else None
+        if visible is None:
+            return  # nothing to ask the disk, or no answer in time: the index answers alone
+        dormant = {key for key in unknown if key in self._dormant}
+        for key in unknown[:visible]:
+            if key in dormant and key not in self._dormant:
+                return  # its file was removed to make room for an earlier key of this lookup
             self._dormant.pop(key, None)
             if not self._make_room(keys):
                 return

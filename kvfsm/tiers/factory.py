@@ -27,7 +27,7 @@ def _open_disk(config: LowerTierConfig, site: TierSite, io: IoExecutor | None, k
     return DiskTier(config.tier_name, config.path, config.capacity_bytes, site.block_bytes,
                     io or io_threads(config.io_threads, config.tier_name), worker=site.worker,
                     keep_lookups=keep_lookups, io_timeout_s=config.io_timeout_s, machines=machines,
-                    namespace=namespace)
+                    namespace=namespace, lookup_timeout_s=config.lookup_timeout_s)
 
 
 def _open_mooncake(config: LowerTierConfig, site: TierSite, io: IoExecutor | None, keep_lookups: bool,

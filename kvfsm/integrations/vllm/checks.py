@@ -28,8 +28,8 @@ class SpecViolation(InvariantViolation):
 def reported_publish_after_write(world: SchedulerWorld) -> list[str]:
     """`publish-after-write` for the scheduler's indexes: every key an index publishes (or a fetch reads) was carried
     by a write-back of that tier that every rank reported done (or failed for other keys only), or was shown complete
-    for every rank by the tier's master. An index that offered a key earlier would order a fetch of bytes some rank
-    has not written (read with `keep_history`, as every check)."""
+    for every rank by the tier's shared store (its master or directory). An index that offered a key earlier would
+    order a fetch of bytes some rank has not written (read with `keep_history`, as every check)."""
     landed = {(job.tier, key) for job in world.tier_jobs.values() if job.kind == "write-back"
               and (job.state == TierJobState.DONE or job.state == TierJobState.FAILED)
               for key in job.keys if key not in job.failed_keys}

@@ -36,10 +36,13 @@ log = logging.getLogger(__name__)
 
 class KeyScheme(NamedTuple):
     """How one rank names a block's values in the store: its namespace and, when values are per KV head, the
-    model's KV heads (every head's value is then the block's, whichever rank wrote it)."""
+    model's KV heads (every head's value is then the block's, whichever rank wrote it). A shared disk tier's rank
+    sends its namespace (which names its directory) and its block bytes (a whole block file's size, less the
+    record: `directory_lookup`)."""
 
     namespace: KvNamespace
     kv_heads: int | None = None
+    block_bytes: int = 0
 
     def names(self, key: int, tenant: str | None) -> list[str]:
         """The store keys that together hold this rank's view of a whole block."""

@@ -19,10 +19,11 @@ rest), as this process learns what the ranks did:
   before a reset are never adopted again; a write-back in flight at the reset is not adopted when it ends.
 A key some rank lost without saying (a store's own eviction, another engine's removal) stays published here until
 a fetch of it fails on that rank: a miss, never wrong bytes, since every rank verifies what it reads.
-A shared tier (Mooncake) also asks its master, within a bounded wait, for keys other engines wrote
-(`master_lookup.MasterLookup`): those the master holds for every rank are adopted here too, except a key a fetch
-here failed on (the master may hold a value some rank cannot read: adopting it again would fetch and fail it every
-step, and the request waiting on it would never run) until this engine writes it back itself.
+A shared tier also asks its store, within a bounded wait, for keys other engines wrote: a Mooncake tier its master
+(`master_lookup.MasterLookup`), a named disk tier its directory (`directory_lookup.DirectoryLookup`): those the store
+holds for every rank are adopted here too, except a key a fetch here failed on (the store may hold a value some rank
+cannot read: adopting it again would fetch and fail it every step, and the request waiting on it would never run)
+until this engine writes it back itself.
 
 With vLLM's KV events on, each index announces the keys it adopts and forgets (`tier_events`), so vLLM's consumers
 know what each tier can serve.
@@ -36,8 +37,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Mapping, Sequence
 
-from kvfsm.config import OffloadConfig
+from kvfsm.config import LowerTierConfig, OffloadConfig
 from kvfsm.connector.metadata import TierOrder
+from kvfsm.integrations.vllm.directory_lookup import DirectoryLookup
 from kvfsm.integrations.vllm.master_lookup import KeyScheme, MasterLookup
 from kvfsm.integrations.vllm.tier_events import LOCAL, REMOTE, AnnouncedEntries
 from kvfsm.machines import MachineSet
@@ -46,31 +48,34 @@ from kvfsm.records import TierEntry, TierJob
 from kvfsm.states import TierEntryState, TierJobState
 from kvfsm.tiers.entries import TierEntries
 
+SharedStore = MasterLookup | DirectoryLookup
+"""Where a shared tier's index asks for keys other engines wrote."""
 _RUNNING = frozenset({TierJobState.CREATED, TierJobState.SUBMITTED})
 """A tier job's states before its ranks' outcome is known: the index waits for it."""
 SHUNNED_KEYS = 1 << 16
-"""How many keys a fetch failed on are kept from being adopted from the master again; the oldest beyond it may be."""
+"""How many keys a fetch failed on are kept from being adopted from the store again; the oldest beyond it may be."""
 
 
 class ReportedTier:
     """One lower tier's index in the scheduler process: the `LowerTier` calls the planner makes, answered from what
     the workers reported."""
 
-    def __init__(self, name: str, block_bytes: int, machines: MachineSet, master: MasterLookup | None = None,
+    def __init__(self, name: str, block_bytes: int, machines: MachineSet, master: SharedStore | None = None,
                  events: bool = False) -> None:
-        """`master`: a shared tier's store, asked for keys this index does not know. `events`: record the keys
-        entering and leaving this index for vLLM's KV-event consumers (`take_events`)."""
+        """`master`: a shared tier's store (a Mooncake master, a named disk tier's directory), asked for keys this
+        index does not know. `events`: record the keys entering and leaving this index for vLLM's KV-event
+        consumers (`take_events`)."""
         self.name = name
         self.block_bytes = block_bytes
         self.entries = AnnouncedEntries(name, machines) if events else TierEntries(name, machines)
         self.master = master
-        self.locality = LOCAL if master is None else REMOTE
+        self.locality = REMOTE if isinstance(master, MasterLookup) else LOCAL
         """Where the tier's bytes are, as vLLM's KV events say it: on this host, or in a store shared by engines."""
         self.shown: set[int] = set()
-        """Keys adopted because the master held them for every rank (not because this engine wrote them), while
+        """Keys adopted because the store held them for every rank (not because this engine wrote them), while
         this index holds them."""
         self._shunned: OrderedDict[int, None] = OrderedDict()
-        """Keys a fetch here failed on, not adopted from the master again (oldest first)."""
+        """Keys a fetch here failed on, not adopted from the store again (oldest first)."""
         self._writes: dict[int, TierJob] = {}
         """Write-backs ordered and not yet ended on every rank."""
         self._reads: dict[int, tuple[TierJob, list[TierEntry]]] = {}
@@ -173,12 +178,20 @@ class ReportedTier:
         return self.entries.take_events() if isinstance(self.entries, AnnouncedEntries) else []
 
 
+def _shared_store(tier: LowerTierConfig, num_workers: int) -> SharedStore | None:
+    """What a tier other engines write too is asked for their keys: a Mooncake tier's master, a named disk tier's
+    directory; None for a private disk tier."""
+    if tier.kind == "mooncake":
+        return MasterLookup(tier, num_workers)  # type: ignore[arg-type]
+    return DirectoryLookup(tier, num_workers) if tier.shared else None  # type: ignore[union-attr]
+
+
 class TierIndexes:
     """Every configured lower tier's `ReportedTier`, in lookup order, and the traffic between them and the step."""
 
     def __init__(self, config: OffloadConfig, block_bytes: int, machines: MachineSet) -> None:
-        self.tiers = tuple(ReportedTier(tier.tier_name, block_bytes, machines, MasterLookup(tier, config.num_workers)
-                                        if tier.kind == "mooncake" else None, events=config.kv_events)
+        self.tiers = tuple(ReportedTier(tier.tier_name, block_bytes, machines, _shared_store(tier, config.num_workers),
+                                        events=config.kv_events)
                            for tier in config.lower_tiers)
         self._by_name = {tier.name: tier for tier in self.tiers}
 
@@ -195,7 +208,7 @@ class TierIndexes:
             self._by_name[name].evicted((key,))
         for name, rank, scheme in schemes:
             master = self._by_name[name].master
-            assert master is not None, f"tier {name!r} has no master to look keys up in"
+            assert master is not None, f"tier {name!r} has no shared store to look keys up in"
             master.learn(rank, scheme)
 
     def close(self) -> None:

@@ -56,7 +56,8 @@ class WorkerSide:
         self.config = config
         self.device = device
         machines = MachineSet(default_spec())
-        self._tiers = WorkerTiers(machines, [t.tier_name for t in config.lower_tiers if t.kind == "mooncake"])
+        self._tiers = WorkerTiers(machines, [t.tier_name for t in config.lower_tiers
+                                             if t.kind == "mooncake" or t.shared])  # type: ignore[union-attr]
         self.kvfsm = WorkerConnector(config, device, worker=rank, machines=machines)
         self._rank = rank
         self._num_blocks = kv_cache_config.num_blocks

@@ -5,11 +5,12 @@ The tiers open in the worker (it owns the CPU pool's bytes) and run the schedule
 `kvfsm.connector.worker.WorkerConnector`; their job reports travel with the transfer jobs'. Beside those:
 - keys a tier evicted on its own (a write that found no free slot made room) go to the scheduler, whose index
   forgets them (`TierEvictions`, observing the worker's `tier-entry` machine);
-- each shared tier's key namespace goes to the scheduler once, so it can ask the tier's master for keys other
-  engines wrote (`master_lookup`);
+- each shared tier's key namespace goes to the scheduler once, so it can ask the tier's store for keys other
+  engines wrote (a Mooncake tier's master, `master_lookup`; a named disk tier's directory, `directory_lookup`);
 - keys the scheduler's index dropped (a cache reset) are dropped from every tier here (`tier_discards`), and the
-  keys of a fetch from a shared tier that this worker never saw are adopted first: the scheduler saw the master hold
-  them for every rank, and each value carries its own sealed checksum, checked as it is read.
+  keys of a fetch from a shared tier that this worker never saw are adopted first: the scheduler saw the store hold
+  them for every rank, and every read verifies what it reads (a Mooncake value's sealed MAC, a block file's record
+  and CRC-32). A disk tier adopts only the whole files it finds, making room as for a write.
 
 Threads: everything here runs on the worker's thread.
 """
@@ -22,6 +23,7 @@ from kvfsm.integrations.vllm.convert import KvfsmMetadata
 from kvfsm.integrations.vllm.master_lookup import KeyScheme
 from kvfsm.machines import MachineSet
 from kvfsm.tiers.base import LowerTier
+from kvfsm.tiers.disk import DiskTier
 
 
 class TierEvictions:
@@ -45,13 +47,27 @@ class TierEvictions:
 
 
 def _scheme(tier: Any) -> KeyScheme:
-    """How a Mooncake tier names a block's values (`MooncakeTier.namespace`, and its head split if per head)."""
+    """How a shared tier names a block: a disk tier's namespace (its directory) and block bytes (its files' size);
+    a Mooncake tier's namespace (`MooncakeTier.namespace`), and its head split if per head."""
+    if isinstance(tier, DiskTier):
+        return KeyScheme(tier.files.namespace, block_bytes=tier.block_bytes)
     return KeyScheme(tier.namespace, None if tier.heads is None else tier.heads.kv_heads)
+
+
+def _adopt(tier: LowerTier, keys: Sequence[int]) -> None:
+    """Take on the keys of a fetch the scheduler saw in a shared tier's store: a disk tier adopts the leading whole
+    files it finds (its lookup, which makes room as a write does); a Mooncake tier each key it does not hold."""
+    if isinstance(tier, DiskTier):
+        tier.lookup(keys)
+        return
+    for key in keys:
+        if tier.entries.get(key) is None:
+            tier.entries.adopt(key)
 
 
 class WorkerTiers:
     def __init__(self, machines: MachineSet, shared: Sequence[str]) -> None:
-        """`shared`: the names of the tiers other engines write too (Mooncake)."""
+        """`shared`: the names of the tiers other engines write too (Mooncake, named disk tiers)."""
         self.evictions = TierEvictions(machines)
         self._shared = frozenset(shared)
         self._tiers: dict[str, LowerTier] = {}
@@ -70,10 +86,7 @@ class WorkerTiers:
             self._tiers[name].discard(keys)
         for order in meta.orders.tier_orders:
             if order.kind == "fetch" and order.tier in self._shared:
-                entries = self._tiers[order.tier].entries
-                for key in order.keys:
-                    if entries.get(key) is None:
-                        entries.adopt(key)
+                _adopt(self._tiers[order.tier], order.keys)
 
     def take(self) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int, KeyScheme], ...]]:
         """Keys evicted since the last report, and the shared tiers' namespaces if not sent yet."""
