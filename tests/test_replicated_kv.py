@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError
 
-from kvfsm.config import DiskTierConfig, OffloadConfig, store_writer
+from kvfsm.config import OffloadConfig, store_writer
 from kvfsm.connector.worker import SharedHostMissing, WorkerConnector
 from kvfsm.engine.oracle import BlockOracle
 from kvfsm.engine.ranks import Rank
@@ -121,14 +120,6 @@ def test_replicated_over_several_ranks_without_shared_host_memory_is_refused_bef
     with pytest.raises(SharedHostMissing, match="worker 1: replicated KV over 2 ranks"):
         WorkerConnector(config, device, worker=1)
     assert device.host_bytes == 0
-
-
-@pytest.mark.parametrize("extra", [{"checksum": True},
-                                   {"lower_tiers": (DiskTierConfig(path=Path("/tmp/x"), capacity_bytes=1 << 20),)}],
-                         ids=["checksum", "lower-tiers"])
-def test_replicated_with_what_a_non_writer_cannot_do_is_refused_by_the_config(extra: dict) -> None:
-    with pytest.raises(ValidationError, match="replicated KV"):
-        OffloadConfig(cpu_blocks=4, num_workers=2, replicated=True, **extra)
 
 
 def test_the_oracle_names_the_mla_bytes_a_replicated_rank_stores() -> None:

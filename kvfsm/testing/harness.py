@@ -203,6 +203,11 @@ class Harness:
                                      "its prefix")
         return found
 
+    @property
+    def _tier_layout(self) -> str:
+        """How the blocks a lower tier holds are laid out: MLA-shaped with replicated KV (every head's latent)."""
+        return "mla" if self.connector.config.replicated else "kv-first"
+
     def _disk_bytes(self) -> list[str]:
         """Every published disk entry holds exactly the bytes of its prefix (a corruption injected on purpose aside:
         the fetch of a corrupted entry must fail, which the CPU bytes and outputs check). A shared disk's block of a
@@ -216,7 +221,7 @@ class Harness:
                 continue
             if entry.state in (Entry.PUBLISHED, Entry.READING) and not self.tier_faults.is_corrupted(entry):
                 stored = self.disk.stored_bytes(entry.key)
-                expected = self.oracle.cpu_block_bytes(entry.key).numpy().tobytes()
+                expected = self.oracle.cpu_block_bytes(entry.key, layout=self._tier_layout).numpy().tobytes()
                 if stored != expected:
                     found.append(f"publish-after-write: disk key {entry.key:#x} does not hold the bytes of its prefix")
         return found
@@ -231,7 +236,7 @@ class Harness:
         for entry in self.mooncake.entries:
             if entry.state in (Entry.PUBLISHED, Entry.READING) and entry.key not in spoiled:
                 stored = self.mooncake.stored_bytes(entry.key)
-                if stored != self.oracle.cpu_block_bytes(entry.key).numpy().tobytes():
+                if stored != self.oracle.cpu_block_bytes(entry.key, layout=self._tier_layout).numpy().tobytes():
                     found.append(f"publish-after-write: mooncake key {entry.key:#x} is not in the store with the "
                                  "bytes of its prefix")
         return found
