@@ -52,8 +52,9 @@ class Harness:
     """`device` is one device, or one per tensor-parallel rank (each with its own worker half and faults).
     `staging_blocks` sizes the staging slots in GPU blocks, so a step's stores go out as a pipeline of several
     chunks (as a real cache's do) instead of one. `replicated`: every rank holds every head's KV (MLA-shaped) and
-    the ranks share one host pool. `keep_history=False` runs the connector as in production, keeping
-    no ended job or released request: then only what it retains may be checked, not the invariants that read them."""
+    the ranks share one host pool (with one device: a TP=1 engine of MLA-shaped caches). `keep_history=False` runs
+    the connector as in production, keeping no ended job or released request: then only what it retains may be
+    checked, not the invariants that read them."""
 
     def __init__(self, device: Device | Sequence[Device], num_gpu_blocks: int, cpu_blocks: int,
                  block_size_factor: int = 1,
@@ -101,7 +102,7 @@ class Harness:
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
                                           model=shape, compute_delay_cycles=compute_delay_cycles,
                                           per_layer=per_layer, report_lag=report_lag),
-                             self.devices if len(self.devices) > 1 else self.device, self.connector)
+                             self.devices if len(self.devices) > 1 or replicated else self.device, self.connector)
         self.poll_lag = 0
         """SimDevice only: device operations run inside a step, just before the worker polls for finished jobs
         (on a GPU a job may finish before its own step ends)."""
