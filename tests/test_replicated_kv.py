@@ -185,11 +185,19 @@ def test_two_nccl_ranks_store_and_reload_mla_with_one_pinned_host_copy(tmp_path:
 
 
 def test_the_mla_bench_moves_and_pins_one_copy_at_tp2_and_two_with_a_pool_per_rank() -> None:
-    """`python -m kvfsm.bench mla`'s plumbing on gloo and SimDevices: the byte counts, not the bandwidth."""
+    """`python -m kvfsm.bench mla`'s plumbing on SimDevices: the byte counts, not the bandwidth."""
     from kvfsm.bench import mla
 
-    result = mla.run(mla.MlaShape(layers=2, block_tokens=4, latent=16, blocks=16, jobs=4, reps=1), cuda=False)
+    result = mla.run(mla.PLUMBING, cuda=False)
     ratios = {row["mode"]: (row["pcie_bytes"] / row["stored_bytes"], row["host_pool_bytes"] / row["stored_bytes"])
               for row in result["rows"]}
     assert ratios == {"TP=1": (1, 1), "TP=2, one host copy": (1, 1), "TP=2, a pool per rank": (2, 2)}
     assert all(row["byte_exact"] for row in result["rows"])
+
+
+def test_the_mla_bench_on_a_host_of_one_gpu_refuses_by_name_before_touching_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfsm.bench import mla
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(mla.TwoDevicesNeeded, match="need 2 CUDA devices; this host has 1"):
+        mla.devices(cuda=True)
