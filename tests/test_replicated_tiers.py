@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from kvfsm.executor.pool import HostPool
 from kvfsm.executor.shared_host import TABLE_SUFFIX, SharedHostMemory
 from kvfsm.executor.sim import SimDevice
+from kvfsm.states import TierJobState
 from kvfsm.testing.harness import TP_SHAPE, Harness
 from kvfsm.testing.tier_mutants import REPLICATED_TIER_CONTROLS, TIER_RANK_CONTROLS
 
@@ -47,6 +49,28 @@ def test_replicated_kv_is_written_back_once_and_fetched_into_the_shared_copy_onc
         assert all({rank: report.moved for rank, report in job.reports.items()} == {0: True, 1: False}
                    for job in jobs), "a tier job was not reported by both ranks, moved by rank 0 alone"
         assert all(all(load.values()) for load in load_reports(harness)), "a rank's load failed its checksum"
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize("fault", ["read-io-error", "corrupt-block"])
+def test_a_fetch_the_mover_failed_fails_everywhere_though_the_other_rank_reported_it_moved_nothing(fault: str) -> None:
+    """Rank 1's empty report of the fetch succeeds; rank 0's read fails: the fetch fails, its shared slots are
+    freed and the request recomputes (the tokens stay right)."""
+    harness = replicated_with_disk()
+    try:
+        for prompt in PROMPTS:
+            harness.engine.reset_prefix_cache()
+            harness.add_request(prompt + (0,), 1)
+            harness.drain()
+        harness.tier_faults.inject(fault)
+        harness.engine.reset_prefix_cache()
+        harness.add_request(PROMPTS[0] + (0,), 1)
+        harness.drain()
+        fetches = [job for job in harness.world.tier_jobs.values() if job.kind == "fetch"]
+        assert [job.state for job in fetches] == [TierJobState.FAILED], "the fetch did not fail"
+        assert {rank: bool(report.failed) for rank, report in fetches[0].reports.items()} == {0: True, 1: False}
+        assert not (found := harness.final_violations()), "\n".join(found)
     finally:
         harness.close()
 
