@@ -146,11 +146,16 @@ def tp_run(tmp_path: Path, *args: str) -> tuple[int, dict]:
     return done.returncode, json.loads(out.read_text())
 
 
-def test_two_gloo_ranks_store_and_reload_mla_byte_exact_with_one_host_copy(tmp_path: Path) -> None:
-    code, run = tp_run(tmp_path)
+def test_two_gloo_ranks_store_reload_and_write_back_mla_byte_exact_with_one_host_copy(tmp_path: Path) -> None:
+    """With a disk tier under a small pool and checksums: rank 0 alone writes back and fetches
+    (`replicated-one-tier-move`), and the checksum table the two processes share lets rank 1 check its loads of
+    slots rank 0 filled (none fails). One run for all of it: each gloo run costs seconds of process start."""
+    code, run = tp_run(tmp_path, "--disk", str(tmp_path / "disk"), "--checksum", "--cpu-blocks", "8")
     assert run["found"] == [] and code == 0
     assert run["blocks_loaded"] > 0 and run["cpu_hit_tokens"] > 0, "nothing was reloaded"
     assert run["host_pool_bytes"] == run["one_copy_bytes"] > 0, "the ranks' host pools are not one copy"
+    assert run["blocks_written_back"] > 0 and run["blocks_fetched"] > 0, "nothing went through the disk"
+    assert run["loads_failed"] == 0, "a rank's load failed its checksum"
 
 
 def test_two_gloo_ranks_with_mla_ride_out_a_failing_rank(tmp_path: Path) -> None:
@@ -201,3 +206,13 @@ def test_the_mla_bench_on_a_host_of_one_gpu_refuses_by_name_before_touching_it(m
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(mla.TwoDevicesNeeded, match="need 2 CUDA devices; this host has 1"):
         mla.devices(cuda=True)
+
+
+
+def test_a_disk_tier_under_tensor_parallelism_without_mla_is_refused_by_name_before_any_process(
+        tmp_path: Path) -> None:
+    from kvfsm.demo import DemoConfig, DemoConfigError, DeviceKind
+    from kvfsm.tp import Breaks, run_tp
+
+    with pytest.raises(DemoConfigError, match="--disk under tensor parallelism needs --mla"):
+        run_tp(DemoConfig(disk=tmp_path, device=DeviceKind.cpu), 2, Breaks())
