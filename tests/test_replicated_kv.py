@@ -216,3 +216,20 @@ def test_a_disk_tier_under_tensor_parallelism_without_mla_is_refused_by_name_bef
 
     with pytest.raises(DemoConfigError, match="--disk under tensor parallelism needs --mla"):
         run_tp(DemoConfig(disk=tmp_path, device=DeviceKind.cpu), 2, Breaks())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_mla_bench_on_two_gpus_moves_and_pins_one_copy_byte_exact_within_a_minute() -> None:
+    """`python -m kvfsm.bench mla --quick` on two GPUs: each rank's sends on its own thread, one process."""
+    import time
+
+    from kvfsm.bench import mla
+
+    start = time.monotonic()
+    result = mla.run(mla.QUICK)
+    ratios = {row["mode"]: (row["pcie_bytes"] / row["stored_bytes"], row["host_pool_bytes"] / row["stored_bytes"])
+              for row in result["rows"]}
+    assert ratios == {"TP=1": (1, 1), "TP=2, one host copy": (1, 1), "TP=2, a pool per rank": (2, 2)}
+    assert all(row["byte_exact"] and row["store_gbps"] > 0 for row in result["rows"])
+    assert time.monotonic() - start < 60, "the bench is no longer bounded by its copies"
