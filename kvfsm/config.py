@@ -207,7 +207,9 @@ class OffloadConfig(BaseModel):
     """Every rank holds the same KV (MLA: the latent is not split by heads): the ranks of a host share one host
     pool (`kvfsm.executor.shared_host`), each store is copied by one rank, its writer (`store_writer`), and every
     rank loads from the shared slot. One copy of the bytes crosses PCIe and sits in host memory instead of one per
-    rank (spec: `replicated-single-writer`)."""
+    rank (spec: `replicated-single-writer`). With lower tiers, one rank moves every write-back and fetch between the
+    shared pool and a tier (`REPLICATED_TIER_RANK`, spec: `replicated-one-tier-move`); with `checksum`, a block's
+    checksum is taken by the rank that copied it, into a table the ranks share."""
     layer_loads: bool = False
     """With an engine that calls `wait_for_layer_load` before each layer reads KV: a CPU hit is computed in the step
     that loads it (the lookup says the load is not asynchronous), each layer waiting on the GPU for its own
@@ -251,9 +253,6 @@ class OffloadConfig(BaseModel):
     def _one_pool_size(self) -> "OffloadConfig":
         if (self.cpu_blocks is None) == (self.cpu_bytes is None):
             raise ValueError("give exactly one of cpu_blocks and cpu_bytes")
-        if self.replicated and (self.checksum or self.lower_tiers):
-            raise ValueError("replicated KV (one host copy per host) works without checksum and lower_tiers so far: "
-                             "a non-writer rank has no bytes of its own to checksum or write back")
         names = [tier.tier_name for tier in self.lower_tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"lower tier names must be unique, got {names}")
@@ -282,6 +281,18 @@ class OffloadConfig(BaseModel):
                 f"legal: at least {gpu_block_bytes * self.block_size_factor}"
             )
         return blocks
+
+
+REPLICATED_TIER_RANK = 0
+"""With replicated KV: the one rank that moves the bytes of every tier job (spec: `replicated-one-tier-move`); the
+other ranks open no lower tier. Rank 0, because the scheduler half looks its tiers up there (a private disk tier's
+index is its own process's), and a tier job moves host memory to a disk or the network, over no rank's own PCIe
+link, so spreading tier jobs over the ranks, as stores are spread, would buy no link bandwidth."""
+
+
+def moves_tier_jobs(config: OffloadConfig, worker: int) -> bool:
+    """Whether rank `worker` moves tier jobs' bytes: every rank its own share without replicated KV, one rank with."""
+    return not config.replicated or worker == REPLICATED_TIER_RANK
 
 
 def store_writer(job_id: int, num_workers: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kvfsm.config import REPLICATED_TIER_RANK
 from kvfsm.invariants import World
 from kvfsm.registry import REGISTRY
 from kvfsm.states import CpuBlockState as Cpu
@@ -182,4 +183,22 @@ def tier_job_every_rank(world: World) -> list[str]:
         elif missed := failed - set(job.failed_keys):
             found.append(f"{job.kind} {job.job_id} ended without failing keys {[hex(k) for k in sorted(missed)]} "
                          "some rank failed")
+    return found
+
+
+@REGISTRY.invariant("replicated-one-tier-move")
+def replicated_one_tier_move(world: World) -> list[str]:
+    """Read from each rank's report of a tier job, which says whether that rank's runner handed the job to its tiers
+    (`TierReport.moved`): with replicated KV `REPLICATED_TIER_RANK` alone moved it, without it every rank did."""
+    found = []
+    for job in world.tier_jobs.values():
+        moved = sorted(rank for rank, report in job.reports.items() if report.moved)
+        idle = sorted(rank for rank, report in job.reports.items() if not report.moved)
+        if world.replicated and (extra := [rank for rank in moved if rank != REPLICATED_TIER_RANK]):
+            found.append(f"{job.kind} {job.job_id} of replicated KV was moved by ranks {moved}; only rank "
+                         f"{REPLICATED_TIER_RANK} moves it (ranks {extra} moved the one shared copy again)")
+        if world.replicated and REPLICATED_TIER_RANK in idle:
+            found.append(f"{job.kind} {job.job_id} of replicated KV was moved by no rank")
+        if not world.replicated and idle:
+            found.append(f"{job.kind} {job.job_id}: ranks {idle} moved none of their heads' share")
     return found

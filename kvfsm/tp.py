@@ -13,7 +13,10 @@ copies end in the step that queued them, so the ranks report each job together a
 tells a scheduler half that ends a job on its first report from kvfsm's. `--mla` serves replicated KV: every rank
 holds every head's KV in MLA-shaped caches, the ranks share one host pool in `/dev/shm`, each store is copied by
 one rank and every rank loads from the shared slot; the run then also fails unless the host pool bytes of all
-ranks together are exactly one copy.
+ranks together are exactly one copy. `--disk DIR` (with `--mla`) adds a disk tier below the shared pool: rank 0 alone
+opens it, writes each block back from the shared pool and fetches it into the shared pool, the other ranks reporting
+each tier job having moved nothing (`replicated-one-tier-move`); `--checksum` checks every rank's loads against the
+checksums the ranks share.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from kvfsm.config import OffloadConfig
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.demo import (CUDA_SHAPE, REFUSALS, SIM_SHAPE, DemoConfig, DemoConfigError, DeviceKind, OneStepBehind,
-                        engine_config_for, resolve_device, run_once, serve_arrivals)
+                        engine_config_for, offload_config, resolve_device, run_once, serve_arrivals)
 from kvfsm.demo.switches import TP_CONTROLS, TP_WORKER_CONTROLS, EveryNthFails, LateReports
 from kvfsm.engine.distributed import DistributedRanks, ReadySlot, follow, host_pool_bytes, register_in_turn
 from kvfsm.engine.engine import Engine
@@ -77,6 +80,8 @@ class Breaks(NamedTuple):
     skew_steps: int = SKEW_STEPS
     mla: bool = False
     """Replicated KV (MLA-shaped caches) with one host copy shared by the ranks: not a break, a mode."""
+    checksum: bool = False
+    """Block checksums (`OffloadConfig.checksum`): a mode too."""
 
 
 class TpRun(BaseModel):
@@ -97,6 +102,9 @@ class TpRun(BaseModel):
     """Host pool bytes of every rank together, measured: each rank's own pinned pool, and a shared region once."""
     one_copy_bytes: int
     """Bytes of one copy of the pool (slots x slot bytes): what `--mla` must use in all."""
+    blocks_written_back: int = 0
+    blocks_fetched: int = 0
+    """Blocks the lower tiers (`--disk`) took and gave back."""
 
 
 def _device(kind: DeviceKind, index: int, seed: int) -> Device:
@@ -124,7 +132,8 @@ def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig, br
     device = _device(kind, index, config.seed)
     offload = OffloadConfig(cpu_blocks=config.cpu_blocks, block_size_factor=config.block_size_factor,
                             gpu_block_size=shape.block_size, eviction=config.eviction.value, num_workers=world,
-                            replicated=breaks.mla)
+                            replicated=breaks.mla, checksum=breaks.checksum,
+                            lower_tiers=offload_config(config, shape).lower_tiers)
     pools = dist.new_group(backend="gloo")
     (worker, rank, caches), shared = register_in_turn(
         pools, breaks.mla, lambda shared: _register(offload, device, index, world, shared, shape,
@@ -152,7 +161,7 @@ def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig, br
     try:
         if index == 0:
             scheduler = SchedulerConnector(offload, caches.gpu_block_bytes, keep_history=True,
-                                           num_gpu_blocks=caches.num_blocks)
+                                           num_gpu_blocks=caches.num_blocks, tiers=worker.lower_tiers)
             if breaks.control in TP_CONTROLS:
                 TP_CONTROLS[breaks.control](scheduler)
             ranks = DistributedRanks(rank, after_step)
@@ -207,10 +216,13 @@ def _lead(engine: Engine, ranks: DistributedRanks, scheduler: SchedulerConnector
 
 def _summary(engine: Engine, scheduler: SchedulerConnector, world: int, wall: float, violations: list[str]) -> TpRun:
     stats = scheduler.stats
+    tiers = scheduler.tiers.stats if scheduler.tiers is not None else None
     return TpRun(ranks=world, device=engine.device.kind, steps=engine.step_count, wall_s=wall,
                  outputs=engine.outputs(), violations=violations, cpu_hit_tokens=engine.cpu_hit_tokens,
                  blocks_stored=stats.blocks_stored, blocks_loaded=stats.blocks_loaded, loads_failed=stats.loads_failed,
-                 stores_failed=stats.stores_failed, host_pool_bytes=0, one_copy_bytes=0)
+                 stores_failed=stats.stores_failed, host_pool_bytes=0, one_copy_bytes=0,
+                 blocks_written_back=sum(tiers.blocks_written_back.values()) if tiers else 0,
+                 blocks_fetched=sum(tiers.blocks_fetched.values()) if tiers else 0)
 
 
 def run_tp(config: DemoConfig, ranks: int = 2, breaks: Breaks = Breaks()) -> tuple[TpRun, dict[int, list[int]]]:
@@ -224,6 +236,9 @@ def run_tp(config: DemoConfig, ranks: int = 2, breaks: Breaks = Breaks()) -> tup
     for option, rank in (("--failing-rank", breaks.failing_rank), ("--skewed-rank", breaks.skewed_rank)):
         if rank is not None and not 0 <= rank < ranks:
             raise DemoConfigError(f"{option} {rank}; legal: 0 to {ranks - 1}", option)
+    if config.disk is not None and not breaks.mla:
+        raise DemoConfigError("--disk under tensor parallelism needs --mla: one rank then moves the one shared copy "
+                              "(without it each rank's tier would be its own heads' share, not built here)", "--disk")
     if breaks.skew_steps < 1:
         raise DemoConfigError(f"--skew-steps {breaks.skew_steps}; legal: 1 or more", "--skew-steps")
     if kind is DeviceKind.cuda and torch.cuda.device_count() < ranks:
@@ -262,6 +277,8 @@ def render(run: TpRun, found: list[str]) -> Table:
     table.add_row("CPU blocks stored / loaded (each by every rank)", f"{run.blocks_stored} / {run.blocks_loaded}")
     table.add_row("stores / loads failed (on every rank)", f"{run.stores_failed} / {run.loads_failed}")
     table.add_row("host pool bytes, all ranks / one copy", f"{run.host_pool_bytes} / {run.one_copy_bytes}")
+    table.add_row("blocks written back / fetched (lower tiers, by rank 0)",
+                  f"{run.blocks_written_back} / {run.blocks_fetched}")
     table.add_row("problems (invariants, bytes, tokens, outputs)", str(len(found)))
     return table
 
@@ -284,12 +301,17 @@ def main(ranks: int = typer.Option(2, min=2, help="Tensor-parallel ranks, one pr
          skew_steps: int = typer.Option(SKEW_STEPS, help="How many steps late --skewed-rank reports."),
          mla: bool = typer.Option(False, "--mla", help="Replicated KV (MLA-shaped caches): one host pool shared by "
                                                        "the ranks, each store copied by one rank."),
+         disk: Path | None = typer.Option(None, "--disk", help="With --mla: a disk tier in this directory below the "
+                                                                "shared pool, moved by rank 0 alone."),
+         disk_blocks: int = typer.Option(4096, min=1, help="The disk tier's capacity in CPU blocks."),
+         checksum: bool = typer.Option(False, "--checksum", help="Check every load against its block's checksum."),
          json_out: Path | None = typer.Option(None, "--json", help="Also write the run as JSON here.")) -> None:
     """Serve the demo workload with tensor parallelism and check it; exit code 1 if anything is wrong."""
     workload = WorkloadShape(conversations=conversations, agents=agents, turns=turns)
-    config = DemoConfig(workload=workload, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, device=device, seed=seed)
+    config = DemoConfig(workload=workload, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, device=device, seed=seed,
+                        disk=disk, disk_blocks=disk_blocks)
     try:
-        run, reference = run_tp(config, ranks, Breaks(control, failing_rank, skewed_rank, skew_steps, mla))
+        run, reference = run_tp(config, ranks, Breaks(control, failing_rank, skewed_rank, skew_steps, mla, checksum))
     except DemoConfigError as error:
         raise typer.BadParameter(str(error), param_hint=error.option) from None
     found = verdict(run, reference, mla)

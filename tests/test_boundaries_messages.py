@@ -170,7 +170,7 @@ def test_two_workers_with_a_lower_tier_are_refused_before_anything_is_opened(tmp
     with pytest.raises(WorkerCountMismatch) as refused:
         Connector(config, [SimDevice(), SimDevice()])
     assert str(refused.value) == ("Connector: 2 devices with num_workers=2 and 1 lower tiers; legal: one device per "
-                                  "worker, lower tiers with one worker only")
+                                  "worker, lower tiers with one worker only or with replicated KV")
 
 
 def test_a_rank_registering_another_block_size_in_bytes_is_refused_naming_both() -> None:

@@ -29,7 +29,8 @@ __all__ = ["Connector", "SchedulerConnector", "WorkerConnector", "StepResult"]
 
 class WorkerCountMismatch(ValueError):
     """A connector was given a different number of devices than `num_workers` ranks, or tensor-parallel ranks
-    together with a lower tier (each tier is one worker's)."""
+    together with a lower tier (each tier is one worker's), unless the KV is replicated: one rank then opens and
+    moves every tier, the one whose tiers the scheduler half looks up in."""
 
 
 class RankBlockSizeMismatch(ValueError):
@@ -47,10 +48,10 @@ class Connector:
         devices = list(device) if isinstance(device, Sequence) else [device]
         for each in devices:
             check_halves("Connector", config, each)
-        if len(devices) != config.num_workers or (len(devices) > 1 and config.lower_tiers):
+        if len(devices) != config.num_workers or (len(devices) > 1 and config.lower_tiers and not config.replicated):
             raise WorkerCountMismatch(f"Connector: {len(devices)} devices with num_workers={config.num_workers} "
                                       f"and {len(config.lower_tiers)} lower tiers; legal: one device per worker, "
-                                      "lower tiers with one worker only")
+                                      "lower tiers with one worker only or with replicated KV")
         self.config = config
         self.machines = machines or MachineSet(default_spec())
         """This connector's machines, shared by both halves: observe them to trace this connector alone."""

@@ -49,6 +49,9 @@ class TierReport(_Message):
     """Final outcome at the tier's deadline, but its I/O may still touch the job's CPU slots."""
     release: bool = False
     """The held job's I/O returned: its CPU slots may be freed."""
+    moved: bool = True
+    """This rank moved the job's bytes. With replicated KV one rank alone does (`REPLICATED_TIER_RANK`); every other
+    rank reports the job at once with nothing moved (spec: `replicated-one-tier-move`)."""
 
 
 class ConnectorMetadata(_Message):

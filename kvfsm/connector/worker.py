@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from kvfsm.bindings import default_spec
-from kvfsm.config import OffloadConfig, store_writer
+from kvfsm.config import OffloadConfig, moves_tier_jobs, store_writer
 from kvfsm.connector.checksums import SlotChecksums
 from kvfsm.connector.job_events import JobEvents
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, WorkerOutput
@@ -115,12 +115,14 @@ class WorkerConnector:
                                                k * caches.gpu_block_bytes, self._shared_host))
             transfers = Transfers(self.device, caches, pool, block_size_factor=k, mechanism=self.config.mechanism,
                                   staging_bytes=self.config.staging_bytes)
-            checksums = SlotChecksums(pool) if self.config.checksum else None
+            checksums = SlotChecksums(pool, self._shared_host) if self.config.checksum else None
             tiers = None
             if self.config.lower_tiers:  # `open_tiers` closes the tiers it opened if a later one fails
                 site = TierSite(self.config, pool.slot_bytes, self.worker, caches, pool)
-                tiers = TierRunner(open_tiers(site, self._tier_io, self._keep_lookups, self._machines), pool,
-                                   checksums)
+                moves = moves_tier_jobs(self.config, self.worker)  # with replicated KV, one rank opens the tiers
+                opened = open_tiers(site, self._tier_io, self._keep_lookups, self._machines) if moves else ()
+                tiers = TierRunner(opened, pool, checksums, [tier.tier_name for tier in self.config.lower_tiers],
+                                   lambda job_id: moves)
             undo.pop_all()  # registered: the pool now lives until `shutdown`
         self._pool, self._transfers, self._tiers, self._checksums = pool, transfers, tiers, checksums
         self._caches = caches
@@ -239,8 +241,8 @@ class WorkerConnector:
             if finished:
                 self._job.fire(job, "complete", step=self._meta.step)
                 done.append(job.job_id)
-                if self._checksums is not None and job.kind == "store":
-                    self._checksums.record(job.cpu_slots)
+                if self._checksums is not None and job.kind == "store" and self._stores.copies(job.job_id):
+                    self._checksums.record(job.cpu_slots)  # replicated: the writer alone, once its copy landed
         failed = [j for j in self._records.failed if not self._ordered_this_step(self.jobs[j])
                   and (self.events.end(j) is None or self.events.ended(j))]
         self._records.failed = [j for j in self._records.failed if j not in failed]

@@ -11,6 +11,11 @@ valid until they release theirs, so the order in which ranks shut down does not 
 process (`named=False`: the reference engine's `LocalRanks`) the region is an anonymous mapping that each rank's
 pool maps as is, and no file is made (an explorer making thousands of engines leaves none behind).
 
+Beside the region the ranks share a small table (`table`: one int64 per slot, zero when made), where the replicated
+pool's block checksums live: the rank that copied a block takes its checksum there and every rank checks its load
+against it (`kvfsm.connector.checksums`). It is a second file (the region's path plus `.sums`), made by the creator
+when it first asks for it (on registration, before it sends the path) and removed with the region.
+
 Threading: one worker half per process uses its region, from the engine's thread only.
 """
 
@@ -26,6 +31,7 @@ import torch
 from kvfsm.executor.device import Device
 
 SHM_FOLDER = Path("/dev/shm")
+TABLE_SUFFIX = ".sums"
 
 
 class SharedRegionMismatch(ValueError):
@@ -51,6 +57,8 @@ class SharedHostMemory:
         """Without `named`: the one anonymous mapping every rank of this process uses."""
         self._mapped = 0
         """Mappings handed out and not released yet."""
+        self._table: torch.Tensor | None = None
+        """Without `named`: the one anonymous table every rank of this process uses."""
 
     def allocate(self, device: Device, nbytes: int) -> torch.Tensor:
         """A mapping of the region, `nbytes` long, registered with `device`; the region is created at that size if
@@ -88,6 +96,28 @@ class SharedHostMemory:
             raise SharedRegionMismatch(f"shared region {self.path} holds {size} bytes; this rank's pool needs {nbytes}")
         return torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
 
+    def table(self, entries: int) -> torch.Tensor:
+        """`entries` int64 values the ranks share beside the region (zero when made): made by the creator (or in
+        this process without `named`), attached to by the others. Call after `allocate`."""
+        nbytes = entries * 8
+        if not self.named:
+            if self._table is None:
+                self._table = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.int64)
+            return self._table
+        if self.path is None:
+            raise SharedRegionMismatch("the shared region's table is asked for before the region exists")
+        path = self.path + TABLE_SUFFIX
+        if self._created and not os.path.exists(path):
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(descriptor, nbytes)
+            finally:
+                os.close(descriptor)
+        if os.path.getsize(path) != nbytes:
+            raise SharedRegionMismatch(f"shared table {path} holds {os.path.getsize(path)} bytes; this rank's pool "
+                                       f"needs {nbytes}")
+        return torch.from_file(path, shared=True, size=entries, dtype=torch.int64)
+
     def release(self, device: Device, buffer: torch.Tensor) -> None:
         """Unregister one mapping from its device (it is unmapped once the last tensor on it is gone); the creator's
         last release removes the path."""
@@ -105,6 +135,8 @@ class SharedHostMemory:
 
     def close(self) -> None:
         """Remove the region's path if this process created it (mappings still open stay valid); twice is harmless."""
-        if self._created and self.path is not None and os.path.exists(self.path):
-            os.unlink(self.path)
+        if self._created and self.path is not None:
+            for path in (self.path, self.path + TABLE_SUFFIX):
+                if os.path.exists(path):
+                    os.unlink(path)
         self._created = False

@@ -52,8 +52,9 @@ class Harness:
     """`device` is one device, or one per tensor-parallel rank (each with its own worker half and faults).
     `staging_blocks` sizes the staging slots in GPU blocks, so a step's stores go out as a pipeline of several
     chunks (as a real cache's do) instead of one. `replicated`: every rank holds every head's KV (MLA-shaped) and
-    the ranks share one host pool. `keep_history=False` runs the connector as in production, keeping
-    no ended job or released request: then only what it retains may be checked, not the invariants that read them."""
+    the ranks share one host pool (with one device: a TP=1 engine of MLA-shaped caches). `keep_history=False` runs
+    the connector as in production, keeping no ended job or released request: then only what it retains may be
+    checked, not the invariants that read them."""
 
     def __init__(self, device: Device | Sequence[Device], num_gpu_blocks: int, cpu_blocks: int,
                  block_size_factor: int = 1,
@@ -105,7 +106,7 @@ class Harness:
         self.engine = Engine(EngineConfig(num_gpu_blocks=num_gpu_blocks, max_batched_tokens=max_batched_tokens,
                                           model=shape, compute_delay_cycles=compute_delay_cycles,
                                           per_layer=per_layer, report_lag=report_lag),
-                             self.devices if len(self.devices) > 1 else self.device, self.connector)
+                             self.devices if len(self.devices) > 1 or replicated else self.device, self.connector)
         self.poll_lag = 0
         """SimDevice only: device operations run inside a step, just before the worker polls for finished jobs
         (on a GPU a job may finish before its own step ends)."""
@@ -207,6 +208,11 @@ class Harness:
                                      "its prefix")
         return found
 
+    @property
+    def _tier_layout(self) -> str:
+        """How the blocks a lower tier holds are laid out: MLA-shaped with replicated KV (every head's latent)."""
+        return "mla" if self.connector.config.replicated else "kv-first"
+
     def _disk_bytes(self) -> list[str]:
         """Every published disk entry holds exactly the bytes of its prefix (a corruption injected on purpose aside:
         the fetch of a corrupted entry must fail, which the CPU bytes and outputs check). A shared disk's block of a
@@ -220,7 +226,7 @@ class Harness:
                 continue
             if entry.state in (Entry.PUBLISHED, Entry.READING) and not self.tier_faults.is_corrupted(entry):
                 stored = self.disk.stored_bytes(entry.key)
-                expected = self.oracle.cpu_block_bytes(entry.key).numpy().tobytes()
+                expected = self.oracle.cpu_block_bytes(entry.key, layout=self._tier_layout).numpy().tobytes()
                 if stored != expected:
                     found.append(f"publish-after-write: disk key {entry.key:#x} does not hold the bytes of its prefix")
         return found
@@ -235,7 +241,7 @@ class Harness:
         for entry in self.mooncake.entries:
             if entry.state in (Entry.PUBLISHED, Entry.READING) and entry.key not in spoiled:
                 stored = self.mooncake.stored_bytes(entry.key)
-                if stored != self.oracle.cpu_block_bytes(entry.key).numpy().tobytes():
+                if stored != self.oracle.cpu_block_bytes(entry.key, layout=self._tier_layout).numpy().tobytes():
                     found.append(f"publish-after-write: mooncake key {entry.key:#x} is not in the store with the "
                                  "bytes of its prefix")
         return found

@@ -15,7 +15,9 @@ from kvfsm.connector import Connector
 from kvfsm.connector.ranks import TierOutcome
 from kvfsm.engine.engine import Engine
 from kvfsm.tiers.blockfile import RECORD
+from kvfsm.tiers.base import TierSite
 from kvfsm.tiers.disk import DiskTier
+from kvfsm.tiers.factory import open_tiers
 from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.records import TierEntry, TierJob
 
@@ -161,6 +163,25 @@ def tier_first_report(planner: TierPlanner) -> None:
 
 TIER_RANK_CONTROLS: dict[str, Callable[[TierPlanner], None]] = {"tier-first-report": tier_first_report}
 """Controls of the tier planner that differ from kvfsm only with several workers (`tier-job-every-rank`)."""
+
+
+def every_rank_moves(engine: Engine, connector: Connector) -> None:
+    """Replicated KV: every rank opens its lower tiers and moves every tier job, as each rank moved its own heads'
+    share without replicated KV: each block is written back once per rank, and each fetch read into the one shared
+    slot once per rank (a rank whose tier never held the key fails the fetch everywhere). A control of replicated
+    KV with a lower tier, which the tensor-parallel interleavings never open, so it is in neither `TIER_MUTANTS` nor
+    `TP_MUTANTS`; apply it before the first step."""
+    for worker in connector.workers:
+        runner = worker._tiers
+        assert runner is not None, "every-rank-moves needs a lower tier"
+        if not runner.tiers:
+            site = TierSite(worker.config, worker.pool.slot_bytes, worker.worker, worker._caches, worker.pool)
+            runner.tiers = {tier.name: tier for tier in open_tiers(site, worker._tier_io, False, worker._machines)}
+        runner.moves = lambda job_id: True
+
+
+REPLICATED_TIER_CONTROLS: dict[str, Callable[[Engine, Connector], None]] = {"every-rank-moves": every_rank_moves}
+"""Controls that differ from kvfsm only with replicated KV and a lower tier (`replicated-one-tier-move`)."""
 
 
 def one_eager_queue(planner: TierPlanner) -> None:

@@ -108,11 +108,13 @@ class TierSite:
 
     def namespace(self, model_id: str, dtype: str) -> KvNamespace:
         """What a block stored from this site is the KV of, beside its prefix hash: the model, dtype, layout, block
-        size and shard. A tier that stores blocks where other engines (or a later one) read them names them by it."""
+        size and shard. A tier that stores blocks where other engines (or a later one) read them names them by it.
+        With replicated KV a block is every head's KV, what a TP=1 engine's block is: it is named as rank 0 of one,
+        so engines of any TP size holding the model's replicated KV read it."""
         offload = self.offload
+        rank, world = (0, 1) if offload.replicated else (self.worker, offload.num_workers)
         return KvNamespace(model_id=model_id, dtype=dtype, layout=layout_of(self.caches),
-                           block_tokens=offload.cpu_block_tokens, tp_rank=self.worker,
-                           tp_world_size=offload.num_workers)
+                           block_tokens=offload.cpu_block_tokens, tp_rank=rank, tp_world_size=world)
 
 
 def layout_of(caches: KVCaches) -> str:
