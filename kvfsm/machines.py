@@ -79,46 +79,87 @@ class LifecycleMachine:
             observer(self.lifecycle.name, model, source, trigger, model.state)
 
 
+@dataclass(frozen=True)
+class _Tables:
+    """A lifecycle's compiled tables; read-only once built, so every machine of the same lifecycle shares them."""
+
+    table: dict[tuple[str, str], tuple[Branch, ...]]
+    moves: dict[str, dict[str, tuple[str, tuple[BatchEffect, ...]]]]
+    """Per trigger, the states it leaves by one unguarded branch whose effects are written for batches: a batch
+    moves those without trying guards, and runs the branch's effects once over the run of models that took it."""
+    plain: dict[str, dict[str, str]]
+    """Triggers whose every move is unguarded and has no effect (a store's submit, its completion): a batch of
+    those is a lookup and an assignment per model."""
+    guarded: dict[str, dict[str, tuple[Branch, ...]]]
+    batch_guarded: dict[str, dict[str, tuple[Branch, ...]]]
+    """Per trigger, the guarded states whose every branch has guards and effects written for batches."""
+
+
+def _compile(lifecycle: Lifecycle, registry: Registry) -> _Tables:
+    table: dict[tuple[str, str], tuple[Branch, ...]] = {}
+    for state in lifecycle.states:
+        for trigger in lifecycle.triggers:
+            branches = lifecycle.branches(state, trigger)
+            if branches:
+                table[(state, trigger)] = tuple(CompiledLifecycle._branch(lifecycle.name, t, registry)
+                                                for t in branches)
+    moves = {
+        trigger: {
+            state: (branches[0].dest, branches[0].batch_effects)
+            for (state, t), branches in table.items()
+            if t == trigger and len(branches) == 1 and not branches[0].guards and branches[0].batched
+        }
+        for trigger in lifecycle.triggers
+    }
+    plain = {
+        trigger: {state: dest for state, (dest, effects) in by_state.items()}
+        for trigger, by_state in moves.items()
+        if len(by_state) == sum(t == trigger for _, t in table) and not any(e for _, e in by_state.values())
+    }
+    guarded = {
+        trigger: {state: b for (state, t), b in table.items() if t == trigger and state not in by_state}
+        for trigger, by_state in moves.items()
+    }
+    batch_guarded = {
+        trigger: {state: bs for state, bs in by_state.items()
+                  if all(b.batch_guards is not None and b.batched for b in bs)}
+        for trigger, by_state in guarded.items()
+    }
+    return _Tables(table, moves, plain, guarded, batch_guarded)
+
+
+_COMPILED: dict[tuple[int, int], tuple[Lifecycle, Registry, _Tables]] = {}
+_COMPILED_KEEP = 64
+"""How many (lifecycle, registry) pairs keep their tables. An entry holds both objects, so no live object can
+share its ids; the spec-mutant battery makes hundreds of specs, hence a bound rather than a cache of all."""
+
+
+def _tables_of(lifecycle: Lifecycle, registry: Registry) -> _Tables:
+    """The lifecycle's tables, compiled once per (lifecycle, registry): generated interleavings and the explorer
+    build a connector per example or replay, and compiling each time was a third of the explorer's run."""
+    key = (id(lifecycle), id(registry))
+    kept = _COMPILED.get(key)
+    if kept is not None and kept[0] is lifecycle and kept[1] is registry:
+        return kept[2]
+    tables = _compile(lifecycle, registry)
+    if len(_COMPILED) >= _COMPILED_KEEP:
+        _COMPILED.pop(next(iter(_COMPILED)))
+    _COMPILED[key] = (lifecycle, registry, tables)
+    return tables
+
+
 class CompiledLifecycle(LifecycleMachine):
     """A lifecycle compiled to `(state, trigger) -> branches`: one dict lookup and the guards, per transition."""
 
     def __init__(self, lifecycle: Lifecycle, registry: Registry) -> None:
         self.lifecycle = lifecycle
         self.observers = []
-        name = lifecycle.name
-        self.table: dict[tuple[str, str], tuple[Branch, ...]] = {}
-        for state in lifecycle.states:
-            for trigger in lifecycle.triggers:
-                branches = lifecycle.branches(state, trigger)
-                if branches:
-                    self.table[(state, trigger)] = tuple(self._branch(name, t, registry) for t in branches)
-        self._moves: dict[str, dict[str, tuple[str, tuple[BatchEffect, ...]]]] = {
-            trigger: {
-                state: (branches[0].dest, branches[0].batch_effects)
-                for (state, t), branches in self.table.items()
-                if t == trigger and len(branches) == 1 and not branches[0].guards and branches[0].batched
-            }
-            for trigger in lifecycle.triggers
-        }
-        """Per trigger, the states it leaves by one unguarded branch whose effects are written for batches: a batch
-        moves those without trying guards, and runs the branch's effects once over the run of models that took it."""
-        self._plain: dict[str, dict[str, str]] = {
-            trigger: {state: dest for state, (dest, effects) in moves.items()}
-            for trigger, moves in self._moves.items()
-            if len(moves) == sum(t == trigger for _, t in self.table) and not any(e for _, e in moves.values())
-        }
-        """Triggers whose every move is unguarded and has no effect (a store's submit, its completion): a batch of
-        those is a lookup and an assignment per model."""
-        self._guarded: dict[str, dict[str, tuple[Branch, ...]]] = {
-            trigger: {state: b for (state, t), b in self.table.items() if t == trigger and state not in moves}
-            for trigger, moves in self._moves.items()
-        }
-        self._batch_guarded: dict[str, dict[str, tuple[Branch, ...]]] = {
-            trigger: {state: bs for state, bs in by_state.items()
-                      if all(b.batch_guards is not None and b.batched for b in bs)}
-            for trigger, by_state in self._guarded.items()
-        }
-        """Per trigger, the guarded states whose every branch has guards and effects written for batches."""
+        tables = _tables_of(lifecycle, registry)
+        self.table = tables.table
+        self._moves = tables.moves
+        self._plain = tables.plain
+        self._guarded = tables.guarded
+        self._batch_guarded = tables.batch_guarded
 
     @staticmethod
     def _branch(lifecycle: str, transition: Any, registry: Registry) -> Branch:
