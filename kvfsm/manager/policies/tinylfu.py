@@ -50,10 +50,18 @@ class TinyLfuPolicy(EvictionPolicy):
         self.sketch.add_many([block_hash for _, block_hash in stored])
         window = self.window
         window.update(stored)
-        if len(window) > self.window_target:
-            pop, admit = window.popitem, self._admit
-            for _ in range(len(window) - self.window_target):
-                admit(*pop(last=False))
+        overflow = len(window) - self.window_target
+        if overflow <= 0:
+            return
+        pop = window.popitem
+        room = self.main_target - len(self.probation) - len(self.protected) - len(self.doomed)
+        if room > 0:  # `_admit` of each while main has room, in one batch: no duels, each enters probation
+            entering = min(overflow, room)
+            self.probation.update([pop(last=False) for _ in range(entering)])
+            overflow -= entering
+        admit = self._admit
+        for _ in range(overflow):
+            admit(*pop(last=False))
 
     def _admit(self, slot: int, block_hash: int) -> None:
         """The window's candidate enters probation, unless main is full and its next victim is counted as often."""
@@ -76,31 +84,33 @@ class TinyLfuPolicy(EvictionPolicy):
         self.touch_many((slot,))
 
     def touch_many(self, slots: Iterable[int]) -> None:
+        """Each part is asked by one lookup (a slot is in at most one part); a probation or doomed hit is protected,
+        protected's overflow demoted back to probation (inlined: the hot path)."""
         window, protected, probation, doomed = self.window, self.protected, self.probation, self.doomed
+        protected_target = self.protected_target
         hit: list[int] = []
         for slot in slots:
-            if slot in window:
-                window.move_to_end(slot)
-                hit.append(window[slot])
-            elif slot in protected:
+            block_hash = protected.get(slot)
+            if block_hash is not None:
                 protected.move_to_end(slot)
-                hit.append(protected[slot])
-            else:
-                block_hash = probation.pop(slot, None)
-                if block_hash is None:
-                    block_hash = doomed.pop(slot, None)  # hit before its eviction: it earned its place after all
-                if block_hash is None:
-                    continue  # not held: nothing to refresh
                 hit.append(block_hash)
-                self._protect(slot, block_hash)
+                continue
+            block_hash = window.get(slot)
+            if block_hash is not None:
+                window.move_to_end(slot)
+                hit.append(block_hash)
+                continue
+            block_hash = probation.pop(slot, None)
+            if block_hash is None:
+                block_hash = doomed.pop(slot, None)  # hit before its eviction: it earned its place after all
+            if block_hash is None:
+                continue  # not held: nothing to refresh
+            hit.append(block_hash)
+            protected[slot] = block_hash
+            if len(protected) > protected_target:
+                demoted, demoted_hash = protected.popitem(last=False)
+                probation[demoted] = demoted_hash
         self.sketch.add_many(hit)
-
-    def _protect(self, slot: int, block_hash: int) -> None:
-        protected = self.protected
-        protected[slot] = block_hash
-        if len(protected) > self.protected_target:
-            demoted, demoted_hash = protected.popitem(last=False)
-            self.probation[demoted] = demoted_hash
 
     def remove(self, slot: int) -> None:
         for part in (self.doomed, self.probation, self.window, self.protected):
