@@ -53,7 +53,7 @@ class FrequencySketch:
 
     def add_cells(self, pairs: Sequence[Cells]) -> None:
         """Count one more store or hit of each hash, named by its `cells` (a policy keeps them, so a hit need not mix
-        its hash again: a block hash of an engine is 256 bits, and mixing it is most of an addition's cost)."""
+        its hash again: the mix multiplies the whole hash, 256 bits for a vLLM engine's)."""
         table = self.table
         for first, second in pairs:
             if table[first] < MAX_COUNTER:
