@@ -7,7 +7,7 @@ ten increments per slot every counter is halved, so what was popular long ago fa
 at 15: past that, only the ranking among popular hashes is lost, and aging restores it.
 
 Two rows rather than the usual four, twice as wide: the same memory per estimate's error, at half the
-increments, which are the policy's hot path in pure Python (each stored or hit block costs one `add_many` step).
+increments, which are the policy's hot path in pure Python (each stored or hit block costs one `add_cells` step).
 """
 
 from __future__ import annotations
