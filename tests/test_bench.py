@@ -47,6 +47,16 @@ def test_a_subcommand_runs_only_its_part(tmp_path: Path, no_cuda: None) -> None:
     assert run.exit_code == 0, run.output
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["skipped"] == [] and "scheduler" in result and "ttft" not in result
+    assert set(result["scheduler"]["steps_by_admission"]) == set(policies.ADMISSIONS) - {"every-block"}
+    assert "SchedulerConnector per step (lru, threshold-2)" in run.output
+
+
+def test_a_block_admission_skipped_counts_as_a_block_decision_beside_the_transitions() -> None:
+    every = steps.run(steps=8, requests=16, lifetime=2, documents=8, repeats=1)
+    skipping = steps.run(steps=8, requests=16, lifetime=2, documents=8, repeats=1, admission="threshold-2")
+    assert every["blocks_skipped"] == 0 and every["us_per_block_decision"] == every["us_per_cpu_block_transition"]
+    assert skipping["blocks_skipped"] > 0, "threshold-2 skipped nothing: the control would not tell the divisors apart"
+    assert skipping["us_per_block_decision"] < skipping["us_per_cpu_block_transition"]
 
 
 def test_a_failing_part_is_reported_and_fails_the_exit_status(

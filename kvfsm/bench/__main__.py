@@ -65,6 +65,7 @@ def _free_gpu() -> None:
 
 def _scheduler(result: dict[str, Any], quick: bool) -> None:
     from kvfsm.bench import scheduler, steps
+    from kvfsm.bench.policies import ADMISSIONS
 
     size = {"steps": 6, "requests": 16, "num_slots": 512, "documents": 32} if quick else {}
     step_size = {"steps": 8, "requests": 16, "lifetime": 2, "documents": 8, "repeats": 1} if quick else {}
@@ -73,8 +74,17 @@ def _scheduler(result: dict[str, Any], quick: bool) -> None:
         "steps": steps.run(**step_size),  # type: ignore[arg-type]
         "steps_by_policy": {policy: steps.run(**step_size, eviction=policy)["us_per_cpu_block_transition"]
                             for policy in scheduler.POLICIES if policy != "lru"},  # type: ignore[arg-type]
+        "steps_by_admission": {admission: {policy: _per_block(steps.run(**step_size, eviction=policy,
+                                                                        admission=admission))  # type: ignore[arg-type]
+                                           for policy in (("lru",) if quick else scheduler.POLICIES)}
+                               for admission in ADMISSIONS if admission != "every-block"},  # quick: the plumbing
         "steady": steps.steady_decode(**({"requests": 16, "rounds": 1} if quick else {})),
     }
+
+
+def _per_block(run: dict[str, Any]) -> dict[str, float | int]:
+    """A `steps.run` under an admission setting that skips: its µs per CPU-block transition and per block decision."""
+    return {key: run[key] for key in ("us_per_cpu_block_transition", "us_per_block_decision", "blocks_skipped")}
 
 
 def _disk(result: dict[str, Any], quick: bool) -> None:
@@ -290,6 +300,12 @@ def _print(result: dict[str, Any]) -> None:
                       f"GC on, collections {_generations(st['gc_collections'])}")
         for policy, figure in s["steps_by_policy"].items():
             table.add_row(f"SchedulerConnector per step ({policy})", f"{figure:.3f}", "the same workload")
+        for admission, by_policy in s.get("steps_by_admission", {}).items():
+            for policy, r in by_policy.items():
+                table.add_row(f"SchedulerConnector per step ({policy}, {admission})",
+                              f"{r['us_per_cpu_block_transition']:.3f}",
+                              f"the same workload; {r['blocks_skipped']:,} blocks skipped, "
+                              f"{r['us_per_block_decision']:.3f} µs per transition or skip")
         sd = s["steady"]
         table.add_row("SchedulerConnector, quiet decode step", "—",
                       f"{sd['running_requests']} running, none completing a block: {sd['us_per_step']:.1f} µs/step "

@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvfsm.bench.policies import ADMISSIONS
 from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput, WorkerOutput
@@ -164,13 +165,19 @@ def _workload(connector: SchedulerConnector, steps: int, requests: int, prompt_t
 
 def run(steps: int = 48, requests: int = 256, prompt_tokens: int = 2048, lifetime: int = 16,
         documents: int = 512, num_slots: int = 32768, seed: int = 0, repeats: int = 3,
-        eviction: str = "lru") -> dict[str, float | int | list[float] | dict[str, int]]:
+        eviction: str = "lru", admission: str = "every-block") -> dict[str, float | int | list[float] | dict[str, int]]:
     """µs per step and per block transition (CPU-block, and every lifecycle) of the scheduler half.
 
-    The timed workload runs `repeats` times, each on a fresh connector; the figures are the fastest run's (noise on
-    a shared host only adds time), with every run's wall and CPU µs per CPU-block transition listed beside them."""
+    `admission` names one of `kvfsm.bench.policies.ADMISSIONS` (the `OffloadConfig` fields it sets). A block it
+    skips is decided (the request's `skip-store` names it) but never moves, so besides the figure per CPU-block
+    transition the run reports one per block decision: CPU-block transitions plus blocks skipped. The timed
+    workload runs `repeats` times, each on a fresh connector; the figures are the fastest run's (noise on a shared
+    host only adds time), with every run's wall and CPU µs per CPU-block transition listed beside them."""
+    settings = ADMISSIONS[admission]
+
     def connector(machines: MachineSet | None = None) -> SchedulerConnector:
-        return SchedulerConnector(OffloadConfig(cpu_blocks=num_slots, eviction=eviction), GPU_BLOCK_BYTES, machines,
+        return SchedulerConnector(OffloadConfig(cpu_blocks=num_slots, eviction=eviction, **settings), GPU_BLOCK_BYTES,
+                                  machines,
                                   num_gpu_blocks=2 * requests * (prompt_tokens // 16 + 1))  # the engine's pool
 
     fired: Counter[str] = Counter()
@@ -179,6 +186,7 @@ def run(steps: int = 48, requests: int = 256, prompt_tokens: int = 2048, lifetim
     counted = connector(machines)
     _workload(counted, steps, requests, prompt_tokens, lifetime, documents, seed)
     counted_hits = counted.stats.cpu_hit_blocks
+    skipped = counted.stats.blocks_skipped_prompt_only + counted.stats.blocks_skipped_threshold
     del counted, machines  # not kept alive beside the timed one: a full collection would walk both
     runs: list[tuple[_Stopwatch, dict[str, int]]] = []
     for _ in range(repeats):
@@ -203,6 +211,8 @@ def run(steps: int = 48, requests: int = 256, prompt_tokens: int = 2048, lifetim
         "runs_us_per_cpu_block_transition": [w.wall / cpu_block * 1e6 for w, _ in runs],
         "runs_cpu_us_per_cpu_block_transition": [w.cpu / cpu_block * 1e6 for w, _ in runs],
         "us_per_transition": seconds / total * 1e6,
+        "blocks_skipped": skipped,
+        "us_per_block_decision": seconds / (cpu_block + skipped) * 1e6,
         "transitions": dict(fired),
         "cpu_hit_blocks": stats.cpu_hit_blocks,
         "deferrals": stats.deferrals,

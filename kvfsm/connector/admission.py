@@ -65,29 +65,29 @@ class Admission:
         past_prompt: list[int] = []
         too_few: list[int] = []
         warm = self.cold_prefix_only and parent is not None and (parent in held or parent not in skipped)
+        counting = self.threshold > 1
+        threshold, cold_prefix_only, offers, tracked = self.threshold, self.cold_prefix_only, self.offers, self.tracked
         for index, block_hash in enumerate(hashes):
             if block_hash in skipped:
                 warm = False
             elif index < first_new:
                 admitted.append(block_hash)
-                warm = self.cold_prefix_only
+                warm = cold_prefix_only
             elif index >= prompt_end:
                 past_prompt.append(block_hash)
                 warm = False
-            elif (self.threshold > 1 and not warm and self._count(block_hash) < self.threshold
-                  and block_hash not in held):
-                too_few.append(block_hash)
+            elif counting and not warm:
+                count = offers.pop(block_hash, 0) + 1  # one more offer of the block (the hot path: inlined)
+                offers[block_hash] = count
+                if len(offers) > tracked:  # the least recently offered is forgotten
+                    offers.popitem(last=False)
+                if count < threshold and block_hash not in held:
+                    too_few.append(block_hash)
+                else:
+                    admitted.append(block_hash)
+                    warm = cold_prefix_only
             else:
                 admitted.append(block_hash)
-                warm = self.cold_prefix_only
+                warm = cold_prefix_only
         reasons = ((PROMPT_ONLY, past_prompt), (THRESHOLD, too_few))
         return Verdict(admitted, {reason: tuple(found) for reason, found in reasons if found})
-
-    def _count(self, block_hash: int) -> int:
-        """One more offer of `block_hash`: its count now."""
-        offers = self.offers
-        count = offers.pop(block_hash, 0) + 1
-        offers[block_hash] = count
-        if len(offers) > self.tracked:
-            offers.popitem(last=False)
-        return count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Iterable
 
 from kvfsm.manager.policies.base import Evictable, EvictionPolicy
 
@@ -24,22 +25,36 @@ class ArcPolicy(EvictionPolicy):
         self.target = 0.0
 
     def insert(self, slot: int, block_hash: int) -> None:
-        if block_hash in self.b1:
-            self.target = min(float(self.capacity), self.target + max(len(self.b2) / len(self.b1), 1.0))
-            del self.b1[block_hash]
-            self.t2[slot] = block_hash
-        elif block_hash in self.b2:
-            self.target = max(0.0, self.target - max(len(self.b1) / len(self.b2), 1.0))
-            del self.b2[block_hash]
-            self.t2[slot] = block_hash
-        else:
-            self.t1[slot] = block_hash
+        self.insert_many(((slot, block_hash),))
+
+    def insert_many(self, stored: Iterable[tuple[int, int]]) -> None:
+        """Each (slot, hash) in order: a ghost's return moves `target` and enters T2, anything else enters T1."""
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        for slot, block_hash in stored:
+            if block_hash in b1:
+                self.target = min(float(self.capacity), self.target + max(len(b2) / len(b1), 1.0))
+                del b1[block_hash]
+                t2[slot] = block_hash
+            elif block_hash in b2:
+                self.target = max(0.0, self.target - max(len(b1) / len(b2), 1.0))
+                del b2[block_hash]
+                t2[slot] = block_hash
+            else:
+                t1[slot] = block_hash
 
     def touch(self, slot: int) -> None:
-        if slot in self.t1:
-            self.t2[slot] = self.t1.pop(slot)
-        elif slot in self.t2:
-            self.t2.move_to_end(slot)
+        self.touch_many((slot,))
+
+    def touch_many(self, slots: Iterable[int]) -> None:
+        """Each slot in order: a T1 hit moves to T2, a T2 hit becomes T2's most recent."""
+        t1, t2 = self.t1, self.t2
+        move = t2.move_to_end
+        for slot in slots:
+            block_hash = t1.pop(slot, None)
+            if block_hash is not None:
+                t2[slot] = block_hash
+            elif slot in t2:
+                move(slot)
 
     def remove(self, slot: int) -> None:
         if slot in self.t1:

@@ -21,7 +21,7 @@ from itertools import chain
 from typing import Iterable
 
 from kvfsm.manager.policies.base import Evictable, EvictionPolicy, take
-from kvfsm.manager.policies.sketch import FrequencySketch
+from kvfsm.manager.policies.sketch import Cells, FrequencySketch
 
 WINDOW_SHARE = 0.01
 PROTECTED_SHARE = 0.8
@@ -29,7 +29,8 @@ PROTECTED_SHARE = 0.8
 
 
 class TinyLfuPolicy(EvictionPolicy):
-    """W-TinyLFU over the readable slots; every part maps slot -> hash, least recent (or oldest) first."""
+    """W-TinyLFU over the readable slots; every part maps slot -> its hash's `cells` in the sketch (all a duel or a hit
+    reads of the hash, kept so neither mixes it again), least recent (or oldest) first."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -47,60 +48,71 @@ class TinyLfuPolicy(EvictionPolicy):
 
     def insert_many(self, stored: Iterable[tuple[int, int]]) -> None:
         stored = list(stored)
-        self.sketch.add_many([block_hash for _, block_hash in stored])
+        cells = self.sketch.cells_of([block_hash for _, block_hash in stored])
+        self.sketch.add_cells(cells)
         window = self.window
-        window.update(stored)
-        if len(window) > self.window_target:
-            pop, admit = window.popitem, self._admit
-            for _ in range(len(window) - self.window_target):
-                admit(*pop(last=False))
+        window.update(zip([slot for slot, _ in stored], cells))
+        overflow = len(window) - self.window_target
+        if overflow <= 0:
+            return
+        pop = window.popitem
+        room = self.main_target - len(self.probation) - len(self.protected) - len(self.doomed)
+        if room > 0:  # `_admit` of each while main has room, in one batch: no duels, each enters probation
+            entering = min(overflow, room)
+            self.probation.update([pop(last=False) for _ in range(entering)])
+            overflow -= entering
+        admit = self._admit
+        for _ in range(overflow):
+            admit(*pop(last=False))
 
-    def _admit(self, slot: int, block_hash: int) -> None:
+    def _admit(self, slot: int, cells: Cells) -> None:
         """The window's candidate enters probation, unless main is full and its next victim is counted as often."""
         probation = self.probation
         if len(probation) + len(self.protected) + len(self.doomed) < self.main_target:
-            probation[slot] = block_hash
+            probation[slot] = cells
             return
         rival_part = probation or self.protected
         if not rival_part:
-            self.doomed[slot] = block_hash
+            self.doomed[slot] = cells
             return
         rival = next(iter(rival_part))
-        if self.sketch.more_often(block_hash, rival_part[rival]):
+        if self.sketch.more_often(cells, rival_part[rival]):
             self.doomed[rival] = rival_part.pop(rival)
-            probation[slot] = block_hash
+            probation[slot] = cells
         else:
-            self.doomed[slot] = block_hash
+            self.doomed[slot] = cells
 
     def touch(self, slot: int) -> None:
         self.touch_many((slot,))
 
     def touch_many(self, slots: Iterable[int]) -> None:
+        """Each part is asked by one lookup (a slot is in at most one part); a probation or doomed hit is protected,
+        protected's overflow demoted back to probation (inlined: the hot path)."""
         window, protected, probation, doomed = self.window, self.protected, self.probation, self.doomed
-        hit: list[int] = []
+        protected_target = self.protected_target
+        hit: list[Cells] = []
         for slot in slots:
-            if slot in window:
-                window.move_to_end(slot)
-                hit.append(window[slot])
-            elif slot in protected:
+            cells = protected.get(slot)
+            if cells is not None:
                 protected.move_to_end(slot)
-                hit.append(protected[slot])
-            else:
-                block_hash = probation.pop(slot, None)
-                if block_hash is None:
-                    block_hash = doomed.pop(slot, None)  # hit before its eviction: it earned its place after all
-                if block_hash is None:
-                    continue  # not held: nothing to refresh
-                hit.append(block_hash)
-                self._protect(slot, block_hash)
-        self.sketch.add_many(hit)
-
-    def _protect(self, slot: int, block_hash: int) -> None:
-        protected = self.protected
-        protected[slot] = block_hash
-        if len(protected) > self.protected_target:
-            demoted, demoted_hash = protected.popitem(last=False)
-            self.probation[demoted] = demoted_hash
+                hit.append(cells)
+                continue
+            cells = window.get(slot)
+            if cells is not None:
+                window.move_to_end(slot)
+                hit.append(cells)
+                continue
+            cells = probation.pop(slot, None)
+            if cells is None:
+                cells = doomed.pop(slot, None)  # hit before its eviction: it earned its place after all
+            if cells is None:
+                continue  # not held: nothing to refresh
+            hit.append(cells)
+            protected[slot] = cells
+            if len(protected) > protected_target:
+                demoted, demoted_cells = protected.popitem(last=False)
+                probation[demoted] = demoted_cells
+        self.sketch.add_cells(hit)
 
     def remove(self, slot: int) -> None:
         for part in (self.doomed, self.probation, self.window, self.protected):
