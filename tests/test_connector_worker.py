@@ -13,7 +13,7 @@ import torch
 
 from kvfsm.config import DiskTierConfig, OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder, WorkerOutput
-from kvfsm.connector.validation import NotRegistered
+from kvfsm.connector.refusals import NotRegistered
 from kvfsm.connector.turns import send_in_turns
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.layouts import LayoutError, allocate_kv_caches

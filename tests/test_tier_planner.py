@@ -17,7 +17,7 @@ from kvfsm.connector.ledger import Ledger
 from kvfsm.connector.metadata import ConnectorOutput, TierOrder, TierReport, WorkerOutput
 from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.connector.tier_runner import TierRunner, UnknownTier
-from kvfsm.connector.validation import UnknownJob
+from kvfsm.connector.refusals import UnknownJob
 from kvfsm.executor.pool import HostPool
 from kvfsm.executor.sim import SimDevice
 from kvfsm.machines import MachineSet
