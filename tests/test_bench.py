@@ -14,7 +14,10 @@ import torch
 from typer.testing import CliRunner
 
 from kvfsm.bench import end_to_end, policies, steps, traces
-from kvfsm.bench.__main__ import GPU_PARTS, _print, app, layers_that_fit, verdicts
+from kvfsm.bench.__main__ import app
+from kvfsm.bench.goals import verdicts
+from kvfsm.bench.parts import GPU_PARTS, layers_that_fit
+from kvfsm.bench.report import show
 from kvfsm.bench.connector import ConnectorRounds, RoundMismatch
 from kvfsm.bench.sustained import ROTATION, SustainedSteps, pool_blocks
 from kvfsm.executor import CudaDevice, SimDevice
@@ -191,7 +194,7 @@ def test_a_connector_row_reports_each_way_at_the_steps_end_as_jobs_finish_and_su
     assert shares <= row.keys() and all(row[key] > 0 for key in shares)
     fixed = {f"{kind}_fixed_ms" for kind in ("store", "load", "both")}
     assert fixed <= row.keys() and all(row[key] > 0 for key in fixed)  # a simulated step is slower than 1 GB/s
-    _print({"connector": [row], "verdicts": [], "skipped": [], "errors": {}})
+    show({"connector": [row], "verdicts": [], "skipped": [], "errors": {}})
 
 
 def _measured(share: float, slowdown: float, us: float, one_step: float | None = None) -> dict[str, object]:

@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 
 from kvfsm.bench import vllm_layers
-from kvfsm.bench.__main__ import verdicts
+from kvfsm.bench.goals import verdicts
 from kvfsm.executor import SimDevice
 from kvfsm.executor.transfer import Segments
 from kvfsm.integrations.vllm_stand_in import standing_in

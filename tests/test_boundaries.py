@@ -31,7 +31,7 @@ from kvfsm.connector.metadata import (
     SchedulerOutput,
     WorkerOutput,
 )
-from kvfsm.connector.validation import (
+from kvfsm.connector.refusals import (
     AlreadyRegistered,
     BlockIdOutOfRange,
     BlockSizeMismatch,
@@ -301,7 +301,7 @@ def test_a_kv_cache_paged_differently_from_the_config_is_refused_before_pinning(
 def test_accepting_more_tokens_than_offered_is_refused_even_under_python_O() -> None:
     """The refusal is a named exception, not an `assert` that `python -O` strips."""
     script = (
-        "from tests.test_boundaries import world; from kvfsm.connector.validation import MoreTokensThanOffered\n"
+        "from tests.test_boundaries import world; from kvfsm.connector.refusals import MoreTokensThanOffered\n"
         "w = world()\n"
         "try:\n    w.connector.update_state_after_alloc(w.matched, [12, 13, 14, 15], 16)\n"
         "except MoreTokensThanOffered as e:\n    print('refused:', e)\n"

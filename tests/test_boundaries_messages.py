@@ -28,7 +28,7 @@ from kvfsm.connector.metadata import (
     TierReport,
     WorkerOutput,
 )
-from kvfsm.connector.validation import (
+from kvfsm.connector.refusals import (
     BlockIdOutOfRange,
     ContradictoryStep,
     NegativeTokenCount,

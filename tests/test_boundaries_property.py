@@ -20,7 +20,7 @@ from kvfsm.connector.metadata import (
     SchedulerOutput,
     WorkerOutput,
 )
-from kvfsm.connector.validation import (
+from kvfsm.connector.refusals import (
     AlreadyRegistered,
     BlockIdOutOfRange,
     ContradictoryStep,

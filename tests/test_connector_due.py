@@ -9,7 +9,7 @@ from kvfsm.config import OffloadConfig
 from kvfsm.connector.due import StoreDue
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput, WorkerOutput
 from kvfsm.connector.scheduler import SchedulerConnector
-from kvfsm.connector.validation import ContradictoryStep, NegativeTokenCount, UnknownRequest
+from kvfsm.connector.refusals import ContradictoryStep, NegativeTokenCount, UnknownRequest
 
 BLOCK = 4
 

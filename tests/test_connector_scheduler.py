@@ -21,8 +21,8 @@ from kvfsm.connector.metadata import (
     StoreOrder,
     WorkerOutput,
 )
+from kvfsm.connector.refusals import UnknownJob, UnknownWorker
 from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult
-from kvfsm.connector.validation import UnknownJob, UnknownWorker
 from kvfsm.machines import IllegalTrigger
 from kvfsm.manager import BlockStored, PolicyViolation
 from kvfsm.testing.mutants import complete_on_first_report, publish_on_partial_failure

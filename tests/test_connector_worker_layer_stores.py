@@ -8,7 +8,7 @@ import torch
 
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, WorkerOutput
-from kvfsm.connector.validation import NotRegistered
+from kvfsm.connector.refusals import NotRegistered
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.sim import SimDevice
 from kvfsm.testing.copy_faults import FaultInjector

@@ -57,7 +57,7 @@ NOT_GENERATED = {
     ("cpu-block", "writing-back", "abandon-write-back", "orphaned"):
         "a stall while a write-back to disk is in flight: this draw makes one when the file runs alone but not in "
         "the whole suite's order (a Mooncake tier's replies arrive in real time, so the draws after one can differ); "
-        "tests/test_tier_planner.py's abandoned write-back takes it",
+        "tests/test_tier_planner_engine.py's abandoned write-back takes it",
     ("cpu-block", "fetching", "fetch-failed", "free"):
         "a fetch from disk that fails (return_from_disk's read-io-error or corrupt-block): the draws of recent "
         "commits made one; this one, reshuffled when a step's stores became one pipeline of device operations, "

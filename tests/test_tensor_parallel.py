@@ -11,7 +11,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.config import OffloadConfig
 from kvfsm.connector import Connector, WorkerCountMismatch
-from kvfsm.connector.validation import UnknownJob
+from kvfsm.connector.refusals import UnknownJob
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.engine.distributed import Command, ReadySlot, verify
 from kvfsm.engine.engine import Engine, EngineConfig, LayerByLayerOnOneDevice

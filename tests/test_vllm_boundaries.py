@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvfsm.connector.validation import BlockIdOutOfRange  # noqa: E402
+from kvfsm.connector.refusals import BlockIdOutOfRange  # noqa: E402
 from kvfsm.integrations.vllm.rig import FakeWorker, model_config, vllm_config  # noqa: E402
 from vllm_harness import Driver  # noqa: E402
 from kvfsm.testing.snapshot import snapshot  # noqa: E402

@@ -35,11 +35,11 @@ from kvfsm.config import OffloadConfig, moves_tier_jobs, store_writer
 from kvfsm.connector.checksums import SlotChecksums
 from kvfsm.connector.job_events import JobEvents
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, WorkerOutput
+from kvfsm.connector.refusals import NotRegistered
 from kvfsm.connector.stores import WorkerStores
 from kvfsm.connector.tier_runner import TierRunner
 from kvfsm.connector.turns import Piece, send_in_turns
 from kvfsm.connector.validation import (
-    NotRegistered,
     check_halves,
     check_metadata,
     check_registered_caches,

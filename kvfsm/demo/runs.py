@@ -19,8 +19,7 @@ from rich.progress import Progress
 
 from kvfsm.checking import TraceRecorder
 from kvfsm.connector import Connector
-from kvfsm.connector.scheduler import UnknownRequest
-from kvfsm.connector.validation import UnknownJob
+from kvfsm.connector.refusals import UnknownJob, UnknownRequest
 from kvfsm.demo.config import DemoConfig, DeviceKind
 from kvfsm.demo.pacing import OneStepBehind
 from kvfsm.demo.plan import DemoPlan, offload_config, plan_demo
