@@ -39,7 +39,7 @@ STEP_DRIVEN: frozenset[Trigger] = frozenset({
     ("cpu-block", "fetch-done"),
     ("tier-entry", "reserve"), ("tier-entry", "write-done"), ("tier-entry", "pin"), ("tier-entry", "read-done"),
     ("tier-job", "submit"), ("tier-job", "complete"), ("tier-job", "fail"), ("tier-job", "release"),
-    ("cpu-block", "abandon-fetch"), ("cpu-block", "abandon-write-back"),
+    ("cpu-block", "abandon-fetch"), ("cpu-block", "abandon-write-back"), ("tier-job", "shed"),
 })
 
 
