@@ -42,13 +42,14 @@ EQUIVALENT = {
     "transfer-job #9 (complete submitted -> done): drop guard all-segments-landed": SEGMENTS,
     "request #6 (load-done draining -> released): drop guard no-jobs-in-flight": ONE_LOAD,
     "request #8 (load-failed draining -> released): drop guard no-jobs-in-flight": ONE_LOAD,
+    "request #12 (abort loading -> draining): drop guard has-jobs-in-flight":
+        "a request is loading exactly while its load is in flight: the load's end fires load-done or load-failed "
+        "within its own transition, which moves the request to running, so an abort never finds a loading request "
+        "with nothing in flight (abort loading-inline -> draining has no guard for the same reason)",
     "gpu-block #2 (unfence fenced -> fenced): retarget to freed-while-read":
         "a block a running request holds left freed-while-read is named by that request's next step, which fences it "
         "again and flushes its own store, waited for before the step writes: one wait more, nothing written under a "
         "store",
-    "gpu-block #5 (reuse freed-while-read -> fenced): retarget to freed-while-read":
-        "the readers are flushed either way; a block left freed-while-read is fenced again by every later step that "
-        "names it, which finds nothing more to flush",
     "request #15 (job-done deferred -> deferred): retarget to matched":
         "lookup leaves deferred and matched alike, and the engine looks a waiting request up before allocating",
     "cpu-block #7 (evict ready -> free): drop effect forget-hash":
