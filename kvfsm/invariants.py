@@ -344,9 +344,29 @@ def fence_count(world: World) -> list[str]:
     found = [f"GPU block {b} is read by a store but not tracked" for b in readers if b not in world.gpu_blocks]
     for block in world.gpu_blocks.values():
         expect = readers.get(block.block_id, 0)
-        if block.store_readers != expect or (block.state == G.FENCED) != (expect > 0):
+        if block.store_readers != expect or (block.state != G.WRITABLE) != (expect > 0):
             found.append(f"GPU block {block.block_id} is {block.state} with {block.store_readers} store readers, "
                          f"{expect} stores read it")
+    return found
+
+
+@REGISTRY.invariant("lazy-fence")
+def lazy_fence(world: World) -> list[str]:
+    """A returned request's store not yet flushed reads only blocks nobody was handed since: once a step hands one
+    out (`reuse` makes it fenced again), that step's metadata flushes the store."""
+    found = []
+    for job in world.jobs.values():
+        if job.kind != "store" or job.state not in FLUSHABLE_JOB_STATES:
+            continue
+        owner = world.requests.get(job.req_id)
+        if owner is None or owner.state != R.RETURNED:
+            continue
+        for block_id in job.gpu_blocks:
+            block = world.gpu_blocks.get(block_id)
+            if block is None or block.state != G.FREED_WHILE_READ:
+                state = block.state if block is not None else G.WRITABLE
+                found.append(f"GPU block {block_id} is {state} (handed out again) while store job {job.job_id} of "
+                             f"returned request {job.req_id} is still {job.state}, not flushed")
     return found
 
 

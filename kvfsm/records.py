@@ -245,6 +245,13 @@ def _flushable_stores(request: RequestRecord) -> list[int]:
     return [j.job_id for j in request.jobs.values() if j.kind == "store" and j.state in FLUSHABLE_JOB_STATES]
 
 
+@REGISTRY.relation("request", "store-blocks")
+def _store_blocks(request: RequestRecord) -> list[int]:
+    """The GPU blocks its stores in flight read (each once): what its finish or abort leaves freed-while-read."""
+    return list(dict.fromkeys(b for j in request.jobs.values() if j.kind == "store" and j.in_flight
+                              for b in j.gpu_blocks))
+
+
 # couplings of transfer-job ---------------------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ class GpuBlockState:
 
     WRITABLE: Final = "writable"
     FENCED: Final = "fenced"
+    FREED_WHILE_READ: Final = "freed-while-read"
 
 
 class RequestState:
@@ -38,6 +39,7 @@ class RequestState:
     RUNNING: Final = "running"
     PREEMPTED: Final = "preempted"
     DRAINING: Final = "draining"
+    RETURNED: Final = "returned"
     RELEASED: Final = "released"
     LOADING_INLINE: Final = "loading-inline"
 

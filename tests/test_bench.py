@@ -23,6 +23,8 @@ from kvfsm.bench.sustained import ROTATION, SustainedSteps, pool_blocks
 from kvfsm.executor import CudaDevice, SimDevice
 from kvfsm.mooncake import available as mooncake_available
 from kvfsm.executor.transfer import Segments
+from kvfsm.testing.copy_faults import FaultInjector
+from kvfsm.testing.mutants import MUTANTS
 
 
 @pytest.fixture
@@ -123,6 +125,16 @@ def test_control_a_round_whose_store_is_refused_is_caught(monkeypatch: pytest.Mo
         rounds.store()
 
 
+def test_control_a_round_whose_store_fails_is_caught() -> None:
+    rounds = _rounds()
+    worker = rounds.connector.worker
+    faults = FaultInjector(worker._transfers)
+    worker._transfers = faults  # type: ignore[assignment]
+    faults.arm("store", "copy", after=1)
+    with pytest.raises(RoundMismatch, match="blocks stored"):
+        rounds.store()
+
+
 def _sustained() -> SustainedSteps:
     """Regions of two 2-block prompts."""
     rounds = ConnectorRounds(SimDevice(), "kv-first", 16, 2 * ROTATION * 4, 2, num_layers=2, num_heads=2, head_dim=8,
@@ -138,6 +150,21 @@ def test_sustained_steps_load_back_exactly_the_bytes_they_stored() -> None:
     sustained.both(8)
     sustained.check_landed()
     assert not sustained.rounds.connector.worker.jobs and not any(sustained._holders)
+
+
+def test_sustained_steps_compute_into_a_region_only_once_its_stores_were_flushed() -> None:
+    """Storing through more steps than there are regions: each region is computed into again while the stores of
+    its last turn may still run, and the step that hands it out flushes them (`lazy-fence`)."""
+    sustained = _sustained()
+    sustained.store(2 * len(sustained.rounds.regions))
+    assert not sustained.rounds.connector.worker.jobs
+
+
+def test_control_sustained_steps_without_the_lazy_fence_are_caught() -> None:
+    sustained = _sustained()
+    MUTANTS["no-lazy-fence"].apply(None, sustained.rounds.connector)  # type: ignore[arg-type]
+    with pytest.raises(RoundMismatch, match="did not fence them"):
+        sustained.store(2 * len(sustained.rounds.regions))
 
 
 def test_control_a_sustained_load_that_differs_from_its_source_is_caught() -> None:

@@ -107,13 +107,15 @@ def test_a_store_failure_reported_before_its_sent_chunks_ran_is_caught() -> None
 
 
 def preempted_during_failing_flush(h: Harness, after: int) -> list[str]:
-    """A request is preempted under memory pressure while its store is still pending (its blocks rewritten in
-    that step); the flush submits the store, and it fails after `after` chunks were sent."""
+    """A request is preempted under memory pressure while its store is still pending; the flush submits the store,
+    and it fails after `after` chunks were sent. Another request arrives meanwhile: the preempted blocks are the
+    first handed out again, and the step that takes them rewrites them."""
     h.device.scheduler = lagging("store")
     h.add_request(PREFIX, 3)
     h.engine.step()
     h.faults.arm("store", "copy", after)
     h.engine.preempt(h.engine.running[0].request_id, reclaim=True)
+    h.add_request(OTHER, 1)
     return run(h)
 
 

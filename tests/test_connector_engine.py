@@ -12,8 +12,9 @@ from typing import Callable
 import pytest
 
 from kvfsm.bindings import default_spec
-from kvfsm.connector.metadata import ConnectorOutput, LoadOrder
+from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, LoadOrder, SchedulerOutput
 from kvfsm.connector.scheduler import StepResult
+from kvfsm.engine.engine import RequestIdInUse
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import Deferral
 from kvfsm.machines import IllegalTrigger, MachineSet
@@ -179,13 +180,14 @@ def test_a_request_deferred_after_its_blocker_finished_is_caught() -> None:
 
 
 def run_preempt_and_resume(h: Harness) -> list[str]:
-    """Preempt a request the step after its prefill (its stores still in flight) and drop the GPU prefix cache,
-    with the host running ahead of the device; compute goes first whenever it can (SimDevice's default)."""
+    """Preempt a request the step after its prefill (its stores still in flight), its blocks reclaimed as memory
+    pressure would, and hand them to another request the next step, with the host running ahead of the device;
+    compute goes first whenever it can (SimDevice's default)."""
     h.add_request(PREFIX[:12], 4, "a")
     step_lagging(h)
-    h.engine.preempt("a")
+    h.engine.preempt("a", reclaim=True)
     step_lagging(h)
-    h.engine.reset_prefix_cache()
+    h.add_request(tuple(range(60, 72)), 2, "b")
     step_lagging(h)
     return finish(h)
 
@@ -206,16 +208,16 @@ def test_a_worker_that_does_not_flush_on_preemption_corrupts_data() -> None:
 
 
 def run_preempt_mid_copy(h: Harness) -> list[str]:
-    """Preempt a request whose store was submitted a step earlier and is still on the (lagging) copy stream, then
-    drop the GPU prefix cache so its freed blocks are rewritten; compute goes first whenever it can."""
+    """Preempt a request whose store was submitted a step earlier and is still on the (lagging) copy stream, its
+    blocks reclaimed and handed to another request the next step; compute goes first whenever it can."""
     h.add_request(PREFIX[:12], 4, "a")
     step_lagging(h)
     step_lagging(h)
     stores = [j for j in h.connector.worker.jobs.values() if j.kind == "store"]
     assert [j.state for j in stores] == [TransferJobState.SUBMITTED], "the scenario needs a store on the copy stream"
-    h.engine.preempt("a")
+    h.engine.preempt("a", reclaim=True)
     step_lagging(h)
-    h.engine.reset_prefix_cache()
+    h.add_request(tuple(range(60, 72)), 2, "b")
     step_lagging(h)
     return finish(h)
 
@@ -232,29 +234,91 @@ def test_a_preemption_that_skips_stores_already_copying_is_caught() -> None:
     assert any(line.startswith("ready-means-written:") for line in found)
 
 
-# finished requests hold their blocks -----------------------------------------------------------------------
+# finished and aborted requests return their blocks at once, fenced lazily on reuse ---------------------------
 
 
-def run_finish_then_reuse(h: Harness) -> tuple[list[str], set[str]]:
-    """A request finishes with its stores in flight; another needs its GPU blocks at once (a tight pool)."""
+def record_flushes(h: Harness) -> list[int]:
+    """The stores each step's metadata flushes, as the steps run."""
+    flushed: list[int] = []
+    build = h.connector.scheduler.build_connector_meta
+
+    def recorded(output: SchedulerOutput) -> ConnectorMetadata:
+        meta = build(output)
+        flushed.extend(meta.flush)
+        return meta
+
+    h.connector.scheduler.build_connector_meta = recorded  # type: ignore[method-assign]
+    return flushed
+
+
+def run_end_then_reuse(h: Harness, aborted: bool = False) -> tuple[list[str], set[str], tuple[int, ...]]:
+    """A request finishes (or is aborted) with its stores in flight; another is handed its GPU blocks at once (a
+    tight pool), with the host running ahead of the device. Returns the violations (after the reusing step, then
+    after the drain), the requests the engine was told to release and the stores the reusing step flushed."""
     released: set[str] = set()
     on_results(h, lambda result: released.update(result.released))
+    flushed = record_flushes(h)
+    h.add_request(PREFIX[:12], 1 if not aborted else 4, "a")
+    step_lagging(h)
+    if aborted:
+        h.abort("a")
+    stores = tuple(j.job_id for j in h.connector.scheduler.requests["a"].jobs_in_flight)
+    assert h.connector.scheduler.requests["a"].state == "returned" and stores
+    assert "a" not in h.engine.live, "the engine kept the blocks of a request with only stores in flight"
+    h.add_request(tuple(range(60, 72)), 3, "b")  # still running after the step it was handed the blocks
+    step_lagging(h)
+    scheduler = h.connector.scheduler
+    assert set(scheduler.requests["b"].block_ids) & set(scheduler.jobs[stores[0]].gpu_blocks), \
+        "the scenario needs b handed a block a's store reads"
+    in_step = h.violations()  # the step that handed the blocks out, before the device ran the store
+    return in_step + finish(h), released, tuple(j for j in flushed if j in stores)
+
+
+def test_a_finished_request_returns_its_blocks_and_the_reusing_step_flushes_its_stores() -> None:
+    found, released, flushed = run_end_then_reuse(harness(gpu_blocks=8))
+    assert found == []
+    assert "a" not in released, "a returned request's end is no news to the engine"
+    assert flushed
+
+
+def test_an_aborted_request_returns_its_blocks_and_the_reusing_step_flushes_its_stores() -> None:
+    found, _, flushed = run_end_then_reuse(harness(gpu_blocks=8), aborted=True)
+    assert found == [] and flushed
+
+
+def test_a_finished_request_whose_blocks_nobody_takes_flushes_nothing() -> None:
+    h = harness(gpu_blocks=24)
+    flushed = record_flushes(h)
     h.add_request(PREFIX[:12], 1, "a")
     step_lagging(h)
-    held = h.connector.scheduler.requests["a"].state
+    assert h.connector.scheduler.requests["a"].state == "returned"
     h.add_request(tuple(range(60, 72)), 1, "b")
     step_lagging(h)
-    assert held == "draining"
-    return finish(h), released
+    assert finish(h) == []
+    assert flushed == [], "a store was waited for although nobody was handed the blocks it reads"
 
 
-def test_a_finished_request_is_held_until_its_stores_drain() -> None:
-    found, released = run_finish_then_reuse(harness(gpu_blocks=8))
-    assert found == [] and "a" in released
+def test_the_id_of_a_request_whose_stores_are_in_flight_is_refused_until_they_end() -> None:
+    h = harness()
+    h.add_request(PREFIX[:12], 1, "a")
+    step_lagging(h)
+    assert h.connector.scheduler.requests["a"].state == "returned" and "a" not in h.engine.live
+    with pytest.raises(RequestIdInUse, match="stores of that request are in flight"):
+        h.engine.add_request("a", PREFIX[:12], 1)
+    assert finish(h) == []
+    h.add_request(PREFIX[:12], 1, "a")
+    assert finish(h) == []
 
 
-def test_freeing_a_finished_request_mid_store_is_caught() -> None:
-    found, _ = run_finish_then_reuse(harness(gpu_blocks=8, control=mutant("no-fence")))
+def test_dropping_the_lazy_fence_is_caught() -> None:
+    found, _, flushed = run_end_then_reuse(harness(gpu_blocks=8, control=mutant("no-lazy-fence")))
+    assert not flushed
+    assert any(line.startswith("lazy-fence:") for line in found)
+    assert any(line.startswith("fence:") for line in found)
+
+
+def test_dropping_the_lazy_fence_after_an_abort_is_caught() -> None:
+    found, _, _ = run_end_then_reuse(harness(gpu_blocks=8, control=mutant("no-lazy-fence")), aborted=True)
     assert any(line.startswith("fence:") for line in found)
 
 

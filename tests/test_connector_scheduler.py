@@ -189,9 +189,9 @@ def test_a_deferred_lookup_waits_only_for_the_job_holding_its_first_busy_block()
     assert sched.deferrals["b"].blockers == {first.job_id}
 
 
-def test_a_request_aborted_while_deferred_behind_its_own_store_drains_until_that_store_ends() -> None:
+def test_a_request_aborted_while_deferred_behind_its_own_store_returns_until_that_store_ends() -> None:
     """Preempted while its store still copies, looked up again (deferred: its own prefix is being stored), then
-    aborted: the engine keeps its blocks until the store is reported, and only then is the request released."""
+    aborted: its blocks are the engine's already, and the request is released, without news, once the store ends."""
     sched = connector()
     req = prompt("a", [1, 2])
     admit(sched, req, range(3))
@@ -199,9 +199,10 @@ def test_a_request_aborted_while_deferred_behind_its_own_store_drains_until_that
     idle_step(sched, preempted=["a"])  # the store is flushed: the workers copy it before the blocks are reused
     assert sched.get_num_new_matched_tokens(req, 0) is None
     assert sched.requests["a"].state == "deferred"
-    assert sched.request_finished("a", aborted=True) is True
-    assert sched.requests["a"].state == "draining"
-    assert report(sched, done=[order.job_id]).released == {"a"}
+    assert sched.request_finished("a", aborted=True) is False
+    assert sched.requests["a"].state == "returned"
+    assert report(sched, done=[order.job_id]).released == set()
+    assert sched.requests["a"].state == "released"
 
 
 # stores ----------------------------------------------------------------------------------------------------

@@ -29,16 +29,49 @@ from test_connector_scheduler import (
 # request lifetime ------------------------------------------------------------------------------------------
 
 
-def test_a_finished_request_is_held_until_its_stores_drain() -> None:
+def test_a_finished_request_with_stores_in_flight_returns_its_blocks_freed_while_read() -> None:
     sched = connector()
     req = prompt("a", [1, 2])
     admit(sched, req, range(3))
     (order,) = compute(sched, req, range(3)).stores
-    assert sched.request_finished("a") is True
-    assert {b for b, g in sched.gpu_blocks.items() if g.state == "fenced"} == {0, 1}
-    idle_step(sched)
-    assert report(sched, done=[order.job_id]).released == {"a"}
+    assert sched.request_finished("a") is False
+    assert sched.requests["a"].state == "returned"
+    assert {b for b, g in sched.gpu_blocks.items() if g.state == "freed-while-read"} == {0, 1}
+    assert idle_step(sched).flush == (), "nobody was handed the blocks: nothing to wait for"
+    assert report(sched, done=[order.job_id]).released == set(), "the engine freed the blocks already"
     assert sched.gpu_blocks == {} and sched.requests["a"].state == "released"
+
+
+def test_the_step_that_hands_out_a_freed_block_flushes_the_stores_reading_it() -> None:
+    sched = connector()
+    req = prompt("a", [1, 2, 3, 4])
+    admit(sched, req, range(5))
+    (submitted,) = compute(sched, req, range(5), computed=2 * BLOCK).stores
+    (pending,) = compute(sched, req, range(5)).stores
+    assert sched.request_finished("a") is False
+    other = prompt("b", [7])
+    admit(sched, other, (3, 9))  # block 3, which the pending store reads, is handed out again
+    assert compute(sched, other, (3, 9)).flush == (pending.job_id,)
+    assert sched.gpu_blocks[3].state == "fenced" and sched.gpu_blocks[0].state == "freed-while-read"
+    assert sched.jobs[submitted.job_id].state == "submitted", "a store reading no block handed out goes on"
+    assert report(sched, done=[pending.job_id]).released == set() and sched.requests["a"].state == "returned"
+    report(sched, done=[submitted.job_id])
+    assert sched.requests["a"].state == "released" and 0 not in sched.gpu_blocks
+
+
+def test_a_freed_block_in_a_running_requests_table_is_fenced_at_its_next_step() -> None:
+    """A block shared through the engine's prefix cache stays in another request's table: that request's step may
+    write (or read) it, so the step fences it like an allocation."""
+    sched = connector()
+    req = prompt("a", [1, 2])
+    admit(sched, req, range(3))
+    (order,) = compute(sched, req, range(3)).stores
+    sharer = prompt("b", [1, 5])
+    admit(sched, sharer, (0, 4, 5), gpu_hit_blocks=1)  # block 0 is a GPU prefix hit, shared with a
+    assert compute(sched, sharer, (0, 4, 5), computed=BLOCK + 1).flush == ()
+    sched.request_finished("a")
+    assert sched.gpu_blocks[0].state == "freed-while-read"
+    assert compute(sched, sharer, (0, 4, 5)).flush == (order.job_id,)
 
 
 def test_a_finished_request_without_stores_is_released_at_once() -> None:
@@ -61,16 +94,17 @@ def test_abort_while_loading_releases_when_the_load_lands() -> None:
     assert [b.readers for b in sched.manager.blocks] == [0] * 8
 
 
-def test_abort_while_storing_flushes_the_store_and_holds_the_blocks() -> None:
+def test_abort_while_storing_returns_the_blocks_and_lets_the_store_run() -> None:
     sched = connector()
     req = prompt("a", [1, 2])
     admit(sched, req, range(3))
     (order,) = compute(sched, req, range(3)).stores
-    assert sched.request_finished("a", aborted=True) is True
-    assert idle_step(sched).flush == (order.job_id,)
-    assert sched.jobs[order.job_id].state == "flushed-on-preempt"
-    assert report(sched, done=[order.job_id]).released == {"a"}
-    assert sched.manager.lookup([1, 2]).hits == 2, "a flushed store still publishes its finished copy"
+    assert sched.request_finished("a", aborted=True) is False
+    assert sched.requests["a"].state == "returned"
+    assert idle_step(sched).flush == ()
+    assert sched.jobs[order.job_id].state == "submitted"
+    assert report(sched, done=[order.job_id]).released == set()
+    assert sched.manager.lookup([1, 2]).hits == 2, "an aborted request's store still publishes its finished copy"
 
 
 def test_a_request_id_can_be_reused_after_it_finished() -> None:
@@ -113,7 +147,7 @@ def test_reset_cache_with_transfers_in_flight_publishes_nothing_and_leaks_nothin
     assert meta.flush == (store.job_id,)
     assert sched.manager.take_events() == [BlockRemoved((1, 2))]
     result = report(sched, done=[load.job_id, store.job_id])
-    assert result.loaded == {"b"} and result.released == {"c"}
+    assert result.loaded == {"b"} and result.released == set()
     assert sched.manager.catalogue == {} and sched.manager.take_events() == []
     assert sched.manager.usage()["free"] == 4
     assert in_flight(sched) == [] and sched.gpu_blocks == {}
@@ -196,8 +230,8 @@ def test_a_request_finished_without_saying_aborted_lets_its_stores_run_unflushed
     sched.update_state_after_alloc(request, (0, 1), 0)
     (store,) = sched.build_connector_meta(SchedulerOutput(scheduled=(ScheduledRequest("r", (0, 1), 4),))).stores
     sched.request_finished("r")
-    assert sched.ledger.requests["r"].state == "draining"
-    assert store.job_id not in sched.build_connector_meta(SchedulerOutput()).flush, "a finish flushed like an abort"
+    assert sched.ledger.requests["r"].state == "returned"
+    assert store.job_id not in sched.build_connector_meta(SchedulerOutput()).flush, "a finish flushed eagerly"
 
 
 def test_a_store_covers_only_the_gpu_blocks_its_step_names() -> None:

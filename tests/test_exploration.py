@@ -31,7 +31,7 @@ SHOWN_BY = {
     "failed-fetch-loads": "disk-faults", "fail-without-end-event": "reload-fails-mid-copy", "fetch-ready-early": "disk",
     "flush-first-segment": "preempt-per-layer-store", "flush-skips-failed-stores": "flush-fails-mid-copy",
     "flush-waits-pending-only": "preempt-per-layer-store", "free-at-deadline": "disk-stall",
-    "lookup-counts-writing": "disk-reset", "no-preemption-flush": "pressure", "no-write-after-read-wait": "pressure",
+    "lookup-counts-writing": "disk-reset", "no-lazy-fence": "end-then-reuse", "no-preemption-flush": "pressure", "no-write-after-read-wait": "pressure",
     "publish-before-written": "disk-reset", "skip-not-applied": "offered-twice",
     "store-event-before-write": "preempt-per-layer-store", "unbounded-write-back": "disk-reset",
     "unpinned-tier-read": "disk", "unpinned-write-back": "disk-reset", "wait-on-wrong-layer": "reload-per-layer",

@@ -81,7 +81,7 @@ def test_kvfsm_keeps_every_trial_intact_on_a_delayed_compute_stream() -> None:
     assert not bad, bad
 
 
-GPU_CAUGHT = ("no-compute-barrier", "no-fence", "no-load-dedup", "no-preemption-flush")
+GPU_CAUGHT = ("no-compute-barrier", "no-lazy-fence", "no-load-dedup", "no-preemption-flush")
 """Mutants these timings expose on the GPU. `no-write-after-read-wait` and `unpinned-load` need a load to be
 overtaken by work issued before it on another stream at one precise moment; fixed delays did not produce that
 window on the H100 (0 of 27 trials), so those two are proven on SimDevice, where the schedule is chosen."""

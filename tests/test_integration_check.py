@@ -54,12 +54,12 @@ class TinyRequest:
 
 
 class TinyEngine:
-    """An engine written against docs/integration.md alone. `frees_under_store` is a control: it frees a finished
-    request's blocks at once, although the connector asked to keep them; `hides_held` is one too: it keeps them,
-    but its tables leave held requests out."""
+    """An engine written against docs/integration.md alone; a freed block is the first it hands out again.
+    `skips_flush_hook` is a control: it calls `handle_preemptions` only in steps that preempt (it never does), so
+    the stores the connector flushes for blocks handed out again are not waited for."""
 
-    def __init__(self, connector: Connector, device: SimDevice, num_blocks: int, frees_under_store: bool = False,
-                 hides_held: bool = False) -> None:
+    def __init__(self, connector: Connector, device: SimDevice, num_blocks: int,
+                 skips_flush_hook: bool = False) -> None:
         self.connector = connector
         self.device = device
         self.caches = {f"layer.{i}": torch.zeros(2, num_blocks, BLOCK_SIZE, 1, 4) for i in range(2)}
@@ -69,17 +69,16 @@ class TinyEngine:
         self.loading: dict[str, TinyRequest] = {}
         self.ready: list[TinyRequest] = []
         self.held: dict[str, TinyRequest] = {}
-        self.frees_under_store = frees_under_store
-        self.hides_held = hides_held
+        self.skips_flush_hook = skips_flush_hook
 
     # --- EngineTables ---------------------------------------------------------------------------------------
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.loading or self.ready or self.held)
+        return bool(self.waiting or self.loading or self.ready or self.held or self.connector.stores_of_ended_requests)
 
     def block_tables(self) -> Mapping[str, Sequence[int]]:
-        holding = [*self.loading.values(), *self.ready] + ([] if self.hides_held else [*self.held.values()])
+        holding = [*self.loading.values(), *self.ready, *self.held.values()]
         return {request.request_id: request.blocks for request in holding}
 
     def free_blocks(self) -> Sequence[int]:
@@ -97,7 +96,8 @@ class TinyEngine:
                                            num_computed_tokens=r.num_tokens) for r in batch)
         worker = self.connector.worker
         worker.bind_connector_metadata(self.connector.build_connector_meta(SchedulerOutput(scheduled=scheduled)))
-        worker.handle_preemptions()
+        if not self.skips_flush_hook:
+            worker.handle_preemptions()
         worker.start_load_kv()
         for request in batch:
             self._compute(request)
@@ -109,12 +109,12 @@ class TinyEngine:
             request.computed = min(request.blocks.index(b) for b in bad) * BLOCK_SIZE if bad else request.computed
             self.ready.append(request)
         for req_id in result.released:
-            self.free.extend(self.held.pop(req_id).blocks)
+            self.free.extendleft(self.held.pop(req_id).blocks)
         for request in batch:
-            if self.connector.request_finished(request.request_id, aborted=False) and not self.frees_under_store:
+            if self.connector.request_finished(request.request_id, aborted=False):
                 self.held[request.request_id] = request
             else:
-                self.free.extend(request.blocks)
+                self.free.extendleft(request.blocks)
 
     def _admit(self, batch: list[TinyRequest]) -> None:
         """FIFO; a deferred request (`None`) stays waiting and a later one may go first."""
@@ -192,13 +192,24 @@ def test_a_correct_integration_passes_every_check_and_reloads_from_cpu() -> None
     assert check.integration.idle and not check.violations()
 
 
-@pytest.mark.parametrize("control", ["frees_under_store", "hides_held"])
-def test_a_block_reused_under_a_store_in_flight_is_caught_as_fence(control: str) -> None:
-    engine, check, _ = tiny(**{control: True})
-    with pytest.raises(InvariantViolation) as caught:
-        serve(engine, check, ARRIVALS)
+REUSE_ARRIVALS = {1: [("writer", PREFIX + (1,))], 2: [("other", tuple(range(200, 209)))]}
+"""A writer that ends with its store in flight, and a request handed its blocks at once."""
+
+
+def test_an_ended_requests_blocks_handed_out_again_are_fenced_lazily() -> None:
+    engine, check, connector = tiny()
+    serve(engine, check, REUSE_ARRIVALS)
     check.close()
-    assert caught.value.step == 1 and "fence" in caught.value.names
+    assert connector.scheduler.stats.blocks_stored == 8 and not check.violations()
+
+
+def test_a_block_reused_under_a_store_in_flight_is_caught_as_fence() -> None:
+    """The control: without `handle_preemptions` the store flushed for a block handed out again is not waited for."""
+    engine, check, _ = tiny(skips_flush_hook=True)
+    with pytest.raises(InvariantViolation) as caught:
+        serve(engine, check, REUSE_ARRIVALS)
+    check.close()
+    assert caught.value.step == 2 and "fence" in caught.value.names
     assert "store job" in str(caught.value)
 
 
@@ -245,7 +256,34 @@ def test_the_reference_engine_passes_the_same_check_through_its_tables() -> None
     assert check.integration.idle and not check.violations()
 
 
-def test_the_reference_engine_freeing_blocks_under_a_store_is_caught_by_its_tables() -> None:
-    """The control: the `no-fence` mutant lets the engine free a finished request's blocks mid-store."""
-    with pytest.raises(InvariantViolation, match="fence: GPU block .* is free in the engine while store job"):
-        reference_run("no-fence")
+def reuse_run(mutant: str | None = None) -> IntegrationCheck:
+    """The reference engine through its own tables: a request ends in the step that orders its store, and the next
+    step hands its blocks to another request (a tight pool)."""
+    h = Harness(SimDevice(), num_gpu_blocks=8, cpu_blocks=32, mutant=mutant)
+    check = IntegrationCheck(h.connector, ReferenceTables(h.engine), h.devices)
+    arrivals = {1: (tuple(range(100, 112)), 1), 2: (tuple(range(60, 72)), 3)}
+    step = 0
+    try:
+        while (h.engine.has_work or step < len(arrivals)) and step < 50:
+            step += 1
+            if step in arrivals:
+                h.add_request(*arrivals[step])
+            h.engine.step()
+            check.after_step(step)
+            h.settle()
+    finally:
+        check.close()
+        h.close()
+    return check
+
+
+def test_the_reference_engine_hands_out_an_ended_requests_blocks_behind_the_lazy_fence() -> None:
+    check = reuse_run()
+    assert check.integration.idle and not check.violations()
+
+
+def test_the_reference_engine_reusing_blocks_under_a_store_is_caught() -> None:
+    """The control: the `no-lazy-fence` mutant hands out a finished request's blocks without flushing the stores
+    still reading them."""
+    with pytest.raises(InvariantViolation, match=r"lazy-fence: GPU block \d+ is fenced \(handed out again\)"):
+        reuse_run("no-lazy-fence")

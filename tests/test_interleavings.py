@@ -40,18 +40,19 @@ NOT_GENERATED = {
         "only a store threshold makes it skip: the skip-not-applied mutant's hunt draws one); "
         "tests/test_connector_admission.py and test_spec_mutants.py's offered_twice scenario take it",
     ("request", "loading", "job-done", "loading"): "needs a flushed store reported while its request loads",
-    ("request", "draining", "job-done", "draining"):
-        "needs one of an aborted request's jobs reported while another is still in flight; met by some of the 600 "
-        "derandomized draws of recent commits, not by this one",
-    ("request", "matched", "abort", "draining"):
-        "needs an abort between the lookup and the allocation of a request with a job still in flight (a preempted "
-        "request whose store is still copying, looked up again): the draws of recent commits made one; this one, "
-        "reshuffled when the fault injector learned where a copy fails, does not",
+    ("request", "returned", "job-done", "returned"):
+        "needs one of an ended request's stores reported while another is still in flight (as draining's job-done "
+        "did before lazy-fence: met by some draws, not by this one); tests/test_connector_scheduler_lifetime.py's "
+        "step that hands out a freed block takes it",
+    ("request", "matched", "abort", "returned"):
+        "needs an abort between the lookup and the allocation of a request with a store still in flight (a preempted "
+        "request whose store is still copying, looked up again): the draws of recent commits made one (to draining, "
+        "before lazy-fence); this one does not",
     ("request", "draining", "load-failed", "released"):
         f"an aborted request whose load then fails{SESSION_11_DRAW}; tests/test_tier_scenarios.py's abort before an "
         "inline load is reported takes it",
-    ("request", "deferred", "abort", "draining"):
-        "an abort of a deferred request with a job still in flight (a preempted request whose store still copies, "
+    ("request", "deferred", "abort", "returned"):
+        "an abort of a deferred request with a store still in flight (a preempted request whose store still copies, "
         f"looked up again){SESSION_11_DRAW}; tests/test_connector_scheduler.py's request aborted while deferred "
         "behind its own store takes it",
     ("cpu-block", "writing-back", "abandon-write-back", "orphaned"):

@@ -42,11 +42,15 @@ EQUIVALENT = {
     "transfer-job #9 (complete submitted -> done): drop guard all-segments-landed": SEGMENTS,
     "request #6 (load-done draining -> released): drop guard no-jobs-in-flight": ONE_LOAD,
     "request #8 (load-failed draining -> released): drop guard no-jobs-in-flight": ONE_LOAD,
-    "request #12 (abort deferred,matched,loading,running,preempted -> draining): drop coupling "
-    "transfer-job.flush(flushable-stores)":
-        "an aborted request drains: the engine holds its GPU blocks until its stores end, and a pending store goes "
-        "out at the start of the next step either way (the flush only names it flushed-on-preempt)",
-    "request #14 (job-done deferred -> deferred): retarget to matched":
+    "request #12 (abort loading -> draining): drop guard has-jobs-in-flight":
+        "a request is loading exactly while its load is in flight: the load's end fires load-done or load-failed "
+        "within its own transition, which moves the request to running, so an abort never finds a loading request "
+        "with nothing in flight (abort loading-inline -> draining has no guard for the same reason)",
+    "gpu-block #2 (unfence fenced -> fenced): retarget to freed-while-read":
+        "a block a running request holds left freed-while-read is named by that request's next step, which fences it "
+        "again and flushes its own store, waited for before the step writes: one wait more, nothing written under a "
+        "store",
+    "request #15 (job-done deferred -> deferred): retarget to matched":
         "lookup leaves deferred and matched alike, and the engine looks a waiting request up before allocating",
     "cpu-block #7 (evict ready -> free): drop effect forget-hash":
         "a slot is evicted only inside the allocation that claims it in the same call (claim-hash overwrites the "
@@ -54,9 +58,9 @@ EQUIVALENT = {
     "tier-entry #4 (write-failed writing -> empty): drop effect forget-checksum": FORGOTTEN,
     "tier-entry #7 (read-failed reading -> empty): drop effect forget-checksum": FORGOTTEN,
     "tier-entry #8 (evict published -> empty): drop effect forget-checksum": FORGOTTEN,
-    "request #22 (allocate matched -> loading-inline): drop guard has-external-tokens":
+    "request #23 (allocate matched -> loading-inline): drop guard has-external-tokens":
         "allocate matched -> running (no-external-tokens) is tried first: an allocation without a load never gets here",
-    "request #22 (allocate matched -> loading-inline): drop guard inline-load":
+    "request #23 (allocate matched -> loading-inline): drop guard inline-load":
         "allocate matched -> loading (async-load) is tried first and takes every asynchronous load",
 }
 """Mutants no behaviour can tell apart from the spec, each with the reason."""
@@ -65,9 +69,9 @@ UNDER_VLLM = ("kvfsm's own engine does not finish a request whose inline load is
               "does): caught under vLLM by tests/test_vllm_inline.py::test_inline_lifecycle_mutant_is_caught")
 
 UNREACHED = {
-    "request #15 (job-done matched -> matched): retarget to loading":
+    "request #16 (job-done matched -> matched): retarget to loading":
         "matched -job-done-> matched is not generated (NOT_GENERATED in test_interleavings.py)",
-    "request #16 (job-done loading -> loading): retarget to running":
+    "request #17 (job-done loading -> loading): retarget to running":
         "loading -job-done-> loading is not generated (NOT_GENERATED in test_interleavings.py)",
     "tier-entry #3 (adopt empty -> published): drop effect mark-adopted":
         "adopt needs a shared store (Mooncake); the battery runs no Mooncake master",
@@ -77,13 +81,13 @@ UNREACHED = {
         "needs a request deferred behind a store that fails; the scenarios' waiter is served by the GPU prefix cache "
         "and 40 interleavings do not draw it",
     "request #3 (allocate matched -> loading): drop guard async-load": UNDER_VLLM,
-    "request #25 (finish loading-inline -> draining): retarget to loading-inline": UNDER_VLLM,
+    "request #26 (finish loading-inline -> draining): retarget to loading-inline": UNDER_VLLM,
 }
 """Mutants the loader, the scenarios here and the interleavings do not catch because no run takes the transition
 in the way that shows them: the reason is a gap in the generators, not equivalence."""
 
 CAUGHT_ELSEWHERE = {
-    "request #21 (skip-store running -> running): drop effect record-skipped-blocks":
+    "request #22 (skip-store running -> running): drop effect record-skipped-blocks":
         "without the record a resumed request offers its skipped blocks again and stores them: it spends bandwidth "
         "but breaks no safety rule the battery checks (the invariant reads that record); "
         "tests/test_connector_admission.py's resumed request catches it",
@@ -222,6 +226,21 @@ def finish_with_two_stores(h: Harness) -> None:
     h.drain()
 
 
+def end_then_reuse(aborted: bool) -> Callable[[Harness], None]:
+    """A request ends (finishes, or is aborted mid-decode) with its store in flight, and the next step hands its
+    blocks to another request in a pool of eight (`lazy-fence`)."""
+    def drive(h: Harness) -> None:
+        first = h.add_request(PREFIX, 4 if aborted else 1)
+        h.engine.step()
+        if aborted:
+            h.abort(first)
+        h.add_request(tuple(range(60, 72)), 3)
+        h.drain()
+
+    drive.__name__ = f"{'abort' if aborted else 'finish'}_then_reuse"
+    return drive
+
+
 def offered_twice(h: Harness) -> None:
     """With a store threshold of 2: a prefix skipped at its first offer, stored at its second (the GPU forgot it
     meanwhile), then reloaded by a third request."""
@@ -295,6 +314,7 @@ SCENARIOS = (
     Scenario(failed_store_and_loads, num_gpu_blocks=24, cpu_blocks=8, per_layer=True, layer_loads=True),
     Scenario(finish_with_two_stores, num_gpu_blocks=24, cpu_blocks=16, report_lag=2),
     Scenario(offered_twice, num_gpu_blocks=24, cpu_blocks=8, store_threshold=2),
+    *(Scenario(end_then_reuse(aborted), num_gpu_blocks=8, cpu_blocks=16) for aborted in (False, True)),
     *(Scenario(disk_round_trip(fault), num_gpu_blocks=8, cpu_blocks=2, disk_slots=3)
       for fault in (None, "write-io-error", "read-io-error", "stall-fetch", "stall-write-back",
                     "reset-during-fetch", "reset-then-stall-fetch", "reset-then-stall-write-back")),

@@ -37,6 +37,14 @@ def test_the_abort_storm_aborts_each_wave_mid_decode() -> None:
     assert sizes["abort_after"] < sizes["decode_tokens"]  # aborted before it could finish
 
 
+def test_requests_that_end_with_stores_in_flight_make_vllm_hold_no_block_for_kvfsm() -> None:
+    """`request_finished` answers False with only stores in flight (`lazy-fence`): in the storms built for it, vLLM
+    keeps no GPU block of an ended request for kvfsm, at any measured step."""
+    rows = list(bench.compare(["abort-storm-early", "preemption-burst-tail"], quick=True, admission=["every-block"]))
+    kvfsm = [row for row in rows if row["connector"] == "kvfsm"]
+    assert len(kvfsm) == 2 and all(row["held_blocks_max"] == 0 and row["blocks_stored"] > 0 for row in kvfsm)
+
+
 def test_returning_prefixes_reach_first_token_sooner_with_layer_loads_for_every_cpu_hit() -> None:
     """The plumbing of the inline comparison, and the claim it exists for: in steps, with vLLM's scheduling
     synchronous every CPU hit computes earlier with `layer_loads` than with vLLM's connector, with the same tokens;

@@ -298,14 +298,14 @@ def inline_mutants() -> dict[str, object]:
 
 INLINE_MUTANTS = inline_mutants()
 EQUIVALENT_UNDER_VLLM = {
-    "request #22 (allocate matched -> loading-inline): drop guard has-external-tokens":
+    "request #23 (allocate matched -> loading-inline): drop guard has-external-tokens":
         "allocate matched -> running (no-external-tokens) comes first: an allocation without a load never gets here",
-    "request #22 (allocate matched -> loading-inline): drop guard inline-load":
+    "request #23 (allocate matched -> loading-inline): drop guard inline-load":
         "allocate matched -> loading (async-load) comes first and takes every asynchronous load",
-    "request #24 (load-failed loading-inline -> running): drop effect mark-load-error":
+    "request #25 (load-failed loading-inline -> running): drop effect mark-load-error":
         "vLLM hears of a failed load's blocks from its workers (get_block_ids_with_load_errors), never from kvfsm's "
         "scheduler half; kvfsm's own engine reads them there and catches it (tests/test_spec_mutants.py)",
-    "request #26 (abort loading-inline -> draining): retarget to loading-inline":
+    "request #27 (abort loading-inline -> draining): retarget to loading-inline":
         "vLLM aborts a request between steps, after it read the output that reported the request's inline load; "
         "kvfsm's own engine aborts one whose report is late and catches it (tests/test_spec_mutants.py)",
 }

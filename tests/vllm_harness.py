@@ -47,6 +47,11 @@ class HeldBlockReleased(AssertionError):
     """vLLM freed a GPU block that an unfinished, unflushed kvfsm job still reads or writes."""
 
 
+class ReusedUnderStore(HeldBlockReleased):
+    """vLLM handed out again (to a request it schedules, or for a load) a block that an ended request's store,
+    unflushed, still reads: the step writes it under the store (`lazy-fence`)."""
+
+
 class ComputedWhileLoading(AssertionError):
     """vLLM scheduled compute for a request while a rank was still loading its blocks."""
 
@@ -163,6 +168,7 @@ class Driver:
         output = self.scheduler.schedule()
         orders = output.kv_connector_metadata.orders
         self.check_held(orders.flush)
+        self.check_reuse(output)
         self.check_block_tables(output)
         self.check_not_loading(output)
         first = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
@@ -201,13 +207,32 @@ class Driver:
         self.checks.close()
 
     def check_held(self, flushed: tuple[int, ...] = ()) -> None:
+        """A job of a request vLLM still has keeps its blocks; a load's request is never freed under it. A store of
+        an ended request may read blocks vLLM took back (`check_reuse` sees they are not written under it)."""
         manager = self.scheduler.kv_cache_manager
         for job in self.worker.in_flight(flushed):
+            if job.req_id not in self.scheduler.requests and job.kind == "store":
+                continue
             owned = set(manager.get_block_ids(job.req_id)[0]) if job.req_id in self.scheduler.requests else set()
             lost = [b for b in job.gpu_blocks if b not in owned]
             if lost:
                 raise HeldBlockReleased(f"step {self.step_no}: {job.kind} job {job.job_id} of {job.req_id} "
                                         f"still uses GPU blocks {lost}, which vLLM took back")
+
+    def check_reuse(self, output: SchedulerOutput) -> None:
+        """lazy-fence, read from vLLM's own tables as the step goes to the workers: no block this step may write (a
+        scheduled request's, or one its loads write) is read by an ended request's store the step does not flush."""
+        orders = output.kv_connector_metadata.orders
+        manager = self.scheduler.kv_cache_manager
+        written = {b for req_id in output.num_scheduled_tokens for b in manager.get_block_ids(req_id)[0]}
+        written.update(b for load in orders.loads for b in load.gpu_blocks)
+        for job in self.worker.in_flight(orders.flush):
+            if job.kind != "store" or job.req_id in self.scheduler.requests:
+                continue
+            reused = sorted(written.intersection(job.gpu_blocks))
+            if reused:
+                raise ReusedUnderStore(f"step {self.step_no}: store job {job.job_id} of ended request {job.req_id} "
+                                       f"still reads GPU blocks {reused}, which this step writes unflushed")
 
     def check_block_tables(self, output: SchedulerOutput) -> None:
         """The block ids the adapter followed from vLLM's outputs are the ones vLLM's KV-cache manager holds."""

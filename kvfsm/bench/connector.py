@@ -9,6 +9,11 @@ submission and the copies themselves are all inside it.
 The workload: prompts of `prompt_blocks` scattered GPU blocks (a random permutation of the cache, cut into equal
 regions), stored from the first region into a pool that keeps evicting (LRU) and loaded back into the second by new
 requests with the same prompt. The cache is Llama-3-8B-shaped (32 layers, 8 KV heads, 128 dims, bf16).
+
+The engine here follows the connector's rules as an engine must, and checks they held, so a figure never describes a
+run that broke them: a one-token request ends right after its prefill, its blocks back at once while its store is in
+flight (`lazy-fence`), and a step that computes into blocks a store still reads finds that store flushed and waited
+for before its forward pass.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from kvfsm.connector import Connector, StepResult
 from kvfsm.connector.metadata import ConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvfsm.executor.device import Device
 from kvfsm.executor.layouts import allocate_kv_caches
+from kvfsm.states import TransferJobState
 
 
 class RoundMismatch(RuntimeError):
@@ -114,20 +120,49 @@ class ConnectorRounds:
         worker = self.connector.worker
         worker.bind_connector_metadata(self.connector.build_connector_meta(SchedulerOutput(scheduled=scheduled)))
         worker.handle_preemptions()
+        self._check_fenced(computed)
         worker.start_load_kv()
         worker.wait_for_save()
         return self.connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),)))
 
+    def _check_fenced(self, computed: Sequence[tuple[Prompt, tuple[int, ...]]]) -> None:
+        """Before the forward pass writes `computed`'s blocks: no store reading one may still run or be about to be
+        sent (`lazy-fence`: the step that hands out a block an ended request's store reads flushes that store, and
+        `handle_preemptions` waited for it). A store that enqueued nothing (failed before its first copy) reads
+        nothing."""
+        written = {block for _, ids in computed for block in ids}
+        if not written:
+            return
+        worker = self.connector.worker
+        for job in worker.jobs.values():
+            if job.kind != "store" or written.isdisjoint(job.gpu_blocks):
+                continue
+            end = worker.events.end(job.job_id)
+            if job.state == TransferJobState.PENDING_STORE or (end is not None and not worker.events.ended(job.job_id)):
+                raise RoundMismatch(f"store job {job.job_id} still reads GPU blocks the step computes into "
+                                    f"({job.state}): the step that handed them out did not fence them")
+
+    def end_computed(self, computed: Sequence[tuple[Prompt, tuple[int, ...]]]) -> None:
+        """One-token requests end with the step that computed their prompt: each gives its blocks back at once while
+        its store is in flight (`lazy-fence`; the connector forgets it once the store ended)."""
+        connector = self.connector
+        for prompt, _ in computed:
+            if connector.request_finished(prompt.request_id) or not connector.tracks(prompt.request_id):
+                raise RoundMismatch(f"{prompt.request_id}: a computed prompt did not end with its blocks given back "
+                                    "and its store in flight")
+
     def _compute_step(self, computed: list[tuple[Prompt, tuple[int, ...]]]) -> None:
         """The step whose forward pass computes `computed`: the scheduler orders their stores behind it."""
         self.engine_step(computed)
-        for prompt, _ in computed:  # one-token requests: done at the end of their prefill, held while stored
-            self.connector.request_finished(prompt.request_id)
+        self.end_computed(computed)
         self._stored = [p for p, _ in computed]
 
-    def _timed_step(self, expect_stored: int, loading: list[Prompt]) -> float:
-        """One engine step with no compute: submit what is pending, then report every job (`_report`). Seconds."""
+    def _timed_step(self, stored: int, loading: list[Prompt]) -> float:
+        """One engine step with no compute: submit what is pending, then report every job (`_report`). Seconds.
+        `stored`: how many prompts' stores the step sends; each must land whole."""
         connector, worker = self.connector, self.connector.worker
+        stats = connector.scheduler.stats
+        blocks_before = stats.blocks_stored
         if self.device.kind == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -135,35 +170,34 @@ class ConnectorRounds:
         worker.bind_connector_metadata(meta)
         worker.handle_preemptions()
         worker.start_load_kv()
-        loaded, released, errors = self._report()
+        loaded, errors = self._report()
         elapsed = time.perf_counter() - start
         if len(meta.loads) != len(loading) or loaded != {p.request_id for p in loading}:
             raise RoundMismatch(f"ordered {len(meta.loads)} loads, {len(loaded)} finished, "
                                 f"expected {len(loading)}")
-        if len(released) != expect_stored or errors:
-            raise RoundMismatch(f"{len(released)} stored requests released of {expect_stored}; "
+        want = stored * self.prompt_blocks
+        if stats.blocks_stored - blocks_before != want or errors:
+            raise RoundMismatch(f"{stats.blocks_stored - blocks_before} blocks stored of {want}; "
                                 f"load errors {errors}")
         for prompt in loading:  # the engine would compute the last token; the request then ends
             connector.request_finished(prompt.request_id)
         return elapsed
 
-    def _report(self) -> tuple[set[str], set[str], dict[str, tuple[int, ...]]]:
-        """Block until the scheduler half saw every job finish; the loaded and released requests, load errors.
+    def _report(self) -> tuple[set[str], dict[str, tuple[int, ...]]]:
+        """Block until the scheduler half saw every job finish; the loaded requests and the load errors.
         At the end of the step by default; with `as_finished`, as an engine that keeps stepping while copies run
         reports them: an empty engine step each time the oldest job's copies end, so the bookkeeping of earlier
         jobs overlaps the copies of later ones."""
         connector, worker = self.connector, self.connector.worker
         loaded: set[str] = set()
-        released: set[str] = set()
         errors: dict[str, tuple[int, ...]] = {}
         while True:
             worker.wait(list(worker.jobs)[:1] if self.as_finished else list(worker.jobs))
             result = connector.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),)))
             loaded |= result.loaded
-            released |= result.released
             errors.update(result.load_errors)
             if not worker.jobs:
-                return loaded, released, errors
+                return loaded, errors
             worker.bind_connector_metadata(connector.build_connector_meta(SchedulerOutput()))
             worker.handle_preemptions()
             worker.start_load_kv()

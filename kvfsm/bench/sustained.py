@@ -5,12 +5,14 @@ are in every figure, with nothing to overlap them. An engine that offloads under
 step orders the stores of what it just computed and the loads of returning prompts, and its bookkeeping runs while
 the copies ordered by earlier steps are still moving. What limits it then is whether the connector keeps the copy
 engines fed, which is what this prices: `steps` steps, each moving one region of the cache per direction, timed
-from the first step's start until the last job is reported and its blocks are released.
+from the first step's start until the last job is reported.
 
-The engine here reuses a region's GPU blocks only once the connector released every request on them (a stored
-request is held until its store ended; a loaded one ends once it is reported loaded), blocking on the oldest job
-and stepping again until it did, as an engine whose allocator is out of free blocks does. Store and load regions
-each rotate through `ROTATION`, so a step's copies queue behind earlier steps' instead of waiting for them.
+A stored request ends with the step that computed it and gives its blocks back at once: the step that computes into
+its region again finds the stores still reading it flushed, and the worker waits for them before that forward pass
+(`lazy-fence`). A loaded request holds its region until it is reported loaded (it then ends): the engine reuses a
+load region only once every request on it was, blocking on the oldest job and stepping again until it was, as an
+engine whose allocator is out of free blocks does. Store and load regions each rotate through `ROTATION`, so a
+step's copies queue behind earlier steps' instead of waiting for them.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import torch
 from kvfsm.bench.connector import ConnectorRounds, Prompt, RoundMismatch
 
 ROTATION = 5
-"""Regions each direction rotates through. The engine reuses a region once every request on it was released, so
-this is how many steps of copies it lets queue before it waits: a store is sent the step after its compute, so its
-direction has one step less. On kv-first caches both ways at once (H100, 2026-11-26), the three-region rotation
-moved 0.78-0.88 of the ceiling, four 0.85-0.96, five 0.87-0.93: with fewer the engine waited for the stores of
-the step before last while the store stream ran dry. One way, three regions already moved 0.96-0.98 (kv-first)
-and 0.98-1.0 (cross-layer)."""
+"""Regions each direction rotates through. A region is reused only after every other region of its direction was, so
+this is how many steps of copies queue before a step waits for the oldest (the flush of a store region's stores, or
+a load region's loads): a store is sent the step after its compute, so its direction has one step less. On kv-first
+caches both ways at once (H100, 2026-11-26, when a stored request still held its region until its store ended, a
+wait for the same stores before the same step), the three-region rotation moved 0.78-0.88 of the ceiling, four
+0.85-0.96, five 0.87-0.93: with fewer the engine waited for the stores of the step before last while the store
+stream ran dry. One way, three regions already moved 0.96-0.98 (kv-first) and 0.98-1.0 (cross-layer)."""
 
 
 def pool_blocks(region_blocks: int) -> int:
@@ -47,7 +50,7 @@ class SustainedSteps:
             raise ValueError(f"sustained steps need {2 * ROTATION} regions, the rounds have {len(rounds.regions)}")
         self.rounds = rounds
         self._holders: list[set[str]] = [set() for _ in rounds.regions]
-        """Per region, the requests on its GPU blocks that the connector has not released yet."""
+        """Per region, the requests loading into its GPU blocks that were not reported loaded yet."""
         self._region_of: dict[str, int] = {}
         self._errors: dict[str, tuple[int, ...]] = {}
         self._sources: list[list[Prompt]] = []
@@ -79,14 +82,14 @@ class SustainedSteps:
         for region in range(ROTATION):
             computed = self.rounds.admit_new(self.rounds.regions[region])
             self._step(computed)
-            self._finish_computed(computed, region)
+            self.rounds.end_computed(computed)
             self._sources.append([prompt for prompt, _ in computed])
         self._drain()
         return range(ROTATION, 2 * ROTATION)
 
     def _run(self, steps: int, stores: Sequence[int], loads: Sequence[int]) -> float:
         """Seconds for `steps` engine steps, step i storing region `stores[i % len(stores)]`'s fresh prompts and
-        loading source i's prompts into `loads[i % len(loads)]`, until every request was released."""
+        loading source i's prompts into `loads[i % len(loads)]`, until every job was reported."""
         rounds = self.rounds
         if rounds.device.kind == "cuda":
             torch.cuda.synchronize()
@@ -94,35 +97,24 @@ class SustainedSteps:
         for step in range(steps):
             store_region = stores[step % len(stores)] if stores else None
             load_region = loads[step % len(loads)] if loads else None
-            for region in (store_region, load_region):
-                if region is not None:
-                    self._free(region)
             if load_region is not None:
+                self._free(load_region)
                 source = self._sources[step % len(loads)]
                 for prompt in rounds.admit_returning(source, rounds.regions[load_region]):
                     self._region_of[prompt.request_id] = load_region
                     self._holders[load_region].add(prompt.request_id)
             computed = rounds.admit_new(rounds.regions[store_region]) if store_region is not None else []
             self._step(computed)
-            if store_region is not None:
-                self._finish_computed(computed, store_region)
+            self.rounds.end_computed(computed)
         self._drain()
         elapsed = time.perf_counter() - start
         if self._errors:
             raise RoundMismatch(f"load errors {self._errors}")
         return elapsed
 
-    def _finish_computed(self, computed: list[tuple[Prompt, tuple[int, ...]]], region: int) -> None:
-        """One-token requests end with the step that computed them; the connector holds them while they store."""
-        for prompt, _ in computed:
-            if not self.rounds.connector.request_finished(prompt.request_id):
-                raise RoundMismatch(f"{prompt.request_id}: a computed prompt was not held for its store")
-            self._region_of[prompt.request_id] = region
-            self._holders[region].add(prompt.request_id)
-
     def _step(self, computed: list[tuple[Prompt, tuple[int, ...]]]) -> None:
         """One engine step (`ConnectorRounds.engine_step`), then what the engine does with its report: loaded
-        requests end, and released requests free their region."""
+        requests end and free their region."""
         connector = self.rounds.connector
         result = self.rounds.engine_step(computed)
         self._errors.update(result.load_errors)
@@ -130,17 +122,16 @@ class SustainedSteps:
             if connector.request_finished(request_id):
                 raise RoundMismatch(f"{request_id}: a loaded request was held when it ended")
             self._holders[self._region_of.pop(request_id)].discard(request_id)
-        for request_id in result.released:
-            self._holders[self._region_of.pop(request_id)].discard(request_id)
 
     def _free(self, region: int) -> None:
-        """Block until every request on `region` was released: wait for the oldest job, step, again."""
+        """Block until every load into `region` was reported: wait for the oldest job, step, again."""
         while self._holders[region]:
             self._wait_oldest()
 
     def _drain(self) -> None:
-        """Step until the connector released every request this engine holds."""
-        while any(self._holders):
+        """Step until every load was reported and the stores of ended requests ended (an engine with nothing else
+        to do steps while `stores_of_ended_requests`)."""
+        while any(self._holders) or self.rounds.connector.stores_of_ended_requests:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:

@@ -4,7 +4,8 @@ An engine exposes its own bookkeeping through the small `EngineTables` protocol 
 holds, which ones its allocator may hand out); `IntegrationWorld` joins that to the connector's records and, on
 `SimDevice`, the log of every access the device ran. `IntegrationCheck` runs every named invariant and the trace
 after each step, plus `fence` read from the engine's tables: a store kvfsm has not flushed reads its GPU blocks
-until it is done, so none of them may be free in the engine or held by anyone but the store's request. That
+until it is done, so none of them may be free in the engine or held by anyone but the store's request (unless the
+request ended and gave them back: those are fenced when handed out again, `lazy-fence`). That
 reading needs no device log, so it catches a block reused under a store in flight on a GPU too, and at the step
 the engine frees it rather than when a write happens to run first.
 """
@@ -20,6 +21,7 @@ from kvfsm.executor.access import Access
 from kvfsm.executor.device import Device
 from kvfsm.invariants import TierView
 from kvfsm.records import FLUSHABLE_JOB_STATES
+from kvfsm.states import RequestState
 
 
 @runtime_checkable
@@ -76,12 +78,17 @@ class IntegrationWorld(ConnectorWorld):
 def fence_in_tables(world: IntegrationWorld) -> list[str]:
     """`fence` read from the engine's tables. A store kvfsm has not flushed (pending-store or submitted) may read
     its GPU blocks until it is done, so each must stay held by the store's request; a flushed store's blocks are
-    free to reuse, because `handle_preemptions` waits for it before anything can write them."""
+    free to reuse, because `handle_preemptions` waits for it before anything can write them. A returned request's
+    stores are the exception: its blocks went back at once, and the step that hands one out flushes them
+    (`lazy-fence`, checked on the connector's records)."""
     free = set(world.engine.free_blocks())
     tables = world.engine.block_tables()
     found = []
     for job in world.jobs.values():
         if job.kind != "store" or job.state not in FLUSHABLE_JOB_STATES:
+            continue
+        owner = world.requests.get(job.req_id)
+        if owner is not None and owner.state == RequestState.RETURNED:
             continue
         held = set(tables.get(job.req_id, ()))
         for block in job.gpu_blocks:

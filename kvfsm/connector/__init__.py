@@ -97,6 +97,15 @@ class Connector:
         """A write-back or fetch is in flight: the engine keeps stepping (idle steps) until it is reported."""
         return self._scheduler is not None and self._scheduler.moving_between_tiers
 
+    @property
+    def stores_of_ended_requests(self) -> bool:
+        """An ended request's stores are in flight: an engine with nothing else to do steps until they end."""
+        return self._scheduler is not None and self._scheduler.stores_of_ended_requests
+
+    def tracks(self, request_id: str) -> bool:
+        """Whether the request is still known (a returned one until its last store ends): its id may not return."""
+        return self._scheduler is not None and self._scheduler.tracks(request_id)
+
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool] | None:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

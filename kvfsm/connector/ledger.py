@@ -27,7 +27,7 @@ from kvfsm.connector.fences import GpuFences
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
-from kvfsm.records import RequestRecord, TierJob, TransferJob
+from kvfsm.records import FLUSHABLE_JOB_STATES, RequestRecord, TierJob, TransferJob
 from kvfsm.states import RequestState, TierJobState, TransferJobState
 
 JOB_ENDS = frozenset({TransferJobState.DONE, TransferJobState.FAILED})
@@ -43,7 +43,8 @@ class StepResult:
     loaded: set[str] = field(default_factory=set)
     """Requests whose load finished (ok or failed): they may be scheduled for compute."""
     released: set[str] = field(default_factory=set)
-    """Requests that were draining and have nothing in flight any more: their GPU blocks may be freed."""
+    """Requests that were draining (the engine held their blocks for a load) and have nothing in flight any more:
+    their GPU blocks may be freed. A returned request's end is not news: the engine freed its blocks already."""
     load_errors: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """GPU blocks whose load failed, per request: the engine recomputes them."""
 
@@ -136,6 +137,7 @@ class Ledger:
             self.reported_failed.add(job_id)
 
     def _fire_request(self, record: RequestRecord, trigger: str, **context: Any) -> str:
+        held = record.state == RequestState.DRAINING  # a returned request's blocks are the engine's already
         dest = self._request.fire(record, trigger, **context)
         if trigger == "load-done" or trigger == "load-failed":
             if dest == RequestState.RUNNING:
@@ -144,7 +146,7 @@ class Ledger:
                     self.result.load_errors[record.req_id] = record.failed_blocks
                     record.failed_blocks = ()
         if dest == RequestState.RELEASED:
-            if trigger in ENDS_OF_JOBS:
+            if held and trigger in ENDS_OF_JOBS:
                 self.result.released.add(record.req_id)
             self.deferrals.pop(record.req_id, None)
             del self.tracked[record.req_id]
@@ -172,6 +174,24 @@ class Ledger:
     def tier_blockers(self, slots: Iterable[int]) -> set[int]:
         """Tier jobs in flight on these CPU slots: what a request that met them busy waits for."""
         return {self._tier_slots[s] for s in slots if s in self._tier_slots}
+
+    def fence_handed_out(self, written: Iterable[int], step: int) -> None:
+        """lazy-fence: the freed-while-read blocks a step hands out (`written`: its scheduled requests' blocks, which
+        its compute may write; and the blocks allocated for it, which its loads may write) are fenced again, and every
+        store still reading one is flushed in this step's metadata, so the workers wait for it before the step's
+        writes. Such a store is a tracked request's: a request with a store in flight is never released."""
+        handed = self.fences.take_handed_out(written)
+        if not handed:
+            return
+        self.fences.fire("reuse", sorted(handed))
+        self.flush_readers(handed, step)
+
+    def flush_readers(self, blocks: set[int], step: int) -> None:
+        """Flush every store not flushed yet that reads one of `blocks`."""
+        for record in list(self.tracked.values()):
+            for job in [j for j in record.jobs.values() if j.kind == "store" and j.state in FLUSHABLE_JOB_STATES]:
+                if not blocks.isdisjoint(job.gpu_blocks):
+                    self.fire_job(job, "flush", step=step)
 
     def take_flushed(self) -> tuple[int, ...]:
         flushed, self.flushed = self.flushed, []

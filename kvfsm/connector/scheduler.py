@@ -6,8 +6,11 @@ goes through the connector's `Ledger`, whose machines carry out the spec's coupl
 slots, its GPU fences and its request); nothing here branches on another lifecycle's state to keep them in step.
 
 Timing the spec relies on: a store ordered in step N is submitted by the workers at the start of step N+1, so
-the scheduler moves it to `submitted` when it builds step N+1's metadata; a preempted or aborted request's
-stores are flushed in the next metadata, which the worker executes before the engine reuses any GPU block.
+the scheduler moves it to `submitted` when it builds step N+1's metadata; a preempted request's stores are flushed
+in the next metadata, which the worker executes before the engine reuses any GPU block.
+
+Freed blocks are fenced lazily (`lazy-fence`): a request finished or aborted with only stores in flight gives its
+GPU blocks back at once; the step that hands one out again flushes the stores still reading it (`Ledger`).
 
 Cost: a step reads its scheduled requests column by column in C (`check_step`: one comparison per request with
 `StoreDue`); Python work goes only to the requests that completed a CPU block, and per CPU block to a
@@ -17,6 +20,7 @@ bounded number of batched transitions.
 from __future__ import annotations
 
 import time
+from itertools import chain
 from typing import Protocol, Sequence
 
 from kvfsm.bindings import default_spec
@@ -202,6 +206,7 @@ class SchedulerConnector:
         check_alloc(self, request, block_ids, num_external_tokens)
         record = self._get(request.request_id)
         record.block_ids = tuple(block_ids)
+        self.ledger.fences.allocated.extend(record.block_ids)  # handed out in the step the next metadata is for
         record.stored_cpu_blocks = 0
         self.ledger.due.set(record.req_id, self._cpu_block_tokens)
         match, record.match = record.match, None
@@ -239,6 +244,7 @@ class SchedulerConnector:
         ledger = self.ledger
         for req_id in output.preempted:
             ledger.fire_request(self._get(req_id), "preempt")
+        ledger.fence_handed_out(chain.from_iterable(output.block_ids), self.step)
         flush = ledger.take_flushed()
         for job in self._prepared:  # ordered last step, submitted by the workers as this step starts
             if job.state == TransferJobState.PENDING_STORE:
@@ -340,14 +346,25 @@ class SchedulerConnector:
             self.stats.record_load(len(job.gpu_blocks), ok, self.gpu_block_bytes, seconds)
 
     def request_finished(self, request_id: str, aborted: bool = False) -> bool:
-        """Whether the engine must keep the request's GPU blocks until `update_connector_output` releases it.
+        """Whether the engine must keep the request's GPU blocks until `update_connector_output` releases it: only
+        while its load still writes them. With stores alone in flight the blocks go back at once (the request is
+        `returned`; the step that hands one out again fences it, `lazy-fence`), and its end is not reported.
 
         Engines call this for every request that ends, including ones the connector never looked up."""
         check_finished(self, request_id, aborted)
         record = self.ledger.tracked.get(request_id)
         if record is None:
             return False
-        return self.ledger.fire_request(record, "abort" if aborted else "finish") != RequestState.RELEASED
+        return self.ledger.fire_request(record, "abort" if aborted else "finish") == RequestState.DRAINING
+
+    def tracks(self, request_id: str) -> bool:
+        """Whether the request is still known (a returned one until its last store ends): its id may not return."""
+        return request_id in self.ledger.tracked
+
+    @property
+    def stores_of_ended_requests(self) -> bool:
+        """An ended request's stores are in flight: an engine with nothing else to do steps until they end."""
+        return any(record.state == RequestState.RETURNED for record in self.ledger.tracked.values())
 
     def reset_cache(self) -> None:
         """Forget every CPU block; stores in flight are flushed and their late completions free, never publish."""

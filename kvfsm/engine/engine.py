@@ -144,6 +144,8 @@ class Engine:
         """Queue a request; returns a handle for its output (request ids may be reused once one is done)."""
         if request_id in self.live:
             raise RequestIdInUse(f"request id {request_id!r} is still in the engine")
+        if self.connector is not None and self.connector.tracks(request_id):
+            raise RequestIdInUse(f"request id {request_id!r} ended, but the stores of that request are in flight")
         request = EngineRequest(request_id, tuple(prompt), max_new_tokens, self.config.model.block_size,
                                 handle=self._next_handle)
         self._next_handle += 1
@@ -165,7 +167,7 @@ class Engine:
 
     def preempt(self, request_id: str, reclaim: bool = False) -> None:
         """Preempt a running request at the next step (tests and demos force it). With `reclaim`, as memory pressure
-        would: its blocks leave the prefix cache and are rewritten in that step, as if another request took them;
+        would: its blocks leave the prefix cache and are the next ones handed out, as if another request took them;
         without, they stay cached and the request may resume from them."""
         request = self.live.get(request_id)
         if request is not None and request.phase is Phase.RUNNING and request_id not in self.loading:
@@ -177,7 +179,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        busy_below = self.connector is not None and self.connector.moving_between_tiers
+        conn = self.connector
+        busy_below = conn is not None and (conn.moving_between_tiers or conn.stores_of_ended_requests)
         return bool(self.waiting or self.running or self.loading or self.held or busy_below)
 
     # --- one step ------------------------------------------------------------------------------------------
@@ -326,7 +329,7 @@ class Engine:
 
     def _preempt(self, request: EngineRequest) -> None:
         self.running.remove(request)
-        self.pool.release(request.blocks)
+        self.pool.release(request.blocks, rewrite=True)
         request.blocks, request.num_computed, request.phase = [], 0, Phase.WAITING
         self.waiting.appendleft(request)
         self.preemptions += 1

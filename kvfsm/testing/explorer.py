@@ -104,7 +104,8 @@ def preempt_first(h: Harness) -> None:
 
 
 def preempt_first_reclaiming(h: Harness) -> None:
-    """Preempt as memory pressure does: the request's blocks are rewritten in the preempting step."""
+    """Preempt as memory pressure does: the request's blocks are the next ones handed out (and rewritten by the
+    step that takes them)."""
     if h.engine.running:
         h.engine.preempt(h.engine.running[0].request_id, reclaim=True)
 
@@ -310,11 +311,11 @@ SMALL_WORKLOADS: dict[str, Workload] = {
         num_gpu_blocks=6, cpu_blocks=3, per_layer=True, layer_loads=True,
     ),
     "preempt-per-layer-store": Workload(
-        actions=(add(_P + (1,), 2), step, preempt_first, step, forget_gpu_prefixes, step, step),
+        actions=(add(_P + (1,), 2), step, preempt_first_reclaiming, step, add(_Q + (5,), 1), step, step),
         num_gpu_blocks=6, cpu_blocks=3, per_layer=True, layer_stores=True,
     ),
     "preempt-mid-copy": Workload(
-        actions=(add(_P + (1,), 3), step, step, preempt_first_reclaiming, step),
+        actions=(add(_P + (1,), 3), step, step, preempt_first_reclaiming, step, add(_Q + (5,), 1), step),
         num_gpu_blocks=6, cpu_blocks=3,
     ),
     "reload-fails-mid-copy": Workload(
@@ -323,12 +324,17 @@ SMALL_WORKLOADS: dict[str, Workload] = {
         num_gpu_blocks=6, cpu_blocks=3,
     ),
     "flush-fails-mid-copy": Workload(
-        actions=(add(_P + (1,), 3), step, fail_next("store", stage="copy", after=1), preempt_first_reclaiming, step),
+        actions=(add(_P + (1,), 3), step, fail_next("store", stage="copy", after=1), preempt_first_reclaiming, step,
+                 add(_Q + (5,), 1), step),
         num_gpu_blocks=6, cpu_blocks=3, staging_blocks=1,
     ),
     "offered-twice": Workload(
         actions=(add(_P + (1,), 1), step, step, forget_gpu_prefixes, add(_P + (2,), 1), step, step),
         num_gpu_blocks=6, cpu_blocks=3, store_threshold=2,
+    ),
+    "end-then-reuse": Workload(
+        actions=(add(_P + (1,), 1), step, add(_Q + (5, 6, 7, 8, 9, 10), 2), step, step),
+        num_gpu_blocks=6, cpu_blocks=8,
     ),
 }
 """Small workloads that between them reach every hazard: a stored prefix reloaded by two requests at once after
@@ -336,14 +342,15 @@ the GPU forgot it; three requests sharing a prefix with a forced preemption; a r
 another mid-store to grow; with an engine that computes layer by layer and calls the per-layer hooks, a reload
 computed in the step that loads it, and a request preempted while its per-layer stores are in flight; and a request
 preempted under memory pressure a step after its store was submitted, so the store may still be on the copy stream
-when its blocks are rewritten (vLLM 29870); a reload whose load fails after its first layer was sent, recomputed
-while that layer may still be copying; and a request preempted under memory pressure whose store, flushed as a
+when another request is handed its blocks and rewrites them (vLLM 29870); a reload whose load fails after its first
+layer was sent, recomputed while that layer may still be copying; and a request preempted under memory pressure whose store, flushed as a
 pipeline of one-block chunks, fails after its first chunk was sent; and a prefix offered once (skipped under a
-store threshold of two), then again (stored)."""
+store threshold of two), then again (stored); and a request that ends in the step that orders its store, whose
+blocks the next step hands to another request at once (`lazy-fence`)."""
 
 TP_WORKLOADS: dict[str, Workload] = {
     "tp-preempt-mid-copy": Workload(
-        actions=(add(_P + (1,), 3), step, step, preempt_first_reclaiming, step),
+        actions=(add(_P + (1,), 3), step, step, preempt_first_reclaiming, step, add(_Q + (5,), 1), step),
         num_gpu_blocks=6, cpu_blocks=3, ranks=2,
     ),
     "tp-store-fails-on-rank-1": Workload(

@@ -259,6 +259,8 @@ class Harness:
                 found.append(f"output: request {handle} gave {outputs[handle]}, without offloading {expected}")
         if self.engine.has_work:
             found.append("drained: the engine still has work after draining")
+        found += [f"drained: request {r.req_id} is {r.state}, not released"
+                  for r in self.connector.scheduler.tracked.values()]
         return found
 
     def close(self) -> None:

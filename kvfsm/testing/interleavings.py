@@ -34,7 +34,7 @@ STEP_DRIVEN: frozenset[Trigger] = frozenset({
     ("transfer-job", "complete"), ("transfer-job", "land-segment"),
     ("cpu-block", "allocate"), ("cpu-block", "submit"), ("cpu-block", "store-done"), ("cpu-block", "store-failed"),
     ("cpu-block", "pin"), ("cpu-block", "unpin"), ("cpu-block", "evict"),
-    ("gpu-block", "fence"), ("gpu-block", "unfence"),
+    ("gpu-block", "fence"), ("gpu-block", "unfence"), ("gpu-block", "free"), ("gpu-block", "reuse"),
     ("cpu-block", "write-back"), ("cpu-block", "written-back"), ("cpu-block", "allocate-fetch"),
     ("cpu-block", "fetch-done"),
     ("tier-entry", "reserve"), ("tier-entry", "write-done"), ("tier-entry", "pin"), ("tier-entry", "read-done"),

@@ -140,15 +140,10 @@ def _no_write_after_read_wait(engine: Engine, connector: Connector) -> None:
     connector.worker._wait_for_readers = lambda job: None  # type: ignore[method-assign]
 
 
-def _no_fence(engine: Engine, connector: Connector) -> None:
-    scheduler = connector.scheduler
-    finished = scheduler.request_finished
-
-    def request_finished(request_id: str, aborted: bool = False) -> bool:
-        finished(request_id, aborted)
-        return False  # the engine frees the blocks while stores still read them
-
-    scheduler.request_finished = request_finished  # type: ignore[method-assign]
+def _no_lazy_fence(engine: Engine, connector: Connector) -> None:
+    """The step that hands out a finished or aborted request's block fences it, but flushes none of the stores
+    still reading it: the step writes the block under a store still copying it."""
+    connector.scheduler.ledger.flush_readers = lambda blocks, step: None  # type: ignore[method-assign]
 
 
 def _unpinned_load(engine: Engine, connector: Connector) -> None:
@@ -252,7 +247,8 @@ MUTANTS: dict[str, Mutant] = {
                "stored while the skipped-store counter says they were not)", _skip_not_applied, store_threshold=2),
         Mutant("no-load-dedup", "single-load (vLLM 29087)", _no_load_dedup),
         Mutant("no-write-after-read-wait", "load-after-readers (vLLM 47282)", _no_write_after_read_wait),
-        Mutant("no-fence", "fence (finished request's blocks reused mid-store)", _no_fence),
+        Mutant("no-lazy-fence", "lazy-fence, fence (a finished or aborted request's block handed out again while "
+               "its store still copies it)", _no_lazy_fence),
         Mutant("unpinned-load", "readers-pin (TRT-LLM two writers of one host block)", _unpinned_load),
         Mutant("wait-on-wrong-layer", "layer-load-before-use (every layer waits on layer 0's segment)",
                _wait_on_wrong_layer, per_layer=True, layer_loads=True),

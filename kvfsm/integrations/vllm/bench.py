@@ -6,7 +6,9 @@ ordered (flushed stores at once), the same for both connectors. Per step it time
 critical path, `schedule()` + `update_from_output()` (GC on), in CPU time of the scheduler's thread (vLLM's scheduler
 is one Python thread: on a core of its own that is its wall time, and on a shared machine other processes do not
 inflate it), and counts load and store jobs, blocks moved,
-deferrals (lookups answered "ask again") and the steps from each request's arrival to its first token. Both pools
+deferrals (lookups answered "ask again"), the steps from each request's arrival to its first token and the GPU
+blocks vLLM keeps for ended requests as each step is scheduled (`held blocks`: mean and max over the measured
+steps) and the stores flushed (each one waited for before a forward pass). Both pools
 hold 65536 blocks. The admission settings match each connector's to the other's: `every-block` (vLLM told
 `offload_prompt_only: false`, kvfsm's default), `prompt-only` (vLLM's default, kvfsm's `admission="prompt-only"`) and
 `threshold-2` (both prompt-only, a block stored at its second offer: vLLM's and kvfsm's `store_threshold: 2`).
@@ -14,7 +16,9 @@ hold 65536 blocks. The admission settings match each connector's to the other's:
 Workloads: `steady-decode` (256 running requests of 2k-token prompts, the decode steps after every prefill ended),
 `zipf-prefixes` (arrivals whose prompt heads come from a Zipf-popular set of documents already on CPU, with a GPU
 too small to keep them all), `preemption-burst` (long decodes on a GPU that runs out, with stores in flight),
-`abort-storm` (waves of arrivals, each request aborted mid-decode, with stores in flight).
+`abort-storm` (waves of arrivals, each request aborted mid-decode), `abort-storm-early` (the same, each aborted two
+steps after it arrived, its prompt's stores in flight) and `preemption-burst-tail` (the burst, each request finishing
+with its last block's store in flight).
 
 Run `python -m kvfsm.bench vllm` (or `python -m kvfsm.integrations.vllm.bench`) in a venv with vLLM 0.32.
 """
@@ -178,6 +182,11 @@ class Run:
         self.step_us: list[float] = []
         self.jobs = [0, 0, 0, 0]
         self.preemptions = 0
+        self.held: list[int] = []
+        """GPU blocks vLLM kept for finished or aborted requests as each measured step was scheduled: what the
+        connector's `request_finished` made it hold."""
+        self.flushed = 0
+        """Stores the measured steps flushed: each one a worker waits for before the step's forward pass."""
 
     def _count_deferrals(self, connector: Any) -> None:
         lookup = connector.get_num_new_matched_tokens
@@ -205,6 +214,7 @@ class Run:
         start = time.thread_time()
         output = self.scheduler.schedule()
         scheduled = time.thread_time()
+        held = held_blocks(self.scheduler) if measured else 0  # as this step was scheduled: blocks it could not use
         connector_output = None if self.worker is None else self.worker.step(self.step_no, output, self.scheduler)
         result = model_output(self.scheduler, output, connector_output)
         updating = time.thread_time()
@@ -214,6 +224,8 @@ class Run:
             self.step_us.append((scheduled - start + end - updating) * 1e6)
             self.jobs = [a + b for a, b in zip(self.jobs, job_counts(output))]
             self.preemptions += len(output.preempted_req_ids or ())
+            self.held.append(held)
+            self.flushed += flushed_stores(output)
 
     def _process(self, step: int, output: SchedulerOutput, result: Any) -> None:
         outputs = self.scheduler.update_from_output(output, result)
@@ -230,7 +242,24 @@ class Run:
                 "us_per_step_median": statistics.median(self.step_us), "loads": loads, "blocks_loaded": loaded,
                 "stores": stores, "blocks_stored": stored, "deferrals": self.deferrals,
                 "preemptions": self.preemptions, "ttft_steps_mean": statistics.fmean(ttft) if ttft else None,
-                "ttft_steps_max": max(ttft) if ttft else None, "first_tokens": len(ttft)}
+                "ttft_steps_max": max(ttft) if ttft else None, "first_tokens": len(ttft),
+                "held_blocks_mean": statistics.fmean(self.held) if self.held else 0.0,
+                "held_blocks_max": max(self.held, default=0), "flushed": self.flushed}
+
+
+def flushed_stores(output: SchedulerOutput) -> int:
+    """Store jobs this step's metadata flushes (vLLM's `jobs_to_flush`, kvfsm's `flush`)."""
+    meta = output.kv_connector_metadata
+    if isinstance(meta, OffloadingConnectorMetadata):
+        return len(meta.jobs_to_flush or ())
+    return 0 if meta is None else len(meta.orders.flush)
+
+
+def held_blocks(scheduler: Scheduler) -> int:
+    """GPU blocks of requests that ended but whose blocks vLLM has not freed (the connector asked it to keep them)."""
+    manager = scheduler.kv_cache_manager
+    return sum(len(manager.get_block_ids(req_id)[0]) for req_id, request in scheduler.requests.items()
+               if request.is_finished())
 
 
 def _due_jobs(worker: Any) -> bool:
@@ -326,9 +355,25 @@ def abort_storm(waves: int = 12, per_wave: int = 8, prompt_tokens: int = 512, de
                     max_seqs=4 * per_wave, max_batched_tokens=4096)
 
 
+def abort_storm_early(**sizes: int) -> Workload:
+    """The abort storm with each request aborted two steps after it arrived, its prompt's stores still in flight (a
+    client that cancels right after submitting): what `request_finished` makes vLLM hold shows here."""
+    workload = abort_storm(**{"abort_after": 2, **sizes})
+    workload.name = "abort-storm-early"
+    return workload
+
+
+def preemption_burst_tail(**sizes: int) -> Workload:
+    """The preemption burst with each request's last token completing a block, so it finishes with that block's
+    store in flight."""
+    workload = preemption_burst(**{"decode_tokens": 193, **sizes})
+    workload.name = "preemption-burst-tail"
+    return workload
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "steady-decode": steady_decode, "zipf-prefixes": zipf_prefixes, "preemption-burst": preemption_burst,
-    "abort-storm": abort_storm,
+    "abort-storm": abort_storm, "abort-storm-early": abort_storm_early, "preemption-burst-tail": preemption_burst_tail,
 }
 QUICK_SIZES: dict[str, dict[str, int]] = {
     "steady-decode": {"requests": 16, "prompt_tokens": 256, "steps": 20},
@@ -336,6 +381,8 @@ QUICK_SIZES: dict[str, dict[str, int]] = {
     "preemption-burst": {"requests": 8, "prompt_tokens": 128, "decode_tokens": 64},
     "abort-storm": {"waves": 3, "per_wave": 4, "prompt_tokens": 128, "decode_tokens": 64, "abort_after": 8,
                     "wave_steps": 4},
+    "abort-storm-early": {"waves": 3, "per_wave": 4, "prompt_tokens": 128, "decode_tokens": 64, "wave_steps": 4},
+    "preemption-burst-tail": {"requests": 8, "prompt_tokens": 128, "decode_tokens": 65},
 }
 """Small sizes: check the plumbing in seconds, not the figures."""
 
@@ -364,7 +411,8 @@ COLUMNS = {
     "added_us_per_step": "added", "us_per_step_median": "median", "added_us_per_step_median": "added (median)",
     "loads": "loads", "blocks_loaded": "blocks in", "stores": "stores", "blocks_stored": "blocks out",
     "deferrals": "deferrals", "preemptions": "preempted", "ttft_steps_mean": "steps to 1st token",
-    "ttft_steps_max": "max", "first_tokens": "requests",
+    "ttft_steps_max": "max", "first_tokens": "requests", "held_blocks_mean": "held blocks",
+    "held_blocks_max": "held max", "flushed": "flushed",
 }
 
 
