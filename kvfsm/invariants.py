@@ -359,6 +359,26 @@ def lazy_fence(world: World) -> list[str]:
     return found
 
 
+@REGISTRY.invariant("window-fence")
+def window_fence(world: World) -> list[str]:
+    """A running request's store not yet flushed reads a block its window left behind only while that block is
+    freed-while-read: once a step hands it out (`reuse`), that step's metadata flushes the store."""
+    found = []
+    for job in world.jobs.values():
+        if job.kind != "store" or job.state not in FLUSHABLE_JOB_STATES:
+            continue
+        owner = world.requests.get(job.req_id)
+        if owner is None or owner.state == R.RETURNED:
+            continue
+        for block_id in owner.slid.intersection(job.gpu_blocks):
+            block = world.gpu_blocks.get(block_id)
+            if block is None or block.state != G.FREED_WHILE_READ:
+                state = block.state if block is not None else G.WRITABLE
+                found.append(f"GPU block {block_id} left {job.req_id}'s sliding window and is {state} while its "
+                             f"store job {job.job_id} is still {job.state}, not flushed")
+    return found
+
+
 @REGISTRY.invariant("every-rank-reports")
 def every_rank_reports(world: World) -> list[str]:
     return [
