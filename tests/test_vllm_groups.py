@@ -1,64 +1,208 @@
-"""Which KV-cache groups kvfsm offloads under vLLM 0.32, with vLLM's own configuration logic and real Scheduler.
+"""KV-cache groups under vLLM 0.32's hybrid allocator, with vLLM's real Scheduler: kvfsm declares `SupportsHMA`, so
+vLLM keeps a full-attention group and a sliding-window group apart, and kvfsm offloads each on its own terms.
 
-kvfsm does not declare vLLM's hybrid-allocator support, so vLLM promotes a model's sliding-window layers to full
-attention (every block kept) and hands the connector one group; a configuration with several groups is refused
-at start-up, naming each group's kind. Skipped without vLLM.
+A sliding-window group stores and reloads only the window at the end of a prefix; vLLM's null block is never read or
+written; a block vLLM takes back out of a running request's window while its store still reads it is fenced
+(`window-fence`) before vLLM hands it out again. Every scenario runs traced against the spec, with the named
+invariants after each step, the harness's checks on vLLM's own tables (per group) and the drain at the end; each
+rule has a control that breaks it and is caught. A state-space (Mamba) group is refused by name. Skipped without vLLM.
 """
 
 from __future__ import annotations
+
+from typing import Iterator
 
 import pytest
 
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvfsm.integrations.vllm import UnsupportedKVCache  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
-from vllm_harness import Driver  # noqa: E402
+from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
+from vllm_harness import Driver, HeldBlockReleased  # noqa: E402
 from vllm_support import PREFIX, loads_of, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
-GPU_BLOCKS = 64
+WINDOW = 32
+"""Tokens of the sliding window: a prefix's hit needs its last two blocks of the sliding group."""
 SHAPE = dict(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+FULL, SLIDING = "layers.0.attn", "layers.1.attn"
 
 
-def model_layers() -> dict:
-    """A two-layer hybrid: one full-attention layer, one with a 32-token sliding window."""
-    return {"layers.0.attn": FullAttentionSpec(**SHAPE), "layers.1.attn": SlidingWindowSpec(**SHAPE, sliding_window=32)}
+def hybrid_cache(num_blocks: int, second: object | None = None) -> KVCacheConfig:
+    """Two groups as vLLM's hybrid allocator makes them: one full-attention layer, one sliding-window layer."""
+    groups = [KVCacheGroupSpec([FULL], FullAttentionSpec(**SHAPE)),
+              KVCacheGroupSpec([SLIDING], second or SlidingWindowSpec(**SHAPE, sliding_window=WINDOW))]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def test_vllm_turns_the_hybrid_allocator_off_for_kvfsm(model) -> None:
-    assert vllm_config(model, {"cpu_blocks": 32}, GPU_BLOCKS).scheduler_config.disable_hybrid_kv_cache_manager
+@pytest.fixture
+def hybrid(model) -> Iterator:
+    """Builds drivers on the hybrid configuration, the hybrid allocator on, and stops their tracing afterwards."""
+    opened: list[Driver] = []
 
+    def build(worker: FakeWorker | None = None, gpu_blocks: int = 48, cpu_blocks: int = 32) -> Driver:
+        config = vllm_config(model, {"cpu_blocks": cpu_blocks}, gpu_blocks)
+        assert not config.scheduler_config.disable_hybrid_kv_cache_manager
+        d = Driver(config, worker or FakeWorker(), hybrid_cache(gpu_blocks))
+        opened.append(d)
+        return d
 
-def test_a_sliding_window_model_offloads_as_one_full_attention_group(model) -> None:
-    layers = model_layers()
-    unify_hybrid_kv_cache_specs(layers)  # what vLLM does with the hybrid allocator off
-    assert {type(spec) for spec in layers.values()} == {FullAttentionSpec}
-    cache = KVCacheConfig(num_blocks=GPU_BLOCKS, kv_cache_tensors=[],
-                          kv_cache_groups=[KVCacheGroupSpec(list(layers), next(iter(layers.values())))])
-    d = Driver(vllm_config(model, {"cpu_blocks": 32}, GPU_BLOCKS), FakeWorker(), cache)
-    try:
-        store_prefix(d)
-        d.add("reader", PREFIX + [1, 2, 3])
-        d.run()
-        (load,) = loads_of(d, "reader")
-        assert len(load.gpu_blocks) == len(PREFIX) // BLOCK_SIZE  # the window's blocks and the ones before it
-    finally:
+    yield build
+    for d in opened:
         d.close()
 
 
-def test_control_two_groups_as_the_hybrid_allocator_makes_them_are_refused_naming_their_kinds(model) -> None:
-    groups = [KVCacheGroupSpec([name], spec) for name, spec in model_layers().items()]
-    cache = KVCacheConfig(num_blocks=GPU_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
-    with pytest.raises(UnsupportedKVCache, match="0: FullAttentionSpec, 1: SlidingWindowSpec"):
-        Driver(vllm_config(model, {"cpu_blocks": 32}, GPU_BLOCKS), FakeWorker(), cache)
+def stores_of(d: Driver, tracked_id: str) -> list[tuple[int, ...]]:
+    return [order.gpu_blocks for log in d.log for order in log.orders.stores if order.req_id == tracked_id]
+
+
+def no_null_block(d: Driver) -> None:
+    moved = [b for log in d.log for order in (*log.orders.stores, *log.orders.loads) for b in order.gpu_blocks]
+    assert 0 not in moved, "a job read or wrote vLLM's null block"
+
+
+def test_kvfsm_declares_hma_so_vllm_keeps_the_hybrid_allocator_on(model) -> None:
+    assert not vllm_config(model, {"cpu_blocks": 32}, 48).scheduler_config.disable_hybrid_kv_cache_manager
+
+
+def test_a_prefix_reloads_every_full_block_and_only_the_windows_blocks(hybrid) -> None:
+    d = hybrid()
+    store_prefix(d)
+    d.add("reader", PREFIX + [9])
+    d.run()
+    blocks = len(PREFIX) // BLOCK_SIZE
+    assert [len(s) for s in stores_of(d, "writer@g1")] == [2], "the sliding group stored beyond its window"
+    assert sum(map(len, stores_of(d, "writer"))) == blocks
+    (full,) = loads_of(d, "reader")
+    (window,) = loads_of(d, "reader@g1")
+    assert (len(full.gpu_blocks), len(window.gpu_blocks)) == (blocks, 2)
+    assert d.connector.scheduler_side.kvfsm.stats.blocks_stored == blocks + 2
+    no_null_block(d)
+    assert d.cpu_pool_drained()
+
+
+def test_a_prefix_whose_window_was_not_stored_loads_nothing(hybrid) -> None:
+    """Only the window at the end of the writer's prompt was stored: a shorter prompt's hit would need the window
+    ending a block earlier, which CPU lacks, so the full group's hit is not offered alone (vLLM would compute on a
+    window nobody loaded)."""
+    d = hybrid()
+    store_prefix(d)
+    d.add("reader", PREFIX[:3 * BLOCK_SIZE] + [9])
+    d.run()
+    assert not loads_of(d, "reader") and not loads_of(d, "reader@g1")
+    assert d.cpu_pool_drained()
+
+
+WRITER = PREFIX + [1, 2, 3]
+
+
+def slide_then_reuse(d: Driver) -> None:
+    """The writer decodes until its window leaves its stored blocks behind, its store still copying them; then a
+    request arrives in a pool where the blocks vLLM took back are what is free."""
+    d.add("writer", WRITER, max_tokens=30)
+    for _ in range(16):
+        d.step()
+    d.add("taker", list(range(3000, 3000 + 2 * BLOCK_SIZE + 1)), max_tokens=2)
+    d.run(max_steps=80)
+
+
+def handed_out(d: Driver) -> list[int]:
+    """The freed-while-read blocks each step handed out, as the connector found them."""
+    found: list[int] = []
+    fences = d.connector.scheduler_side.kvfsm.ledger.fences
+    take = fences.take_handed_out
+
+    def recorded(written):  # type: ignore[no-untyped-def]
+        handed = take(written)
+        found.extend(sorted(handed))
+        return handed
+
+    fences.take_handed_out = recorded  # type: ignore[method-assign]
+    return found
+
+
+def test_a_block_the_window_left_behind_is_fenced_before_vllm_hands_it_out(hybrid) -> None:
+    d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
+    handed = handed_out(d)
+    slide_then_reuse(d)
+    window_store = stores_of(d, "writer@g1")[0]
+    assert set(handed) & set(window_store), "vLLM handed out none of the window's stored blocks"
+    no_null_block(d)
+    assert d.cpu_pool_drained()
+
+
+def test_control_without_the_slide_a_left_behind_block_is_written_under_its_store(hybrid) -> None:
+    d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
+    d.connector.scheduler_side.kvfsm.slide = lambda request_id, block_ids: None  # type: ignore[method-assign]
+    with pytest.raises(HeldBlockReleased, match="writer@g1"):  # taken back unfenced, then written
+        slide_then_reuse(d)
+
+
+def preemption_storm(d: Driver, requests: int = 5) -> None:
+    """Long decodes in a pool that runs out: vLLM preempts requests whose stores are in flight, in both groups."""
+    for i in range(requests):
+        d.add(f"p{i}", [6000 + 100 * i + t for t in range(2 * BLOCK_SIZE + 1)], max_tokens=3 * BLOCK_SIZE + i * 4)
+    d.run(max_steps=400)
+
+
+def test_preemption_with_stores_in_flight_flushes_every_groups_stores(hybrid) -> None:
+    d = hybrid(FakeWorker(store_steps=3, load_steps=2), gpu_blocks=20)
+    preemption_storm(d)
+    assert any(log.orders.flush for log in d.log), "no store was flushed by a preemption"
+    no_null_block(d)
+    assert d.cpu_pool_drained()
+
+
+def test_control_preemption_not_passed_on_releases_blocks_a_store_reads(hybrid, monkeypatch) -> None:
+    import kvfsm.integrations.vllm.scheduler_side as side_module
+
+    convert = side_module.scheduler_output
+    monkeypatch.setattr(side_module, "scheduler_output", lambda output, tables, before: convert(
+        output, tables, before).model_copy(update={"preempted": ()}))
+    d = hybrid(FakeWorker(store_steps=3, load_steps=2), gpu_blocks=20)
+    with pytest.raises(HeldBlockReleased):
+        preemption_storm(d)
+
+
+def abort_while_loading(d: Driver) -> None:
+    store_prefix(d)
+    d.add("reader", PREFIX + [1])
+    d.step()
+    assert loads_of(d, "reader") and loads_of(d, "reader@g1")
+    d.scheduler.finish_requests("reader", RequestStatus.FINISHED_ABORTED)
+    d.add("taker", list(range(3000, 3000 + 4 * BLOCK_SIZE + 1)), max_tokens=2)
+    d.run()
+
+
+def test_an_aborted_loading_request_keeps_every_groups_blocks_until_its_loads_end(hybrid) -> None:
+    d = hybrid(FakeWorker(load_steps=4), gpu_blocks=16)
+    abort_while_loading(d)
+    assert d.cpu_pool_drained()
+
+
+def test_control_an_abort_not_passed_on_leaves_the_groups_undrained(hybrid, monkeypatch) -> None:
+    d = hybrid(FakeWorker(load_steps=4), gpu_blocks=16)
+    side = d.connector.scheduler_side
+    original = side.request_finished
+    monkeypatch.setattr(side, "request_finished",
+                        lambda request: (False, None) if request.request_id == "reader" else original(request))
+    with pytest.raises(SpecViolation, match="drained: request reader"):
+        abort_while_loading(d)
+
+
+def test_a_state_space_group_is_refused_by_name(model) -> None:
+    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float16,))
+    with pytest.raises(UnsupportedKVCache, match="group 1 is a MambaSpec"):
+        Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), hybrid_cache(48, mamba))

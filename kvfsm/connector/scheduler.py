@@ -217,6 +217,7 @@ class SchedulerConnector:
         record = self._get(request.request_id)
         record.block_ids = tuple(block_ids)
         record.store_from = store_from
+        record.slid = set()  # a resumed request's window starts again from the blocks it was given now
         self.ledger.fences.allocated.extend(record.block_ids)  # handed out in the step the next metadata is for
         record.stored_cpu_blocks = 0
         self.ledger.due.set(record.req_id, self._cpu_block_tokens)

@@ -176,6 +176,9 @@ class SchedulerSide:
                 left = tables.left_behind(tracked, group.first_kept(before[req_id], block_size), NULL_BLOCK)
                 if left:
                     self.kvfsm.slide(tracked, left)
+                record = self.kvfsm.requests[tracked]
+                if record.slid:  # a block handed back to the same request later in its table is its own again
+                    record.slid.difference_update(tables[tracked])
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         meta = output.kv_connector_worker_meta
