@@ -29,6 +29,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from kvfsm.integrations.vllm import UnsupportedKVCache  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
+from test_vllm_lazy_fence import handed_out  # noqa: E402
 from vllm_harness import Driver, HeldBlockReleased  # noqa: E402
 from vllm_support import PREFIX, loads_of, model, store_prefix  # noqa: E402,F401
 
@@ -116,21 +117,6 @@ def slide_then_reuse(d: Driver) -> None:
         d.step()
     d.add("taker", list(range(3000, 3000 + 2 * BLOCK_SIZE + 1)), max_tokens=2)
     d.run(max_steps=80)
-
-
-def handed_out(d: Driver) -> list[int]:
-    """The freed-while-read blocks each step handed out, as the connector found them."""
-    found: list[int] = []
-    fences = d.connector.scheduler_side.kvfsm.ledger.fences
-    take = fences.take_handed_out
-
-    def recorded(written):  # type: ignore[no-untyped-def]
-        handed = take(written)
-        found.extend(sorted(handed))
-        return handed
-
-    fences.take_handed_out = recorded  # type: ignore[method-assign]
-    return found
 
 
 def test_a_block_the_window_left_behind_is_fenced_before_vllm_hands_it_out(hybrid) -> None:

@@ -22,7 +22,7 @@ fences of a block whichever group reads or writes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
@@ -31,7 +31,7 @@ from kvfsm.integrations.vllm.config import UnsupportedKVCache
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvfsm.integrations.vllm.convert import HashCodec, RequestView
+    from kvfsm.connector.scheduler import RequestView
 
 
 _FULL = (FullAttentionSpec, MLAAttentionSpec)
@@ -104,7 +104,8 @@ def is_first_group_key(key: int, width: int) -> bool:
 class GroupView:
     """A request as kvfsm's scheduler tracks one group of it: its keys are the group's (`group_key`)."""
 
-    def __init__(self, view: "RequestView", group: Group, codec: "HashCodec") -> None:
+    def __init__(self, view: "RequestView", group: Group, codec: Any) -> None:
+        """`codec`: the engine's `HashCodec`, whose width (learned from vLLM's first hash) places the group's rank."""
         self._view, self._group, self._codec = view, group, codec
         self._keys: list[int] = []
         self.request_id = group.request_id(view.request_id)
