@@ -28,7 +28,9 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvfsm.integrations.vllm import UnsupportedKVCache  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
+from kvfsm.connector import scheduler as scheduler_module  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
+from kvfsm.testing.spec_mutants import load_mutant, spec_mutants  # noqa: E402
 from test_vllm_lazy_fence import handed_out  # noqa: E402
 from vllm_harness import Driver, HeldBlockReleased  # noqa: E402
 from vllm_support import PREFIX, loads_of, model, store_prefix  # noqa: E402,F401
@@ -133,6 +135,32 @@ def test_control_without_the_slide_a_left_behind_block_is_written_under_its_stor
     d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
     d.connector.scheduler_side.kvfsm.slide = lambda request_id, block_ids: None  # type: ignore[method-assign]
     with pytest.raises(HeldBlockReleased, match="writer@g1"):  # taken back unfenced, then written
+        slide_then_reuse(d)
+
+
+SLIDE_MUTANTS = {m.name: m for m in spec_mutants() if "(slide running -> running)" in m.name}
+
+
+def test_the_slide_has_its_spec_mutants() -> None:
+    assert len(SLIDE_MUTANTS) == 3
+
+
+CAUGHT_BY = {
+    "drop coupling gpu-block.free(slid-store-blocks)": (SpecViolation, "window-fence violated"),
+    "drop effect record-slid-blocks": (HeldBlockReleased, "store job 1 of writer@g1 .* which vLLM took back"),
+    "retarget to preempted": (SpecViolation, "preempt-flushes violated"),
+}
+"""What catches each slide mutant: the invariant itself when the blocks stay fenced; the harness when nothing records
+them as left behind; a preempted state the engine never preempted."""
+
+
+@pytest.mark.parametrize("edit", sorted(CAUGHT_BY))
+def test_a_slide_mutant_of_the_spec_is_caught(edit: str, hybrid, monkeypatch, tmp_path) -> None:
+    spec = load_mutant(SLIDE_MUTANTS[f"request #28 (slide running -> running): {edit}"], tmp_path)
+    monkeypatch.setattr(scheduler_module, "default_spec", lambda: spec)
+    d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
+    error, message = CAUGHT_BY[edit]
+    with pytest.raises(error, match=message):
         slide_then_reuse(d)
 
 
