@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_kvfsm_moves_no_more_blocks_per_group_and_holds_no_more_than_vllms_connector(model) -> None:
-    workload = returning_documents(documents=2, doc_tokens=256, per_step=1, steps=4)
+    workload = returning_documents(documents=1, doc_tokens=160, per_step=1, steps=2)
     vllm, kvfsm = (measure(connector, model, workload) for connector in ("vllm", "kvfsm"))
     assert vllm["sliding_loaded"] > 0, "vLLM's connector reloaded no window: the workload returns to no document"
     for group in GROUPS:

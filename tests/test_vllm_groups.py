@@ -24,15 +24,18 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
     SlidingWindowSpec,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvfsm.integrations.vllm import UnsupportedKVCache  # noqa: E402
+from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, groups  # noqa: E402
+from kvfsm.integrations.vllm.convert import computed_before  # noqa: E402
+from kvfsm.manager.catalogue import NotLoadable  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
 from kvfsm.connector import scheduler as scheduler_module  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.testing.spec_mutants import load_mutant, spec_mutants  # noqa: E402
 from test_vllm_lazy_fence import handed_out  # noqa: E402
-from vllm_harness import Driver, HeldBlockReleased  # noqa: E402
+from vllm_harness import AdapterWorker, Driver, HeldBlockReleased  # noqa: E402
 from vllm_support import PREFIX, loads_of, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
@@ -214,6 +217,74 @@ def test_control_an_abort_not_passed_on_leaves_the_groups_undrained(hybrid, monk
                         lambda request: (False, None) if request.request_id == "reader" else original(request))
     with pytest.raises(SpecViolation, match="drained: request reader"):
         abort_while_loading(d)
+
+
+class HybridWorker(AdapterWorker):
+    """The adapter's worker role on one tensor shared by the full-attention and the sliding-window layer, as vLLM's
+    hybrid allocator shares it. Its forward writes each position's token id (mod 251), plus 256 in the sliding group,
+    into that group's block: a reloaded block's bytes say which prefix and which group they came from."""
+
+    def __init__(self, config) -> None:  # type: ignore[no-untyped-def]
+        blocks = config.cache_config.num_gpu_blocks
+        self.connector = KvfsmConnector(config, KVConnectorRole.WORKER, hybrid_cache(blocks))
+        shared = torch.zeros(2, blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
+        self.caches = {FULL: shared, SLIDING: shared}
+        self.connector.register_kv_caches(self.caches)
+
+    def forward(self, output, scheduler) -> None:  # type: ignore[no-untyped-def]
+        before = computed_before(output)
+        cache = self.caches[FULL]
+        for group in (0, 1):
+            for req_id, count in output.num_scheduled_tokens.items():
+                blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[group]
+                tokens = scheduler.requests[req_id].all_token_ids
+                for position in range(before[req_id], before[req_id] + count):
+                    if blocks[position // BLOCK_SIZE]:  # vLLM's null block is never written
+                        cache[:, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = float(
+                            tokens[position] % 251 + 256 * group)
+
+
+def reloaded_bytes(d: Driver, worker: HybridWorker) -> tuple[list[list[int]], list[list[int]]]:
+    """The writer's prefix stored, the GPU forgotten and zeroed, a reader reloads it: each loaded block's tokens, per
+    group."""
+    store_prefix(d)
+    worker.caches[FULL].zero_()  # whatever the reader finds now came from the CPU pool
+    d.add("reader", PREFIX + [9])
+    d.run()
+    (full,) = loads_of(d, "reader")
+    (window,) = loads_of(d, "reader@g1")
+    return [worker.block_tokens(b) for b in full.gpu_blocks], [worker.block_tokens(b) for b in window.gpu_blocks]
+
+
+def prefix_block(i: int, group: int) -> list[int]:
+    return [t % 251 + 256 * group for t in PREFIX[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
+
+
+def test_each_group_reloads_its_own_bytes_through_one_shared_tensor(model) -> None:
+    config = vllm_config(model, {"cpu_blocks": 32}, 48)
+    worker = HybridWorker(config)
+    d = Driver(config, worker, hybrid_cache(48))
+    try:
+        full, window = reloaded_bytes(d, worker)
+        assert full == [prefix_block(i, 0) for i in range(4)]
+        assert window == [prefix_block(i, 1) for i in (2, 3)]
+        assert d.cpu_pool_drained()
+    finally:
+        d.close()
+
+
+def test_control_groups_sharing_keys_collide_in_the_cpu_pool(model, monkeypatch) -> None:
+    """With the full group's keys for the window too, the window's stored blocks are the full group's slots, and the
+    reader's window load claims slots its own full-group load already reads: the pool refuses it."""
+    monkeypatch.setattr(groups, "group_key", lambda block_hash, group, width: block_hash)
+    config = vllm_config(model, {"cpu_blocks": 32}, 48)
+    worker = HybridWorker(config)
+    d = Driver(config, worker, hybrid_cache(48))
+    try:
+        with pytest.raises(NotLoadable):
+            reloaded_bytes(d, worker)
+    finally:
+        d.close()
 
 
 def test_a_state_space_group_is_refused_by_name(model) -> None:
