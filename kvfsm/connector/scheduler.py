@@ -45,6 +45,7 @@ from kvfsm.connector.validation import (
     check_lookup,
     check_reports,
     check_scheduler,
+    check_slide,
     check_step,
 )
 from kvfsm.invariants import Deferral
@@ -371,6 +372,7 @@ class SchedulerConnector:
     def slide(self, request_id: str, block_ids: Sequence[int]) -> None:
         """The engine took back these blocks of a running request, out of its sliding window: those its stores still
         read are freed-while-read until a step hands them out (`window-fence`)."""
+        check_slide(self, request_id, block_ids)
         self.ledger.fire_request(self._get(request_id), "slide", blocks=tuple(block_ids))
 
     def tracks(self, request_id: str) -> bool:

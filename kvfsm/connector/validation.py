@@ -380,6 +380,21 @@ def check_finished(sched: SchedulerHalf, request_id: object, aborted: object) ->
         _state_allows(call, sched, request_id, record.state, "abort" if aborted else "finish")
 
 
+def check_slide(sched: SchedulerHalf, request_id: object, block_ids: Sequence[object]) -> None:
+    """`slide`: a tracked request the spec lets slide (a running one), and int block ids inside the KV cache, none
+    of them twice."""
+    call = "slide"
+    if not isinstance(request_id, str) or not request_id:
+        raise MalformedRequest(f"{call}: request_id must be a non-empty str, got {request_id!r}")
+    record = _tracked(sched, request_id)
+    if record is None:
+        raise UnknownRequest(f"{call}: request {request_id!r} is not tracked by the connector")
+    _state_allows(call, sched, request_id, record.state, "slide")
+    ids = tuple(_int(call, f"a block id of request {request_id!r}", b) for b in block_ids)
+    _in_cache(call, ids, sched.num_gpu_blocks, f"request {request_id!r}")
+    _distinct(call, ids, f"request {request_id!r}")
+
+
 def check_halves(call: str, config: object, device: object, worker: object = 0) -> None:
     """`Connector(...)` and `WorkerConnector(...)`: an `OffloadConfig` (pydantic validated it), a `Device`, and a
     worker rank that the scheduler will count among `num_workers`; its eviction policy resolves (before a byte is
