@@ -32,7 +32,6 @@ from kvfsm.executor.device import Device
 from kvfsm.executor.sim import SimDevice
 from kvfsm.integrations.vllm.config import UnsupportedKVCache, cache_layout, gpu_block_bytes
 from kvfsm.integrations.vllm.convert import KvfsmMetadata, KvfsmWorkerMetadata
-from kvfsm.integrations.vllm.groups import offloaded_groups
 from kvfsm.integrations.vllm.worker_tiers import WorkerTiers
 from kvfsm.machines import MachineSet
 
@@ -67,8 +66,7 @@ class WorkerSide:
         self._rank = rank
         self._num_blocks = kv_cache_config.num_blocks
         self._scheduler_block_bytes = gpu_block_bytes(kv_cache_config)
-        if len(offloaded_groups(kv_cache_config, config.gpu_block_size)) > 1 and (config.layer_loads
-                                                                                  or config.layer_stores):
+        if len(kv_cache_config.kv_cache_groups) > 1 and (config.layer_loads or config.layer_stores):
             raise UnsupportedKVCache("layer_loads and layer_stores need one KV-cache group: under vLLM's hybrid "
                                      "allocator each tensor is written by a layer of every group in turn")
         self._aliases: dict[str, str] = {}
