@@ -24,6 +24,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
     SlidingWindowSpec,
 )
+from vllm.config import KVEventsConfig  # noqa: E402
+from vllm.distributed.kv_events import BlockStored  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -58,8 +60,12 @@ def hybrid(model) -> Iterator:
     """Builds drivers on the hybrid configuration, the hybrid allocator on, and stops their tracing afterwards."""
     opened: list[Driver] = []
 
-    def build(worker: FakeWorker | None = None, gpu_blocks: int = 48, cpu_blocks: int = 32) -> Driver:
+    def build(worker: FakeWorker | None = None, gpu_blocks: int = 48, cpu_blocks: int = 32,
+              kv_events: bool = False) -> Driver:
+        """`kv_events`: vLLM publishes KV-cache events (to its null publisher), so kvfsm records them."""
         config = vllm_config(model, {"cpu_blocks": cpu_blocks}, gpu_blocks)
+        if kv_events:
+            config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         assert not config.scheduler_config.disable_hybrid_kv_cache_manager
         d = Driver(config, worker or FakeWorker(), hybrid_cache(gpu_blocks))
         opened.append(d)
@@ -291,3 +297,29 @@ def test_a_state_space_group_is_refused_by_name(model) -> None:
     mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float16,))
     with pytest.raises(UnsupportedKVCache, match="group 1 is a MambaSpec"):
         Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), hybrid_cache(48, mamba))
+
+
+def stored_events(d: Driver, monkeypatch) -> list[bytes]:  # type: ignore[no-untyped-def]
+    """A prefix stored with vLLM's KV-cache events on; the block hashes of every CPU `BlockStored` kvfsm published."""
+    side, published = d.connector.scheduler_side, []
+    take = side.take_events
+    monkeypatch.setattr(side, "take_events", lambda: [e for e in take() if published.append(e) or True])
+    store_prefix(d)
+    for _ in range(2):
+        d.step()  # vLLM drains the connector's events as it schedules
+    return [h for e in published if isinstance(e, BlockStored) for h in e.block_hashes]
+
+
+def test_kv_cache_events_name_only_vllms_own_block_hashes(hybrid, monkeypatch) -> None:
+    """A sliding group's keys are kvfsm's, not vLLM's hashes: a KV-aware router is told of the full group's alone."""
+    hashes = stored_events(hybrid(kv_events=True), monkeypatch)
+    assert hashes and {len(h) for h in hashes} == {32}
+    assert len(hashes) == len(set(hashes)) == len(PREFIX) // BLOCK_SIZE
+
+
+def test_control_unfiltered_events_cannot_be_told_as_vllm_hashes(hybrid, monkeypatch) -> None:
+    import kvfsm.integrations.vllm.scheduler_side as side_module
+
+    monkeypatch.setattr(side_module, "is_first_group_key", lambda key, width: True)
+    with pytest.raises(OverflowError):
+        stored_events(hybrid(kv_events=True), monkeypatch)
