@@ -350,16 +350,22 @@ def fence_count(world: World) -> list[str]:
     return found
 
 
+def _unflushed_stores(world: World) -> Iterator[tuple[TransferJob, RequestRecord]]:
+    """Each store job not flushed yet (pending-store or submitted), with its request."""
+    for job in world.jobs.values():
+        if job.kind == "store" and job.state in FLUSHABLE_JOB_STATES:
+            owner = world.requests.get(job.req_id)
+            if owner is not None:
+                yield job, owner
+
+
 @REGISTRY.invariant("lazy-fence")
 def lazy_fence(world: World) -> list[str]:
     """A returned request's store not yet flushed reads only blocks nobody was handed since: once a step hands one
     out (`reuse` makes it fenced again), that step's metadata flushes the store."""
     found = []
-    for job in world.jobs.values():
-        if job.kind != "store" or job.state not in FLUSHABLE_JOB_STATES:
-            continue
-        owner = world.requests.get(job.req_id)
-        if owner is None or owner.state != R.RETURNED:
+    for job, owner in _unflushed_stores(world):
+        if owner.state != R.RETURNED:
             continue
         for block_id in job.gpu_blocks:
             block = world.gpu_blocks.get(block_id)
@@ -367,6 +373,23 @@ def lazy_fence(world: World) -> list[str]:
                 state = block.state if block is not None else G.WRITABLE
                 found.append(f"GPU block {block_id} is {state} (handed out again) while store job {job.job_id} of "
                              f"returned request {job.req_id} is still {job.state}, not flushed")
+    return found
+
+
+@REGISTRY.invariant("window-fence")
+def window_fence(world: World) -> list[str]:
+    """A running request's store not yet flushed reads a block its window left behind only while that block is
+    freed-while-read: once a step hands it out (`reuse`), that step's metadata flushes the store."""
+    found = []
+    for job, owner in _unflushed_stores(world):
+        if owner.state == R.RETURNED:
+            continue
+        for block_id in owner.slid.intersection(job.gpu_blocks):
+            block = world.gpu_blocks.get(block_id)
+            if block is None or block.state != G.FREED_WHILE_READ:
+                state = block.state if block is not None else G.WRITABLE
+                found.append(f"GPU block {block_id} left {job.req_id}'s sliding window and is {state} while its "
+                             f"store job {job.job_id} is still {job.state}, not flushed")
     return found
 
 

@@ -94,6 +94,13 @@ class RequestRecord:
     resumed request does not offer them again."""
     skipped: dict[int, str] = field(default_factory=dict)
     """CPU-block hashes admission skipped for this request, with the reason (`record-skipped-blocks`)."""
+    store_from: int = 0
+    """The first GPU block a store of it may read: a sliding-window request's window at the end of its prompt (the
+    blocks before it are never reloaded, so never stored)."""
+    slid: set[int] = field(default_factory=set)
+    """GPU blocks its sliding window left behind while it ran (`record-slid-blocks`): the engine has them back."""
+    slid_now: tuple[int, ...] = ()
+    """The blocks its last `slide` left behind: what that slide frees (`slid-store-blocks`)."""
 
     @property
     def jobs_in_flight(self) -> list[TransferJob]:
@@ -237,6 +244,21 @@ def _mark_load_error(request: RequestRecord, cause: TransferJob | None = None, *
 def _record_skipped_blocks(request: RequestRecord, hashes: Sequence[int] = (), reason: str = "", **_: object) -> None:
     """The blocks admission skipped stay skipped for this request: none of its stores may carry them."""
     request.skipped.update(dict.fromkeys(hashes, reason))
+
+
+@REGISTRY.effect("request", "record-slid-blocks")
+def _record_slid_blocks(request: RequestRecord, blocks: Sequence[int] = (), **_: object) -> None:
+    """The blocks its window left behind this step; the engine has them back (`window-fence` reads the record)."""
+    request.slid_now = tuple(blocks)
+    request.slid.update(blocks)
+
+
+@REGISTRY.relation("request", "slid-store-blocks")
+def _slid_store_blocks(request: RequestRecord) -> list[int]:
+    """The blocks its last slide left behind that its stores in flight read: what the slide leaves freed-while-read
+    (a block no store reads is the engine's alone and needs no fence)."""
+    read = {b for j in request.jobs.values() if j.kind == "store" and j.in_flight for b in j.gpu_blocks}
+    return [b for b in request.slid_now if b in read]
 
 
 @REGISTRY.relation("request", "flushable-stores")

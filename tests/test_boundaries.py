@@ -151,6 +151,15 @@ REFUSALS: dict[str, tuple[type[Exception], Case]] = {
         WrongType, lambda w: lambda: w.connector.get_num_new_matched_tokens(object(), 0)),  # type: ignore[arg-type]
     "lookup-of-a-running-request": (
         RequestStateForbids, lambda w: lambda: w.connector.get_num_new_matched_tokens(w.running, 0)),
+    # slide (the vLLM adapter's, under its hybrid allocator)
+    "slide-of-an-unknown-request": (
+        UnknownRequest, lambda w: lambda: w.connector.scheduler.slide("ghost", [4])),
+    "slide-of-a-matched-request": (
+        RequestStateForbids, lambda w: lambda: w.connector.scheduler.slide(w.matched.request_id, [12])),
+    "slide-block-beyond-the-cache": (
+        BlockIdOutOfRange, lambda w: lambda: w.connector.scheduler.slide(w.running.request_id, [99])),
+    "slide-block-named-twice": (
+        DuplicateBlockIds, lambda w: lambda: w.connector.scheduler.slide(w.running.request_id, [4, 4])),
     # update_state_after_alloc
     "alloc-before-lookup": (
         UnknownRequest, lambda w: lambda: w.connector.update_state_after_alloc(Req("ghost", (), 3), [0], 0)),
@@ -245,7 +254,7 @@ def test_an_illegal_call_is_refused_by_name_and_changes_nothing(case: str) -> No
 
 CALL_OF_CASE = {"lookup": "get_num_new_matched_tokens", "alloc": "update_state_after_alloc",
                 "step": "build_connector_meta", "report": "update_connector_output", "finish": "request_finished",
-                "register": "register_kv_caches", "bind": "bind_connector_metadata"}
+                "register": "register_kv_caches", "bind": "bind_connector_metadata", "slide": "slide"}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))

@@ -74,6 +74,9 @@ NOT_GENERATED = {
     ("request", "loading-inline", "load-failed", "running"):
         "an inline load that fails under a running request: this draw makes none; tests/test_spec_mutants.py's "
         "failed_store_and_loads with layer_loads takes it, and tests/test_vllm_inline.py under vLLM",
+    ("request", "running", "slide", "running"):
+        "kvfsm's own engine has no sliding-window KV-cache groups; the vLLM adapter fires it under vLLM's hybrid "
+        "allocator, and tests/test_vllm_groups.py takes it",
     ("request", "loading-inline", "finish", "draining"):
         "kvfsm's engine does not finish a request whose inline load is unreported; vLLM's scheduler does (in the "
         "output of the load's step, before it reads the step's reports), and tests/test_vllm_inline.py takes it",

@@ -68,7 +68,13 @@ EQUIVALENT = {
 UNDER_VLLM = ("kvfsm's own engine does not finish a request whose inline load is unreported (vLLM's scheduler "
               "does): caught under vLLM by tests/test_vllm_inline.py::test_inline_lifecycle_mutant_is_caught")
 
+UNDER_VLLM_WINDOW = ("kvfsm's own engine has no sliding-window groups (only vLLM's hybrid allocator slides a window): "
+                     "caught under vLLM by tests/test_vllm_groups.py::test_a_slide_mutant_of_the_spec_is_caught")
+
 UNREACHED = {
+    **{f"request #28 (slide running -> running): {edit}": UNDER_VLLM_WINDOW
+       for edit in ("drop effect record-slid-blocks", "drop coupling gpu-block.free(slid-store-blocks)",
+                    "retarget to preempted")},
     "request #16 (job-done matched -> matched): retarget to loading":
         "matched -job-done-> matched is not generated (NOT_GENERATED in test_interleavings.py)",
     "request #17 (job-done loading -> loading): retarget to running":

@@ -1,64 +1,325 @@
-"""Which KV-cache groups kvfsm offloads under vLLM 0.32, with vLLM's own configuration logic and real Scheduler.
+"""KV-cache groups under vLLM 0.32's hybrid allocator, with vLLM's real Scheduler: kvfsm declares `SupportsHMA`, so
+vLLM keeps a full-attention group and a sliding-window group apart, and kvfsm offloads each on its own terms.
 
-kvfsm does not declare vLLM's hybrid-allocator support, so vLLM promotes a model's sliding-window layers to full
-attention (every block kept) and hands the connector one group; a configuration with several groups is refused
-at start-up, naming each group's kind. Skipped without vLLM.
+A sliding-window group stores and reloads only the window at the end of a prefix; vLLM's null block is never read or
+written; a block vLLM takes back out of a running request's window while its store still reads it is fenced
+(`window-fence`) before vLLM hands it out again. Every scenario runs traced against the spec, with the named
+invariants after each step, the harness's checks on vLLM's own tables (per group) and the drain at the end; each
+rule has a control that breaks it and is caught. A state-space (Mamba) group is refused by name. Skipped without vLLM.
 """
 
 from __future__ import annotations
+
+from typing import Iterator
 
 import pytest
 
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
+from vllm.config import KVEventsConfig  # noqa: E402
+from vllm.distributed.kv_events import BlockStored  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvfsm.integrations.vllm import UnsupportedKVCache  # noqa: E402
+from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, groups  # noqa: E402
+from kvfsm.integrations.vllm.convert import computed_before  # noqa: E402
+from kvfsm.manager.catalogue import NotLoadable  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
-from vllm_harness import Driver  # noqa: E402
+from kvfsm.connector import scheduler as scheduler_module  # noqa: E402
+from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
+from kvfsm.testing.spec_mutants import load_mutant, spec_mutants  # noqa: E402
+from test_vllm_lazy_fence import handed_out  # noqa: E402
+from vllm_harness import AdapterWorker, Driver, HeldBlockReleased  # noqa: E402
 from vllm_support import PREFIX, loads_of, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
-GPU_BLOCKS = 64
+WINDOW = 32
+"""Tokens of the sliding window: a prefix's hit needs its last two blocks of the sliding group."""
 SHAPE = dict(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+FULL, SLIDING = "layers.0.attn", "layers.1.attn"
 
 
-def model_layers() -> dict:
-    """A two-layer hybrid: one full-attention layer, one with a 32-token sliding window."""
-    return {"layers.0.attn": FullAttentionSpec(**SHAPE), "layers.1.attn": SlidingWindowSpec(**SHAPE, sliding_window=32)}
+def hybrid_cache(num_blocks: int, second: object | None = None) -> KVCacheConfig:
+    """Two groups as vLLM's hybrid allocator makes them: one full-attention layer, one sliding-window layer."""
+    groups = [KVCacheGroupSpec([FULL], FullAttentionSpec(**SHAPE)),
+              KVCacheGroupSpec([SLIDING], second or SlidingWindowSpec(**SHAPE, sliding_window=WINDOW))]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def test_vllm_turns_the_hybrid_allocator_off_for_kvfsm(model) -> None:
-    assert vllm_config(model, {"cpu_blocks": 32}, GPU_BLOCKS).scheduler_config.disable_hybrid_kv_cache_manager
+@pytest.fixture
+def hybrid(model) -> Iterator:
+    """Builds drivers on the hybrid configuration, the hybrid allocator on, and stops their tracing afterwards."""
+    opened: list[Driver] = []
+
+    def build(worker: FakeWorker | None = None, gpu_blocks: int = 48, cpu_blocks: int = 32,
+              kv_events: bool = False) -> Driver:
+        """`kv_events`: vLLM publishes KV-cache events (to its null publisher), so kvfsm records them."""
+        config = vllm_config(model, {"cpu_blocks": cpu_blocks}, gpu_blocks)
+        if kv_events:
+            config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        assert not config.scheduler_config.disable_hybrid_kv_cache_manager
+        d = Driver(config, worker or FakeWorker(), hybrid_cache(gpu_blocks))
+        opened.append(d)
+        return d
+
+    yield build
+    for d in opened:
+        d.close()
 
 
-def test_a_sliding_window_model_offloads_as_one_full_attention_group(model) -> None:
-    layers = model_layers()
-    unify_hybrid_kv_cache_specs(layers)  # what vLLM does with the hybrid allocator off
-    assert {type(spec) for spec in layers.values()} == {FullAttentionSpec}
-    cache = KVCacheConfig(num_blocks=GPU_BLOCKS, kv_cache_tensors=[],
-                          kv_cache_groups=[KVCacheGroupSpec(list(layers), next(iter(layers.values())))])
-    d = Driver(vllm_config(model, {"cpu_blocks": 32}, GPU_BLOCKS), FakeWorker(), cache)
+def stores_of(d: Driver, tracked_id: str) -> list[tuple[int, ...]]:
+    return [order.gpu_blocks for log in d.log for order in log.orders.stores if order.req_id == tracked_id]
+
+
+def no_null_block(d: Driver) -> None:
+    moved = [b for log in d.log for order in (*log.orders.stores, *log.orders.loads) for b in order.gpu_blocks]
+    assert 0 not in moved, "a job read or wrote vLLM's null block"
+
+
+def test_kvfsm_declares_hma_so_vllm_keeps_the_hybrid_allocator_on(model) -> None:
+    assert not vllm_config(model, {"cpu_blocks": 32}, 48).scheduler_config.disable_hybrid_kv_cache_manager
+
+
+def test_a_prefix_reloads_every_full_block_and_only_the_windows_blocks(hybrid) -> None:
+    d = hybrid()
+    store_prefix(d)
+    d.add("reader", PREFIX + [9])
+    d.run()
+    blocks = len(PREFIX) // BLOCK_SIZE
+    assert [len(s) for s in stores_of(d, "writer@g1")] == [2], "the sliding group stored beyond its window"
+    assert sum(map(len, stores_of(d, "writer"))) == blocks
+    (full,) = loads_of(d, "reader")
+    (window,) = loads_of(d, "reader@g1")
+    assert (len(full.gpu_blocks), len(window.gpu_blocks)) == (blocks, 2)
+    assert d.connector.scheduler_side.kvfsm.stats.blocks_stored == blocks + 2
+    no_null_block(d)
+    assert d.cpu_pool_drained()
+
+
+def test_a_prefix_whose_window_was_not_stored_loads_nothing(hybrid) -> None:
+    """Only the window at the end of the writer's prompt was stored: a shorter prompt's hit would need the window
+    ending a block earlier, which CPU lacks, so the full group's hit is not offered alone (vLLM would compute on a
+    window nobody loaded)."""
+    d = hybrid()
+    store_prefix(d)
+    d.add("reader", PREFIX[:3 * BLOCK_SIZE] + [9])
+    d.run()
+    assert not loads_of(d, "reader") and not loads_of(d, "reader@g1")
+    assert d.cpu_pool_drained()
+
+
+WRITER = PREFIX + [1, 2, 3]
+
+
+def slide_then_reuse(d: Driver) -> None:
+    """The writer decodes until its window leaves its stored blocks behind, its store still copying them; then a
+    request arrives in a pool where the blocks vLLM took back are what is free."""
+    d.add("writer", WRITER, max_tokens=30)
+    for _ in range(16):
+        d.step()
+    d.add("taker", list(range(3000, 3000 + 2 * BLOCK_SIZE + 1)), max_tokens=2)
+    d.run(max_steps=80)
+
+
+def test_a_block_the_window_left_behind_is_fenced_before_vllm_hands_it_out(hybrid) -> None:
+    d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
+    handed = handed_out(d)
+    slide_then_reuse(d)
+    window_store = stores_of(d, "writer@g1")[0]
+    assert set(handed) & set(window_store), "vLLM handed out none of the window's stored blocks"
+    no_null_block(d)
+    assert d.cpu_pool_drained()
+
+
+def test_control_without_the_slide_a_left_behind_block_is_written_under_its_store(hybrid) -> None:
+    d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
+    d.connector.scheduler_side.kvfsm.slide = lambda request_id, block_ids: None  # type: ignore[method-assign]
+    with pytest.raises(HeldBlockReleased, match="writer@g1"):  # taken back unfenced, then written
+        slide_then_reuse(d)
+
+
+SLIDE_MUTANTS = {m.name: m for m in spec_mutants() if "(slide running -> running)" in m.name}
+
+
+def test_the_slide_has_its_spec_mutants() -> None:
+    assert len(SLIDE_MUTANTS) == 3
+
+
+CAUGHT_BY = {
+    "drop coupling gpu-block.free(slid-store-blocks)": (SpecViolation, "window-fence violated"),
+    "drop effect record-slid-blocks": (HeldBlockReleased, "store job 1 of writer@g1 .* which vLLM took back"),
+    "retarget to preempted": (SpecViolation, "preempt-flushes violated"),
+}
+"""What catches each slide mutant: the invariant itself when the blocks stay fenced; the harness when nothing records
+them as left behind; a preempted state the engine never preempted."""
+
+
+@pytest.mark.parametrize("edit", sorted(CAUGHT_BY))
+def test_a_slide_mutant_of_the_spec_is_caught(edit: str, hybrid, monkeypatch, tmp_path) -> None:
+    spec = load_mutant(SLIDE_MUTANTS[f"request #28 (slide running -> running): {edit}"], tmp_path)
+    monkeypatch.setattr(scheduler_module, "default_spec", lambda: spec)
+    d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
+    error, message = CAUGHT_BY[edit]
+    with pytest.raises(error, match=message):
+        slide_then_reuse(d)
+
+
+def preemption_storm(d: Driver, requests: int = 5) -> None:
+    """Long decodes in a pool that runs out: vLLM preempts requests whose stores are in flight, in both groups."""
+    for i in range(requests):
+        d.add(f"p{i}", [6000 + 100 * i + t for t in range(2 * BLOCK_SIZE + 1)], max_tokens=3 * BLOCK_SIZE + i * 4)
+    d.run(max_steps=400)
+
+
+def test_preemption_with_stores_in_flight_flushes_every_groups_stores(hybrid) -> None:
+    d = hybrid(FakeWorker(store_steps=3, load_steps=2), gpu_blocks=20)
+    preemption_storm(d)
+    assert any(log.orders.flush for log in d.log), "no store was flushed by a preemption"
+    no_null_block(d)
+    assert d.cpu_pool_drained()
+
+
+def test_control_preemption_not_passed_on_releases_blocks_a_store_reads(hybrid, monkeypatch) -> None:
+    import kvfsm.integrations.vllm.scheduler_side as side_module
+
+    convert = side_module.scheduler_output
+    monkeypatch.setattr(side_module, "scheduler_output", lambda output, tables, before: convert(
+        output, tables, before).model_copy(update={"preempted": ()}))
+    d = hybrid(FakeWorker(store_steps=3, load_steps=2), gpu_blocks=20)
+    with pytest.raises(HeldBlockReleased):
+        preemption_storm(d)
+
+
+def abort_while_loading(d: Driver) -> None:
+    store_prefix(d)
+    d.add("reader", PREFIX + [1])
+    d.step()
+    assert loads_of(d, "reader") and loads_of(d, "reader@g1")
+    d.scheduler.finish_requests("reader", RequestStatus.FINISHED_ABORTED)
+    d.add("taker", list(range(3000, 3000 + 4 * BLOCK_SIZE + 1)), max_tokens=2)
+    d.run()
+
+
+def test_an_aborted_loading_request_keeps_every_groups_blocks_until_its_loads_end(hybrid) -> None:
+    d = hybrid(FakeWorker(load_steps=4), gpu_blocks=16)
+    abort_while_loading(d)
+    assert d.cpu_pool_drained()
+
+
+def test_control_an_abort_not_passed_on_leaves_the_groups_undrained(hybrid, monkeypatch) -> None:
+    d = hybrid(FakeWorker(load_steps=4), gpu_blocks=16)
+    side = d.connector.scheduler_side
+    original = side.request_finished
+    monkeypatch.setattr(side, "request_finished",
+                        lambda request: (False, None) if request.request_id == "reader" else original(request))
+    with pytest.raises(SpecViolation, match="drained: request reader"):
+        abort_while_loading(d)
+
+
+class HybridWorker(AdapterWorker):
+    """The adapter's worker role on one tensor shared by the full-attention and the sliding-window layer, as vLLM's
+    hybrid allocator shares it. Its forward writes each position's token id (mod 251), plus 256 in the sliding group,
+    into that group's block: a reloaded block's bytes say which prefix and which group they came from."""
+
+    def __init__(self, config) -> None:  # type: ignore[no-untyped-def]
+        blocks = config.cache_config.num_gpu_blocks
+        self.connector = KvfsmConnector(config, KVConnectorRole.WORKER, hybrid_cache(blocks))
+        shared = torch.zeros(2, blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
+        self.caches = {FULL: shared, SLIDING: shared}
+        self.connector.register_kv_caches(self.caches)
+
+    def forward(self, output, scheduler) -> None:  # type: ignore[no-untyped-def]
+        before = computed_before(output)
+        cache = self.caches[FULL]
+        for group in (0, 1):
+            for req_id, count in output.num_scheduled_tokens.items():
+                blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[group]
+                tokens = scheduler.requests[req_id].all_token_ids
+                for position in range(before[req_id], before[req_id] + count):
+                    if blocks[position // BLOCK_SIZE]:  # vLLM's null block is never written
+                        cache[:, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = float(
+                            tokens[position] % 251 + 256 * group)
+
+
+def reloaded_bytes(d: Driver, worker: HybridWorker) -> tuple[list[list[int]], list[list[int]]]:
+    """The writer's prefix stored, the GPU forgotten and zeroed, a reader reloads it: each loaded block's tokens, per
+    group."""
+    store_prefix(d)
+    worker.caches[FULL].zero_()  # whatever the reader finds now came from the CPU pool
+    d.add("reader", PREFIX + [9])
+    d.run()
+    (full,) = loads_of(d, "reader")
+    (window,) = loads_of(d, "reader@g1")
+    return [worker.block_tokens(b) for b in full.gpu_blocks], [worker.block_tokens(b) for b in window.gpu_blocks]
+
+
+def prefix_block(i: int, group: int) -> list[int]:
+    return [t % 251 + 256 * group for t in PREFIX[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
+
+
+def test_each_group_reloads_its_own_bytes_through_one_shared_tensor(model) -> None:
+    config = vllm_config(model, {"cpu_blocks": 32}, 48)
+    worker = HybridWorker(config)
+    d = Driver(config, worker, hybrid_cache(48))
     try:
-        store_prefix(d)
-        d.add("reader", PREFIX + [1, 2, 3])
-        d.run()
-        (load,) = loads_of(d, "reader")
-        assert len(load.gpu_blocks) == len(PREFIX) // BLOCK_SIZE  # the window's blocks and the ones before it
+        full, window = reloaded_bytes(d, worker)
+        assert full == [prefix_block(i, 0) for i in range(4)]
+        assert window == [prefix_block(i, 1) for i in (2, 3)]
+        assert d.cpu_pool_drained()
     finally:
         d.close()
 
 
-def test_control_two_groups_as_the_hybrid_allocator_makes_them_are_refused_naming_their_kinds(model) -> None:
-    groups = [KVCacheGroupSpec([name], spec) for name, spec in model_layers().items()]
-    cache = KVCacheConfig(num_blocks=GPU_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
-    with pytest.raises(UnsupportedKVCache, match="0: FullAttentionSpec, 1: SlidingWindowSpec"):
-        Driver(vllm_config(model, {"cpu_blocks": 32}, GPU_BLOCKS), FakeWorker(), cache)
+def test_control_groups_sharing_keys_collide_in_the_cpu_pool(model, monkeypatch) -> None:
+    """With the full group's keys for the window too, the window's stored blocks are the full group's slots, and the
+    reader's window load claims slots its own full-group load already reads: the pool refuses it."""
+    monkeypatch.setattr(groups, "group_key", lambda block_hash, group, width: block_hash)
+    config = vllm_config(model, {"cpu_blocks": 32}, 48)
+    worker = HybridWorker(config)
+    d = Driver(config, worker, hybrid_cache(48))
+    try:
+        with pytest.raises(NotLoadable):
+            reloaded_bytes(d, worker)
+    finally:
+        d.close()
+
+
+def test_a_state_space_group_is_refused_by_name(model) -> None:
+    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float16,))
+    with pytest.raises(UnsupportedKVCache, match="group 1 is a MambaSpec"):
+        Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), hybrid_cache(48, mamba))
+
+
+def stored_events(d: Driver, monkeypatch) -> list[bytes]:  # type: ignore[no-untyped-def]
+    """A prefix stored with vLLM's KV-cache events on; the block hashes of every CPU `BlockStored` kvfsm published."""
+    side, published = d.connector.scheduler_side, []
+    take = side.take_events
+    monkeypatch.setattr(side, "take_events", lambda: [e for e in take() if published.append(e) or True])
+    store_prefix(d)
+    for _ in range(2):
+        d.step()  # vLLM drains the connector's events as it schedules
+    return [h for e in published if isinstance(e, BlockStored) for h in e.block_hashes]
+
+
+def test_kv_cache_events_name_only_vllms_own_block_hashes(hybrid, monkeypatch) -> None:
+    """A sliding group's keys are kvfsm's, not vLLM's hashes: a KV-aware router is told of the full group's alone."""
+    hashes = stored_events(hybrid(kv_events=True), monkeypatch)
+    assert hashes and {len(h) for h in hashes} == {32}
+    assert len(hashes) == len(set(hashes)) == len(PREFIX) // BLOCK_SIZE
+
+
+def test_control_unfiltered_events_cannot_be_told_as_vllm_hashes(hybrid, monkeypatch) -> None:
+    import kvfsm.integrations.vllm.scheduler_side as side_module
+
+    monkeypatch.setattr(side_module, "is_first_group_key", lambda key, width: True)
+    with pytest.raises(OverflowError):
+        stored_events(hybrid(kv_events=True), monkeypatch)

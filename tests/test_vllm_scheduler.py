@@ -107,8 +107,8 @@ def test_control_preemption_not_passed_on_releases_blocks_a_store_reads(make_dri
 
     convert = side_module.scheduler_output
 
-    def drop_preempted(output, tables):
-        return convert(output, tables).model_copy(update={"preempted": ()})
+    def drop_preempted(output, tables, before):
+        return convert(output, tables, before).model_copy(update={"preempted": ()})
 
     monkeypatch.setattr(side_module, "scheduler_output", drop_preempted)
     d = make_driver(FakeWorker(store_steps=4, load_steps=2), gpu_blocks=11)

@@ -48,8 +48,9 @@ class HeldBlockReleased(AssertionError):
 
 
 class ReusedUnderStore(HeldBlockReleased):
-    """vLLM handed out again (to a request it schedules, or for a load) a block that an ended request's store,
-    unflushed, still reads: the step writes it under the store (`lazy-fence`)."""
+    """vLLM handed out again (to a request it schedules, or for a load) a block that an ended request's store, or a
+    store of a block its request's sliding window left behind, unflushed, still reads: the step writes it under the
+    store (`lazy-fence`, `window-fence`)."""
 
 
 class ComputedWhileLoading(AssertionError):
@@ -206,14 +207,28 @@ class Driver:
         """Stop tracing: the machines are shared by every driver of the process."""
         self.checks.close()
 
+    def owner(self, tracked_id: str) -> tuple[str, int]:
+        """The vLLM request and KV-cache group a job's request id names (`Group.request_id`)."""
+        req_id, _, group = tracked_id.partition("@g")
+        return req_id, int(group) if group else self.connector.scheduler_side.groups[0].index
+
+    def held(self, tracked_id: str) -> set[int]:
+        """The blocks vLLM holds for the job's request in the job's group (none once the request ended)."""
+        req_id, group = self.owner(tracked_id)
+        if req_id not in self.scheduler.requests:
+            return set()
+        return set(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group])
+
     def check_held(self, flushed: tuple[int, ...] = ()) -> None:
         """A job of a request vLLM still has keeps its blocks; a load's request is never freed under it. A store of
-        an ended request may read blocks vLLM took back (`check_reuse` sees they are not written under it)."""
-        manager = self.scheduler.kv_cache_manager
+        an ended request, or of blocks its sliding window left behind, may read blocks vLLM took back (`check_reuse`
+        sees they are not written under it)."""
+        tracked = self.connector.scheduler_side.kvfsm.requests
         for job in self.worker.in_flight(flushed):
-            if job.req_id not in self.scheduler.requests and job.kind == "store":
+            if self.owner(job.req_id)[0] not in self.scheduler.requests and job.kind == "store":
                 continue
-            owned = set(manager.get_block_ids(job.req_id)[0]) if job.req_id in self.scheduler.requests else set()
+            slid = tracked[job.req_id].slid if job.kind == "store" and job.req_id in tracked else set()
+            owned = self.held(job.req_id) | slid
             lost = [b for b in job.gpu_blocks if b not in owned]
             if lost:
                 raise HeldBlockReleased(f"step {self.step_no}: {job.kind} job {job.job_id} of {job.req_id} "
@@ -224,24 +239,29 @@ class Driver:
         scheduled request's, or one its loads write) is read by an ended request's store the step does not flush."""
         orders = output.kv_connector_metadata.orders
         manager = self.scheduler.kv_cache_manager
-        written = {b for req_id in output.num_scheduled_tokens for b in manager.get_block_ids(req_id)[0]}
+        written = {b for req_id in output.num_scheduled_tokens for group in manager.get_block_ids(req_id)
+                   for b in group}
         written.update(b for load in orders.loads for b in load.gpu_blocks)
         for job in self.worker.in_flight(orders.flush):
-            if job.kind != "store" or job.req_id in self.scheduler.requests:
+            if job.kind != "store":
                 continue
-            reused = sorted(written.intersection(job.gpu_blocks))
+            ended = self.owner(job.req_id)[0] not in self.scheduler.requests
+            reused = sorted(written.intersection(set(job.gpu_blocks) - self.held(job.req_id)))
             if reused:
-                raise ReusedUnderStore(f"step {self.step_no}: store job {job.job_id} of ended request {job.req_id} "
+                whose = "ended request" if ended else "running request (its window left them)"
+                raise ReusedUnderStore(f"step {self.step_no}: store job {job.job_id} of {whose} {job.req_id} "
                                        f"still reads GPU blocks {reused}, which this step writes unflushed")
 
     def check_block_tables(self, output: SchedulerOutput) -> None:
         """The block ids the adapter followed from vLLM's outputs are the ones vLLM's KV-cache manager holds."""
         tables = self.connector.scheduler_side.block_tables
         for req_id in output.num_scheduled_tokens:
-            held = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
-            if list(tables[req_id]) != held:
-                raise AssertionError(f"step {self.step_no}: the adapter has {req_id}'s blocks as {tables[req_id]}, "
-                                     f"vLLM holds {held}")
+            for group in tables.groups:
+                held = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group.index])
+                ours = list(tables[group.request_id(req_id)])
+                if ours != held:
+                    raise AssertionError(f"step {self.step_no}: the adapter has {req_id}'s blocks as {ours}, "
+                                         f"vLLM holds {held} (group {group.index})")
 
     def check_not_loading(self, output: SchedulerOutput) -> None:
         """No request is computed while any rank still loads its blocks (checked before the workers see the step).
@@ -250,7 +270,7 @@ class Driver:
         if self.connector.scheduler_side.kvfsm.config.layer_loads:
             return
         for job in self.worker.in_flight():
-            if job.kind == "load" and job.req_id in output.num_scheduled_tokens:
+            if job.kind == "load" and self.owner(job.req_id)[0] in output.num_scheduled_tokens:
                 raise ComputedWhileLoading(f"step {self.step_no}: {job.req_id} was scheduled while load job "
                                            f"{job.job_id} was still in flight")
 

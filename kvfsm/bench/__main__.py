@@ -101,13 +101,14 @@ def vllm_side_by_side(ctx: typer.Context, out: Path | None = OUT, quick: bool = 
     """kvfsm's vLLM connector beside vLLM's OffloadingConnector under vLLM's Scheduler (needs vLLM 0.32)."""
     try:
         from kvfsm.integrations.vllm import bench as vllm_bench
-        from kvfsm.integrations.vllm import bench_inline, bench_tiers
+        from kvfsm.integrations.vllm import bench_hybrid, bench_inline, bench_tiers
     except ImportError as missing:
         console.print(f"vllm: skipped ({missing}); run it in the venv with vLLM 0.32")
         return
     vllm_bench.main(*_settings(ctx, out, quick))
     bench_inline.main(*_settings(ctx, out, quick))
     bench_tiers.main(*_settings(ctx, out, quick))
+    bench_hybrid.main(*_settings(ctx, out, quick))
 
 
 @app.command("policies")

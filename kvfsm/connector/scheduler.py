@@ -46,6 +46,7 @@ from kvfsm.connector.validation import (
     check_lookup,
     check_reports,
     check_scheduler,
+    check_slide,
     check_step,
 )
 from kvfsm.invariants import Deferral
@@ -200,12 +201,26 @@ class SchedulerConnector:
         self.stats.deferrals += 1
         return None
 
+    def limit_match(self, request_id: str, end_block: int) -> None:
+        """Offer the looked-up request's CPU hit only up to GPU block `end_block`: an engine with several KV-cache
+        groups loads a prefix only as far as every group can (a sliding-window group needs its whole window)."""
+        record = self._get(request_id)
+        if record.match is not None:
+            first, count = record.match
+            kept = max(0, min(count, end_block - first))
+            self.stats.cpu_hit_blocks -= count - kept
+            record.match = (first, kept)
+
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int],
-                                 num_external_tokens: int) -> None:
-        """The engine allocated `block_ids` (all of the request's GPU blocks); start the load it accepted."""
-        check_alloc(self, request, block_ids, num_external_tokens)
+                                 num_external_tokens: int, store_from: int = 0) -> None:
+        """The engine allocated `block_ids` (all of the request's GPU blocks); start the load it accepted.
+        `store_from`: the first GPU block its stores may read (a sliding-window request's window at its prompt's
+        end; the engine's null block stands for every block before the window)."""
+        check_alloc(self, request, block_ids, num_external_tokens, store_from)
         record = self._get(request.request_id)
         record.block_ids = tuple(block_ids)
+        record.store_from = store_from
+        record.slid = set()  # a resumed request's window starts again from the blocks it was given now
         self.ledger.fences.allocated.extend(record.block_ids)  # handed out in the step the next metadata is for
         record.stored_cpu_blocks = 0
         self.ledger.due.set(record.req_id, self._cpu_block_tokens)
@@ -276,7 +291,7 @@ class SchedulerConnector:
         k = self.config.block_size_factor
         cpu_hashes = self._cpu_hashes(record.view)
         full_cpu = min(num_computed_tokens // self._cpu_block_tokens, len(cpu_hashes), len(block_ids) // k)
-        start = record.stored_cpu_blocks
+        start = max(record.stored_cpu_blocks, -(-record.store_from // k))
         record.stored_cpu_blocks = max(start, full_cpu)
         self.ledger.due.set(record.req_id, (record.stored_cpu_blocks + 1) * self._cpu_block_tokens)
         if full_cpu <= start:
@@ -356,6 +371,12 @@ class SchedulerConnector:
         if record is None:
             return False
         return self.ledger.fire_request(record, "abort" if aborted else "finish") == RequestState.DRAINING
+
+    def slide(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """The engine took back these blocks of a running request, out of its sliding window: those its stores still
+        read are freed-while-read until a step hands them out (`window-fence`)."""
+        check_slide(self, request_id, block_ids)
+        self.ledger.fire_request(self._get(request_id), "slide", blocks=tuple(block_ids))
 
     def tracks(self, request_id: str) -> bool:
         """Whether the request is still known (a returned one until its last store ends): its id may not return."""

@@ -174,8 +174,9 @@ def check_lookup(sched: SchedulerHalf, request: object, num_computed_tokens: obj
 
 
 def check_alloc(sched: SchedulerHalf, request: object, block_ids: Sequence[object],
-                num_external_tokens: object) -> None:
-    """`update_state_after_alloc`: a looked-up request, block ids in the cache, at most the offered tokens."""
+                num_external_tokens: object, store_from: int = 0) -> None:
+    """`update_state_after_alloc`: a looked-up request, block ids in the cache, at most the offered tokens. Below
+    the blocks it loads or stores (`store_from`) a sliding-window request's table repeats the engine's null block."""
     call = "update_state_after_alloc"
     req_id, _ = _request(call, request, sched.config.gpu_block_size)
     record = _tracked(sched, req_id)
@@ -198,7 +199,7 @@ def check_alloc(sched: SchedulerHalf, request: object, block_ids: Sequence[objec
     if not set(map(type, ids)) <= {int}:  # in C; the slow path converts numpy ints and refuses the rest
         ids = tuple(_int(call, f"a block id of request {req_id!r}", b) for b in ids)
     _in_cache(call, ids, sched.num_gpu_blocks, f"request {req_id!r}")
-    _distinct(call, ids, f"request {req_id!r}")
+    _distinct(call, ids[min(store_from, first_gpu) if tokens else store_from:], f"request {req_id!r}")
     needed = first_gpu + tokens // block_size if tokens else 0
     if len(ids) < needed:
         raise TooFewBlocks(f"{call}: request {req_id!r} got {len(ids)} GPU blocks; loading {tokens // block_size} "
@@ -313,6 +314,21 @@ def check_finished(sched: SchedulerHalf, request_id: object, aborted: object) ->
     record = _tracked(sched, request_id)
     if record is not None:
         _state_allows(call, sched, request_id, record.state, "abort" if aborted else "finish")
+
+
+def check_slide(sched: SchedulerHalf, request_id: object, block_ids: Sequence[object]) -> None:
+    """`slide`: a tracked request the spec lets slide (a running one), and int block ids inside the KV cache, none
+    of them twice."""
+    call = "slide"
+    if not isinstance(request_id, str) or not request_id:
+        raise MalformedRequest(f"{call}: request_id must be a non-empty str, got {request_id!r}")
+    record = _tracked(sched, request_id)
+    if record is None:
+        raise UnknownRequest(f"{call}: request {request_id!r} is not tracked by the connector")
+    _state_allows(call, sched, request_id, record.state, "slide")
+    ids = tuple(_int(call, f"a block id of request {request_id!r}", b) for b in block_ids)
+    _in_cache(call, ids, sched.num_gpu_blocks, f"request {request_id!r}")
+    _distinct(call, ids, f"request {request_id!r}")
 
 
 def check_halves(call: str, config: object, device: object, worker: object = 0) -> None:

@@ -40,6 +40,7 @@ STEP_DRIVEN: frozenset[Trigger] = frozenset({
     ("tier-entry", "reserve"), ("tier-entry", "write-done"), ("tier-entry", "pin"), ("tier-entry", "read-done"),
     ("tier-job", "submit"), ("tier-job", "complete"), ("tier-job", "fail"), ("tier-job", "release"),
     ("cpu-block", "abandon-fetch"), ("cpu-block", "abandon-write-back"), ("tier-job", "shed"),
+    ("request", "slide"),
 })
 
 

@@ -103,6 +103,8 @@ class Workload:
     """Requests aborted before that step (those already finished are ignored)."""
     max_seqs: int = 256
     max_batched_tokens: int = 8192
+    cache: Callable[[int], Any] = kv_cache_config
+    """The `KVCacheConfig` for this many GPU blocks (one full-attention group unless a workload says otherwise)."""
 
 
 class OffloadingFakeWorker:
@@ -163,7 +165,7 @@ class Run:
         config = vllm_config(model, extra, workload.gpu_blocks, connector=name, async_scheduling=async_scheduling,
                              max_batched_tokens=workload.max_batched_tokens, max_seqs=workload.max_seqs)
         self.scheduler: Scheduler = config.scheduler_config.get_scheduler_cls()(
-            config, kv_cache_config(workload.gpu_blocks), StructuredOutputManager(config), block_size=BLOCK_SIZE)
+            config, workload.cache(workload.gpu_blocks), StructuredOutputManager(config), block_size=BLOCK_SIZE)
         # A load computed in its own step is reported in that step (the adapter's worker waits for it).
         inline = connector == "kvfsm" and self.scheduler.connector.scheduler_side.kvfsm.inline_loads
         self.worker = (worker(config) if worker is not None else None if name is None

@@ -36,7 +36,7 @@ class UnsupportedTier(InvalidExtraConfig):
 
 
 class UnsupportedKVCache(ValueError):
-    """vLLM's KV cache has a shape kvfsm cannot offload (several groups, or a layout it cannot tell)."""
+    """vLLM's KV cache has a shape kvfsm cannot offload (a group kind it does not serve, or a layout it cannot tell)."""
 
 
 def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
@@ -90,20 +90,12 @@ def _read_offload_prompt_only(extra: dict[str, Any]) -> None:
 
 
 def gpu_block_bytes(kv_cache_config: "KVCacheConfig") -> int:
-    """Bytes of one GPU block across every layer of the single offloaded group, as the workers will register it.
+    """Bytes of one GPU block across every layer of a KV-cache group, as the workers will register it.
 
-    vLLM gives a connector without hybrid-allocator support (kvfsm's) one group: it promotes sliding-window and
-    chunked-local layers to full attention (every block kept, so every block can be offloaded and reloaded). Only
-    a hand-built or hybrid-allocator configuration reaches here with several groups, and is refused by kind."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        kinds = ", ".join(f"{i}: {type(g.kv_cache_spec).__name__}" for i, g in enumerate(groups))
-        raise UnsupportedKVCache(
-            f"kvfsm offloads one KV-cache group; this configuration has {len(groups)} ({kinds}). Run vLLM with "
-            "the hybrid KV-cache manager off (--disable-hybrid-kv-cache-manager, vLLM's default for kvfsm): "
-            "sliding-window layers then keep every block and offload as full attention; state-space (Mamba) "
-            "layers need the hybrid manager and are not supported")
-    return groups[0].kv_cache_spec.page_size_bytes * len(groups[0].layer_names)
+    Under vLLM's hybrid allocator every group's block is the same size (its tensors are shared by one layer of each
+    group); `kvfsm.integrations.vllm.groups` refuses, by name, a configuration whose groups differ."""
+    group = kv_cache_config.kv_cache_groups[0]
+    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
 
 
 def cache_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> str:

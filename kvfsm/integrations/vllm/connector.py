@@ -8,6 +8,8 @@ parallelism): then a CPU hit is computed in the step that loads it, `start_load_
 segment per layer and `wait_for_layer_load` makes the compute stream wait for that layer's segment only.
 `save_kv_layer` starts each layer's stores right after that layer's KV write when `layer_stores` is set (otherwise
 stores follow the forward pass).
+It declares vLLM's `SupportsHMA`: vLLM keeps its hybrid KV-cache allocator on and hands every group's blocks over
+(`kvfsm.integrations.vllm.groups` says which kinds are offloaded and refuses the others by name at start-up).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -45,7 +48,7 @@ class WrongRole(RuntimeError):
     """A scheduler-role method was called on a worker-role connector, or the other way round."""
 
 
-class KvfsmConnector(KVConnectorBase_V1):
+class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
@@ -129,6 +132,11 @@ class KvfsmConnector(KVConnectorBase_V1):
         self.scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request)
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...],
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid-allocator form of `request_finished` (every group's blocks): kvfsm reads its own tables."""
         return self.scheduler_side.request_finished(request)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:

@@ -2,8 +2,8 @@
 
 vLLM names a block by a `BlockHash` (bytes, a chain over the prefix); kvfsm's catalogue keys on ints. The hash is
 read as one big-endian integer at full width, so the conversion is lossless and back-conversion for KV-cache events
-gives vLLM's own bytes. vLLM pages every KV-cache group separately; the adapter offloads group 0 (the only group
-when the hybrid allocator is off, which a connector without hybrid support requires).
+gives vLLM's own bytes. vLLM pages every KV-cache group separately; kvfsm's scheduler tracks each group of a request
+as a request of its own (`groups`), so the block tables are followed per group.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput
 
 from kvfsm.connector.metadata import ConnectorMetadata, SchedulerOutput, WorkerOutput
+from kvfsm.integrations.vllm.groups import Group
 from kvfsm.integrations.vllm.master_lookup import KeyScheme
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-OFFLOADED_GROUP = 0
-"""The KV-cache group whose block ids kvfsm stores and loads."""
+ONE_GROUP = (Group(index=0, rank=0, window=None),)
+"""A configuration of one full-attention group (the hybrid allocator off)."""
 
 
 class HashWidthMismatch(ValueError):
@@ -111,56 +112,76 @@ def computed_before(output: VllmSchedulerOutput) -> dict[str, int]:
 
 
 class BlockTables:
-    """Each scheduled request's group-0 block ids, kept from the block ids vLLM's scheduler output carries.
+    """Each scheduled request's block ids in every offloaded group, kept from the block ids vLLM's scheduler output
+    carries, under the id kvfsm tracks the group of the request by (`Group.request_id`).
 
     vLLM sends a new request's blocks, then only the blocks each step added, and all blocks again when a preempted
     request resumes; following those (as vLLM's own connector does) costs per step only what changed, where
     resolving every request's table from vLLM's KV-cache manager costs its whole length, every step. A table is a
     tuple, replaced when blocks are added: the step hands it to kvfsm as it is, without a copy per request."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: Sequence[Group] = ONE_GROUP) -> None:
+        self.groups = tuple(groups)
         self._tables: dict[str, tuple[int, ...]] = {}
 
     def update(self, output: VllmSchedulerOutput) -> None:
         tables = self._tables
-        for req_id in output.finished_req_ids:
-            tables.pop(req_id, None)
-        for req_id in output.preempted_req_ids or ():
-            tables.pop(req_id, None)
-        for req_data in output.scheduled_new_reqs:
-            tables[req_data.req_id] = tuple(req_data.block_ids[OFFLOADED_GROUP])
-        cached = output.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        changed = zip(cached.req_ids, cached.new_block_ids)
-        if not resumed:  # only the requests that got blocks this step (vLLM sends None for the others)
-            changed = compress(changed, cached.new_block_ids)
-        for req_id, new_blocks in changed:
-            new = tuple(new_blocks[OFFLOADED_GROUP]) if new_blocks else ()
-            table = tables.get(req_id)
-            tables[req_id] = new if table is None or req_id in resumed else table + new
+        for group in self.groups:
+            index, tracked = group.index, group.request_id
+            for req_id in output.finished_req_ids:
+                tables.pop(tracked(req_id), None)
+            for req_id in output.preempted_req_ids or ():
+                tables.pop(tracked(req_id), None)
+            for req_data in output.scheduled_new_reqs:
+                tables[tracked(req_data.req_id)] = tuple(req_data.block_ids[index])
+            cached = output.scheduled_cached_reqs
+            resumed = cached.resumed_req_ids
+            changed = zip(cached.req_ids, cached.new_block_ids)
+            if not resumed:  # only the requests that got blocks this step (vLLM sends None for the others)
+                changed = compress(changed, cached.new_block_ids)
+            for req_id, new_blocks in changed:
+                new = tuple(new_blocks[index]) if new_blocks else ()
+                key = tracked(req_id)
+                table = tables.get(key)
+                tables[key] = new if table is None or req_id in resumed else table + new
 
-    def __getitem__(self, req_id: str) -> tuple[int, ...]:
-        return self._tables[req_id]
+    def __getitem__(self, tracked_id: str) -> tuple[int, ...]:
+        return self._tables[tracked_id]
+
+    def left_behind(self, tracked_id: str, first_kept: int, null_block: int) -> tuple[int, ...]:
+        """The blocks before `first_kept` that vLLM has put its null block in place of since the table was last
+        read (its sliding window left them behind); the table names the null block there from now on."""
+        table = self._tables[tracked_id]
+        left = tuple(b for b in table[:first_kept] if b != null_block)
+        if left:
+            self._tables[tracked_id] = (null_block,) * first_kept + table[first_kept:]
+        return left
 
     def of(self, req_ids: Sequence[str]) -> Iterator[tuple[int, ...]]:
         """The tables of `req_ids`, in order (a lookup in C per request)."""
         return map(self._tables.__getitem__, req_ids)
 
 
-def scheduler_output(output: VllmSchedulerOutput, tables: BlockTables) -> SchedulerOutput:
-    """The requests computed this step (group-0 blocks, computed tokens after the step) and the preempted ones.
+def scheduler_output(output: VllmSchedulerOutput, tables: BlockTables,
+                     before: dict[str, int] | None = None) -> SchedulerOutput:
+    """The requests computed this step (each group's blocks, computed tokens after the step) and the preempted ones,
+    from tables already updated with this step (`BlockTables.update`).
 
     Built from vLLM's own typed scheduler output: constructed without re-validating, column by column at C speed
     (no object per request: building a record per running request per step was the adapter's largest cost)."""
-    tables.update(output)
-    before = computed_before(output)
+    before = computed_before(output) if before is None else before
     req_ids = tuple(output.num_scheduled_tokens)
-    computed = map(operator.add, map(before.__getitem__, req_ids), output.num_scheduled_tokens.values())
+    computed = tuple(map(operator.add, map(before.__getitem__, req_ids), output.num_scheduled_tokens.values()))
+    preempted = sorted(output.preempted_req_ids or ())
+    if len(tables.groups) > 1:
+        groups = tables.groups
+        req_ids = tuple(g.request_id(r) for g in groups for r in req_ids)
+        computed = computed * len(groups)
+        preempted = sorted(g.request_id(r) for g in groups for r in preempted)
     return SchedulerOutput.model_construct(req_ids=req_ids, block_ids=tuple(tables.of(req_ids)),
-                                           num_computed_tokens=tuple(computed),
-                                           preempted=tuple(sorted(output.preempted_req_ids or ())))
+                                           num_computed_tokens=computed, preempted=tuple(preempted))
 
 
-def group_block_ids(blocks: Any) -> list[int]:
-    """Group 0's block ids of a `KVCacheBlocks`."""
-    return list(blocks.get_block_ids()[OFFLOADED_GROUP])
+def group_block_ids(blocks: Any, group: Group) -> list[int]:
+    """One group's block ids of a `KVCacheBlocks`."""
+    return list(blocks.get_block_ids()[group.index])

@@ -12,6 +12,10 @@ Two places where vLLM's protocol differs from kvfsm's, bridged here and nowhere 
   (`load_reports_in_step`). Under vLLM's async scheduling the next step is scheduled before that output is read, so
   a failed load's token could not be taken back: CPU hits then load asynchronously whatever `layer_loads` says
   (`no-inline-load-under-async-scheduling`), and start-up logs it once.
+Under vLLM's hybrid allocator each KV-cache group of a request is a request of its own in kvfsm's scheduler
+(`groups`): a lookup offers a prefix only as far as every group holds it (a sliding-window group its window), vLLM
+hears of a load or a release once every group's is done, and a sliding window's left-behind blocks are told to kvfsm
+(`slide`) before the step that may hand them out is planned.
 The lower tiers' bytes live in the workers; this process plans every write-back and fetch against an index of each
 tier fed by the workers' reports (`tier_index`), whose orders and discards go out in the step's metadata.
 """
@@ -19,6 +23,7 @@ tier fed by the workers' reports (`tier_index`), whose orders and discards go ou
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable
 
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, KVCacheEvent
@@ -35,9 +40,11 @@ from kvfsm.integrations.vllm.convert import (
     KvfsmMetadata,
     KvfsmWorkerMetadata,
     RequestView,
+    computed_before,
     group_block_ids,
     scheduler_output,
 )
+from kvfsm.integrations.vllm.groups import GroupView, is_first_group_key, offloaded_groups
 from kvfsm.integrations.vllm.telemetry import StatsDelta
 from kvfsm.integrations.vllm.tier_events import to_vllm
 from kvfsm.integrations.vllm.tier_index import TierIndexes
@@ -52,6 +59,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+NULL_BLOCK = 0
+"""vLLM's null block: the id its tables name where a sliding window holds no block (never stored nor loaded)."""
+
 _NORMAL_FINISH = frozenset({
     RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION,
 })
@@ -65,6 +75,8 @@ class UnexpectedAllocation(RuntimeError):
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
         block_bytes = gpu_block_bytes(kv_cache_config)
+        self.groups = offloaded_groups(kv_cache_config, config.gpu_block_size)
+        self.windows = tuple(g for g in self.groups if g.window is not None)
         machines = MachineSet(scheduler.default_spec())  # the spec the connector would load (tests swap it there)
         self.tier_index = TierIndexes(config, config.block_size_factor * block_bytes, machines)
         """The lower tiers' indexes: the workers hold the bytes, this process decides every write-back and fetch."""
@@ -79,8 +91,10 @@ class SchedulerSide:
         self.codec = HashCodec()
         self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage,
                                 self.kvfsm.tiers.totals if self.kvfsm.tiers is not None else dict)
-        self._matched: dict[str, RequestView] = {}
-        self.block_tables = BlockTables()
+        self._matched: dict[str, tuple[RequestView | GroupView, ...]] = {}
+        self._waiting: dict[str, set[str]] = {}
+        """Per request, the groups whose load (or, once it ended, whose draining) vLLM still waits for."""
+        self.block_tables = BlockTables(self.groups)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         record = self.kvfsm.requests.get(request.request_id)
@@ -91,23 +105,82 @@ class SchedulerSide:
         if match is None:
             self._matched.pop(request.request_id, None)
             return None, False
-        self._matched[request.request_id] = view
+        views: tuple[RequestView | GroupView, ...] = (view,)
+        if self.windows:
+            match = self._match_windows(view, num_computed_tokens, match)
+            if match is None:
+                self._matched.pop(request.request_id, None)
+                return None, False
+            views += tuple(GroupView(view, g, self.codec) for g in self.windows)
+        self._matched[request.request_id] = views
         return match
 
+    def _match_windows(self, view: RequestView, computed: int, match: tuple[int, bool]) -> tuple[int, bool] | None:
+        """The full-attention hit kept only if every sliding-window group holds its whole window ending there, each
+        window looked up and offered as its own request's hit; None defers (a window block is busy)."""
+        block_size = self.kvfsm.config.gpu_block_size
+        end = (computed + match[0]) // block_size
+        whole = True
+        for group in self.windows:
+            start = max(computed // block_size, group.first_kept(end * block_size, block_size))
+            found = self.kvfsm.get_num_new_matched_tokens(GroupView(view, group, self.codec), start * block_size)
+            if found is None:
+                return None
+            whole = whole and start + found[0] // block_size >= end
+            self.kvfsm.limit_match(group.request_id(view.request_id), end)
+        if whole:
+            return match
+        for group in self.windows:
+            self.kvfsm.limit_match(group.request_id(view.request_id), 0)
+        self.kvfsm.limit_match(view.request_id, 0)
+        return 0, False
+
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
-        view = self._matched.pop(request.request_id, None)
-        if view is None:
+        views = self._matched.pop(request.request_id, None)
+        if views is None:
             if num_external_tokens:
                 raise UnexpectedAllocation(
                     f"vLLM allocated {num_external_tokens} external tokens for {request.request_id!r} "
                     "without a lookup that offered them")
             return
-        self.kvfsm.update_state_after_alloc(view, group_block_ids(blocks), num_external_tokens)
+        block_size = self.kvfsm.config.gpu_block_size
+        prompt_end = views[0].num_tokens // block_size * block_size
+        first_gpu, _ = self.kvfsm.requests[request.request_id].match or (0, 0)
+        end = first_gpu + num_external_tokens // block_size  # where the loaded prefix ends, in every group
+        for group, view in zip(self.groups, views):
+            tokens = num_external_tokens
+            if group.rank and num_external_tokens:
+                first, count = self.kvfsm.requests[view.request_id].match or (0, 0)
+                tokens = (end - first) * block_size if count else 0
+            self.kvfsm.update_state_after_alloc(view, group_block_ids(blocks, group), tokens,
+                                                store_from=group.first_kept(prompt_end, block_size))
+        if len(views) > 1:
+            self._waiting[request.request_id] = {v.request_id for v in views
+                                                 if self.kvfsm.requests[v.request_id].state == RequestState.LOADING}
 
     def build_connector_meta(self, output: "SchedulerOutput") -> KvfsmMetadata:
-        orders = self.kvfsm.build_connector_meta(scheduler_output(output, self.block_tables))
+        self.block_tables.update(output)
+        before = computed_before(output)
+        if self.windows:
+            self._slide(output, before)
+        orders = self.kvfsm.build_connector_meta(scheduler_output(output, self.block_tables, before))
         self.tier_index.ordered(orders.tier_orders, self.kvfsm.tier_jobs)
         return KvfsmMetadata(orders, tier_discards=self.tier_index.take_discards())
+
+    def _slide(self, output: "SchedulerOutput", before: dict[str, int]) -> None:
+        """Tell kvfsm which blocks vLLM took back this step from each scheduled request's sliding windows (vLLM
+        frees what a window no longer reads as it allocates the step, by the same arithmetic)."""
+        block_size = self.kvfsm.config.gpu_block_size
+        tables = self.block_tables
+        for group in self.windows:
+            for req_id in output.num_scheduled_tokens:
+                tracked = group.request_id(req_id)
+                left = tables.left_behind(tracked, group.first_kept(before[req_id], block_size), NULL_BLOCK)
+                if left:
+                    self.kvfsm.slide(tracked, left)
+                record = self.kvfsm.requests[tracked]
+                if record.slid:  # a block handed back to the same request later in its table is its own again
+                    record.slid.difference_update(tables[tracked])
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         meta = output.kv_connector_worker_meta
@@ -116,23 +189,54 @@ class SchedulerSide:
         result = self.kvfsm.update_connector_output(ConnectorOutput(workers=meta.reports if meta else ()))
         self.tier_index.settle(meta.evicted if meta else (), meta.namespaces if meta else ())
         self.kvfsm.get_block_ids_with_load_errors()  # the workers reported these blocks to vLLM themselves
-        if result.loaded and not self.kvfsm.inline_loads:  # an inline load's request is running already
-            output.finished_recving = set(output.finished_recving or ()) | result.loaded
-        if result.released:
-            output.finished_sending = set(output.finished_sending or ()) | result.released
+        loaded, released = self._whole(result.loaded), self._whole(result.released)
+        if loaded and not self.kvfsm.inline_loads:  # an inline load's request is running already
+            output.finished_recving = set(output.finished_recving or ()) | loaded
+        if released:
+            output.finished_sending = set(output.finished_sending or ()) | released
+
+    def _whole(self, tracked_ids: set[str]) -> set[str]:
+        """The requests all of whose groups are done with what vLLM waits for (a load, or draining after one): a
+        group's news alone is held back until the request's last group's arrives."""
+        if not self.windows:
+            return tracked_ids
+        done = set()
+        for tracked in tracked_ids:
+            req_id = tracked.split("@g", 1)[0]
+            waiting = self._waiting.get(req_id)
+            if waiting is None:
+                done.add(req_id)
+                continue
+            waiting.discard(tracked)
+            if not waiting:
+                del self._waiting[req_id]
+                done.add(req_id)
+        return done
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        """Every group of the request ends; vLLM keeps all its blocks while any group's load still writes them."""
         self._matched.pop(request.request_id, None)
         aborted = request.status not in _NORMAL_FINISH
-        return self.kvfsm.request_finished(request.request_id, aborted=aborted), None
+        held = {g.request_id(request.request_id) for g in self.groups
+                if self.kvfsm.request_finished(g.request_id(request.request_id), aborted=aborted)}
+        if self.windows and held:
+            self._waiting[request.request_id] = held
+        else:
+            self._waiting.pop(request.request_id, None)
+        return bool(held), None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """The CPU pool's events (`MEDIUM_CPU`), then each lower tier's (`MEDIUM_STORAGE`, `tier_events`)."""
+        """The CPU pool's events (`MEDIUM_CPU`), then each lower tier's (`MEDIUM_STORAGE`, `tier_events`); only vLLM's
+        own hashes (the first group's) are announced, a sliding group's keys being kvfsm's."""
+        width = self.codec.width or 0
         for event in self.kvfsm.manager.take_events():
-            yield to_vllm(event, self.codec.to_bytes, MEDIUM_CPU)
+            if hashes := tuple(h for h in event.hashes if is_first_group_key(h, width)):
+                yield to_vllm(replace(event, hashes=hashes), self.codec.to_bytes, MEDIUM_CPU)
         for tier in self.tier_index.tiers:
             for event in tier.take_events():
-                yield to_vllm(event, self.codec.to_bytes, MEDIUM_STORAGE, tier.locality, tier.name)
+                if hashes := tuple(h for h in event.hashes if is_first_group_key(h, width)):
+                    yield to_vllm(replace(event, hashes=hashes), self.codec.to_bytes, MEDIUM_STORAGE, tier.locality,
+                                  tier.name)
 
     def reset_cache(self) -> bool:
         self.kvfsm.reset_cache()

@@ -10,6 +10,11 @@ anyway, so the wait ends no later than the layer that needs the last segment.
 The lower tiers open here (the worker owns the CPU pool's bytes) and run the scheduler's tier orders; their job
 reports travel with the transfer jobs', and what else the scheduler's index of each tier must hear is
 `worker_tiers`'. Everything here runs on the worker's thread.
+Under vLLM's hybrid allocator the layers of different KV-cache groups share tensors (layer i of each group pages
+from tensor i): a block's bytes are that tensor's wherever its group is, so each tensor is registered once, under its
+first layer's name, and the other layers name it through `_aliases`. A shared tensor is written by one layer of
+each group in turn, so a per-layer store or load cannot be tied to one of them: with several groups those are
+refused by name (`UnsupportedKVCache`), and whole-step transfers follow the forward pass.
 """
 
 from __future__ import annotations
@@ -62,12 +67,21 @@ class WorkerSide:
         self._rank = rank
         self._num_blocks = kv_cache_config.num_blocks
         self._scheduler_block_bytes = gpu_block_bytes(kv_cache_config)
+        if len(kv_cache_config.kv_cache_groups) > 1 and (config.layer_loads or config.layer_stores):
+            raise UnsupportedKVCache("layer_loads and layer_stores need one KV-cache group: under vLLM's hybrid "
+                                     "allocator each tensor is written by a layer of every group in turn")
+        self._aliases: dict[str, str] = {}
+        """Each layer's name to the name its tensor is registered under (itself, unless another group's layer
+        registered the same tensor first)."""
         self._loads: dict[int, tuple[int, ...]] = {}
         self._step_loads: tuple[int, ...] = ()
         self._reports: list[WorkerOutput] = []
         self._invalid: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first: dict[tuple[int, tuple[int, ...]], str] = {}
+        self._aliases = {name: first.setdefault((t.data_ptr(), tuple(t.shape)), name) for name, t in kv_caches.items()}
+        kv_caches = {name: t for name, t in kv_caches.items() if self._aliases[name] == name}
         caches = self.kvfsm.register_kv_caches(kv_caches, cache_layout(kv_caches, self._num_blocks))
         ours, theirs = (self.config.num_cpu_blocks(b) for b in (caches.gpu_block_bytes, self._scheduler_block_bytes))
         if ours != theirs:
@@ -92,10 +106,10 @@ class WorkerSide:
         self.kvfsm.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.kvfsm.wait_for_layer_load(layer_name)
+        self.kvfsm.wait_for_layer_load(self._aliases.get(layer_name, layer_name))
 
     def save_kv_layer(self, layer_name: str) -> None:
-        self.kvfsm.save_kv_layer(layer_name)
+        self.kvfsm.save_kv_layer(self._aliases.get(layer_name, layer_name))
 
     def wait_for_save(self) -> None:
         self.kvfsm.wait_for_save()
