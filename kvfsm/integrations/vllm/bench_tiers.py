@@ -10,6 +10,11 @@ second pass: the prefix tokens each connector loaded, and how many of them came 
 from CPU blocks a disk fetch brought; vLLM: chunks its `fs` tier promoted to CPU, in tokens), loads, deferrals, steps
 to first token, and the scheduler thread's CPU µs per step (`schedule()` + `update_from_output()`, as in `bench.py`).
 
+Each step takes `step_ms` of wall time as a model's forward pass would (`bench.Run`'s `step_s`: a sleep after the
+worker's hooks, the same for every run, outside the CPU time measured): both connectors run their tiers' lookups and
+I/O on threads, and steps spun back to back would give those threads no time at all, vLLM's lookups the most (each
+answers "ask again" until its thread answered).
+
 Where the bytes move: vLLM's `fs` tier reads and writes files on threads of the scheduler process, over a host region
 it shares with the workers, so its fake worker (`bench.OffloadingFakeWorker`) only completes GPU<->CPU jobs. kvfsm's
 tiers live in the workers: its run drives the adapter's real worker role (`rig.WorkerRole`, on `SimDevice`), whose
@@ -32,6 +37,8 @@ from kvfsm.integrations.vllm.rig import BLOCK_SIZE, WorkerRole, kv_cache_config,
 CPU_TIER_BLOCKS = 64
 BLOCK_BYTES = gpu_block_bytes(kv_cache_config(1))
 RUNS = ("vllm fs", "kvfsm disk eager", "kvfsm disk on-evict")
+STEP_MS = 5.0
+"""A model step's wall time by default: a few milliseconds, a small model's decode step on a GPU."""
 
 
 def tiered_prefixes(prefixes: int = 16, prefix_blocks: int = 32, per_step: int = 1,
@@ -87,20 +94,21 @@ def _count_promotions(bench: Run) -> None:
         tier.submit_load = counted
 
 
-def compare_tiers(quick: bool = False) -> Iterator[dict[str, Any]]:
-    """One row per run of the same stream; the second pass's prompt tokens and what served them."""
+def compare_tiers(quick: bool = False, step_ms: float = STEP_MS) -> Iterator[dict[str, Any]]:
+    """One row per run of the same stream, each step taking `step_ms` of wall time; the second pass's prompt tokens
+    and what served them."""
     with tempfile.TemporaryDirectory() as folder:
         model = model_config(Path(folder) / "tiny-llama")
         workload = tiered_prefixes(**(QUICK if quick else {}))
         for name in RUNS:
             connector, options = _options(name, Path(folder) / name.replace(" ", "-"))
             hooks = _count_promotions if connector == "vllm" else None
-            bench, measured = play(workload, connector, model, hooks=hooks, **options)
+            bench, measured = play(workload, connector, model, hooks=hooks, step_s=step_ms / 1000, **options)
             figures = bench.figures(measured)
             below = _tokens_from_below(bench)
             if bench.worker is not None and hasattr(bench.worker, "close"):
                 bench.worker.close()
-            yield {"workload": workload.name, "run": name, "requests": len(measured),
+            yield {"workload": workload.name, "run": name, "step_ms": step_ms, "requests": len(measured),
                    "prompt_tokens": sum(len(a.prompt) for s in range(workload.steps) for a in workload.arrivals(s)),
                    "tokens_loaded": figures["blocks_loaded"] * BLOCK_SIZE, "tokens_from_below": below,
                    "loads": figures["loads"], "deferrals": figures["deferrals"],
@@ -117,8 +125,9 @@ COLUMNS = {
 }
 
 
-def main(out: Path = Path("bench-out"), quick: bool = False) -> list[dict[str, Any]]:
+def main(out: Path = Path("bench-out"), quick: bool = False, step_ms: float = STEP_MS) -> list[dict[str, Any]]:
     """Run, print the table, and write `vllm-tiers.json` and `vllm-tiers.md` under `out`."""
-    title = "vLLM 0.32 Scheduler, a prefix set larger than the CPU tier, returning: who serves it"
-    return bench_table.publish(list(compare_tiers(quick)), COLUMNS, title, ("workload", "connector + tier"),
+    title = (f"vLLM 0.32 Scheduler, a prefix set larger than the CPU tier, returning, a {step_ms:g} ms model step: "
+             "who serves it")
+    return bench_table.publish(list(compare_tiers(quick, step_ms)), COLUMNS, title, ("workload", "connector + tier"),
                                out, "vllm-tiers", quick)
