@@ -152,6 +152,11 @@ def test_bench_out_given_both_before_and_after_a_part_is_refused(tmp_path: Path)
     assert "given twice" in message
 
 
+def test_bench_vllm_refuses_an_unknown_comparison_naming_the_known_ones(tmp_path: Path) -> None:
+    message = refused(bench.app, ["vllm", "--only", "tiers", "--only", "nope", "--out", str(tmp_path)], "--only")
+    assert "unknown: nope; known: workloads, inline, tiers" in message
+
+
 def test_bench_without_a_gpu_says_on_the_console_why_it_drew_no_png(tmp_path: Path, no_cuda: None,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(bench.RUNNERS, "scheduler", lambda result, quick: None)

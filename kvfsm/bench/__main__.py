@@ -96,19 +96,40 @@ for _part in PARTS:
     _one(_part)
 
 
+VLLM_PARTS = ("workloads", "inline", "tiers", "hybrid")
+"""The `vllm` command's comparisons: the connectors over the workloads, `layer_loads` inline, the tiered workload,
+the hybrid (full + sliding-window) workload."""
+
+
 @app.command("vllm")
-def vllm_side_by_side(ctx: typer.Context, out: Path | None = OUT, quick: bool = QUICK) -> None:
+def vllm_side_by_side(ctx: typer.Context, out: Path | None = OUT, quick: bool = QUICK,
+                      only: list[str] = typer.Option([], help=f"only this comparison (repeatable): one of "
+                                                             f"{', '.join(VLLM_PARTS)}"),
+                      step_ms: float | None = typer.Option(None, min=0.0, help="the tiered workload's model step, in "
+                                                                              "ms of wall time between steps, the "
+                                                                              "same for both connectors (default: "
+                                                                              "bench_tiers.STEP_MS)")
+                      ) -> None:
     """kvfsm's vLLM connector beside vLLM's OffloadingConnector under vLLM's Scheduler (needs vLLM 0.32)."""
+    unknown = sorted(set(only) - set(VLLM_PARTS))
+    if unknown:
+        raise typer.BadParameter(f"unknown: {', '.join(unknown)}; known: {', '.join(VLLM_PARTS)}", ctx=ctx,
+                                 param_hint="--only")
     try:
         from kvfsm.integrations.vllm import bench as vllm_bench
         from kvfsm.integrations.vllm import bench_hybrid, bench_inline, bench_tiers
     except ImportError as missing:
         console.print(f"vllm: skipped ({missing}); run it in the venv with vLLM 0.32")
         return
-    vllm_bench.main(*_settings(ctx, out, quick))
-    bench_inline.main(*_settings(ctx, out, quick))
-    bench_tiers.main(*_settings(ctx, out, quick))
-    bench_hybrid.main(*_settings(ctx, out, quick))
+    chosen = only or VLLM_PARTS
+    if "workloads" in chosen:
+        vllm_bench.main(*_settings(ctx, out, quick))
+    if "inline" in chosen:
+        bench_inline.main(*_settings(ctx, out, quick))
+    if "tiers" in chosen:
+        bench_tiers.main(*_settings(ctx, out, quick), bench_tiers.STEP_MS if step_ms is None else step_ms)
+    if "hybrid" in chosen:
+        bench_hybrid.main(*_settings(ctx, out, quick))
 
 
 @app.command("policies")

@@ -28,10 +28,11 @@ from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
 from kvfsm.records import FLUSHABLE_JOB_STATES, RequestRecord, TierJob, TransferJob
-from kvfsm.states import RequestState, TierJobState, TransferJobState
+from kvfsm.states import CpuBlockState, RequestState, TierJobState, TransferJobState
 
 JOB_ENDS = frozenset({TransferJobState.DONE, TransferJobState.FAILED})
 TIER_JOB_ENDS = frozenset({TierJobState.DONE, TierJobState.FAILED, TierJobState.SHED})
+_WRITING = frozenset({CpuBlockState.PENDING_STORE, CpuBlockState.SUBMITTED, CpuBlockState.FETCHING})
 ENDS_OF_JOBS = frozenset({"job-done", "load-done", "load-failed"})
 """Request triggers a job's end fires: a release they cause is news to the engine, unlike one by finish/abort."""
 
@@ -79,6 +80,7 @@ class Ledger:
         self.result = StepResult()
         self.flushed: list[TransferJob] = []
         """Stores flushed since the last metadata: the workers submit and wait for them before blocks are reused."""
+        self._pool = pool
         self._job, self._tier_job, self._request = machines["transfer-job"], machines["tier-job"], machines["request"]
         self._tables: dict[str, Callable[..., None]] = {
             "cpu-block": pool.fire,
@@ -192,6 +194,14 @@ class Ledger:
             for job in [j for j in record.jobs.values() if j.kind == "store" and j.state in FLUSHABLE_JOB_STATES]:
                 if not blocks.isdisjoint(job.gpu_blocks):
                     self.fire_job(job, "flush", step=step)
+
+    def blockers(self, busy_slots: Iterable[int]) -> frozenset[int]:
+        """The jobs a deferred lookup waits for: the store or fetch writing, the load or write-back reading, each
+        busy CPU slot it met."""
+        blocks, slots = self._pool.blocks, list(busy_slots)
+        jobs = {blocks[s].writer_job if blocks[s].state in _WRITING else blocks[s].reader_job for s in slots}
+        jobs.discard(None)
+        return frozenset(jobs | self.tier_blockers(slots))  # type: ignore[arg-type]
 
     def take_flushed(self) -> tuple[int, ...]:
         flushed, self.flushed = self.flushed, []

@@ -53,12 +53,10 @@ from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
 from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TierJob, TransferJob
-from kvfsm.states import CpuBlockState, RequestState, TransferJobState
+from kvfsm.states import RequestState, TransferJobState
 from kvfsm.tiers.base import LowerTier
 
 __all__ = ["RequestView", "SchedulerConnector", "StepResult", "UnknownRequest"]
-
-_WRITING = frozenset({CpuBlockState.PENDING_STORE, CpuBlockState.SUBMITTED, CpuBlockState.FETCHING})
 
 
 class RequestView(Protocol):
@@ -179,7 +177,7 @@ class SchedulerConnector:
         self.stats.lookups += 1
         computable = (request.num_tokens - 1) // block_size  # the last token is always computed, for its logits
         if lookup.busy:
-            return self._defer(record, self._blockers(lookup.busy))
+            return self._defer(record, self.ledger.blockers(lookup.busy))
         if self.tiers is not None:  # what CPU lacks, a lower tier may hold: fetch it into CPU, look up again then
             fetches = self.tiers.fetch_missing(self._cpu_hashes(request)[first_cpu:computable // k], lookup.hits,
                                                self.step)
@@ -402,17 +400,6 @@ class SchedulerConnector:
         return errors
 
     # --- helpers ---------------------------------------------------------------------------------------
-
-    def _blockers(self, busy_slots: Sequence[int]) -> frozenset[int]:
-        """The jobs a deferred lookup waits for: the store writing, or the load reading, each busy slot it met."""
-        blocks = self.manager.blocks
-        jobs = set()
-        for slot in busy_slots:
-            block = blocks[slot]
-            jobs.add(block.writer_job if block.state in _WRITING else block.reader_job)
-        jobs.discard(None)
-        jobs |= self.ledger.tier_blockers(busy_slots)  # a write-back reading a slot
-        return frozenset(jobs)  # type: ignore[arg-type]
 
     def _take_job_id(self) -> int:
         """A job id for a tier job: one id space with transfer jobs, so a deferral's blockers name either."""

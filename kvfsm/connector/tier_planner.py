@@ -7,7 +7,10 @@ next lookup then finds ready CPU blocks and loads them like any CPU hit. Deferri
 on the fetch keeps the GPU load path unchanged (a load only ever reads ready CPU blocks) and costs no GPU blocks
 while the disk works; it makes no convoy because a deferral names the fetch it waits for (the `no-convoy` check),
 other requests keep being scheduled past it, and a request that needs the same keys meanwhile finds them fetching
-and waits on the same fetch instead of starting a second one.
+and waits on the same fetch instead of starting a second one. A hit below CPU whose fetch finds no slot to claim
+(every slot it could evict is fetching, loading, storing or written back) defers on the jobs holding those slots and
+is fetched once they ended, unless the pool could never hold the prefix (`fetch-waits-for-room`): answered as a miss,
+it would recompute a prefix the tier holds because the pool was busy for a step.
 
 Write-back: each tier's `writeback` policy picks CPU blocks to copy down, `eager` (every stored block, soon after
 its store completed) or `on-evict` (the blocks the CPU eviction policy will give up next); either way the blocks
@@ -45,6 +48,7 @@ from kvfsm.connector.metadata import TierOrder, TierReport
 from kvfsm.connector.ranks import TierOutcome, every_rank_tier_outcome
 from kvfsm.connector.stats import ConnectorStats
 from kvfsm.manager import OffloadingManager
+from kvfsm.manager.catalogue import BUSY
 from kvfsm.records import TierJob
 from kvfsm.states import CpuBlockState as Cpu
 from kvfsm.states import TierEntryState, TierJobState
@@ -63,6 +67,8 @@ class TierStats:
     """Tokens loaded into the GPU from CPU blocks that a fetch brought from each tier."""
     hit_blocks: Counter[str] = field(default_factory=Counter)
     """GPU blocks a lookup found in each tier (not in the CPU pool) and ordered fetched."""
+    room_waits: int = 0
+    """Lookups deferred because a lower tier held their next keys while every CPU slot a fetch could claim was busy."""
 
 
 class TierPlanner:
@@ -112,7 +118,10 @@ class TierPlanner:
                 continue
             job_id = self._new_job_id()
             plan = self.manager.prepare_fetch(hashes[:start + count], job_id)  # earlier keys stay protected
-            if plan is None or not plan.hashes:
+            if plan is None:
+                blockers.extend(self._room_blockers(start + count))
+                break
+            if not plan.hashes:
                 break
             job = self._new_job(job_id, "fetch", tier.name, plan.hashes, plan.slots, step)
             self.stats.hit_blocks[tier.name] += len(plan.hashes) * self.block_size_factor
@@ -120,6 +129,19 @@ class TierPlanner:
             blockers.append(job.job_id)
             start += count
         return frozenset(blockers)
+
+    def _room_blockers(self, wanted: int) -> frozenset[int]:
+        """No CPU slot to claim for a fetch of the request's first `wanted` keys (`fetch-waits-for-room`): the jobs
+        in flight on the pool's busy slots, on which the request defers, when the pool holds `wanted` keys once
+        they end (each leaves its slots ready or free, evictable); none when it never can (a prefix longer than the
+        pool), and the rest is computed. A hit below CPU that waits a few steps for room costs a few steps; one
+        answered as a miss recomputes the whole prefix while the tier holds it. A pass over the pool, as the claim
+        that failed made."""
+        if wanted > self.manager.capacity:
+            return frozenset()
+        blockers = self.ledger.blockers(slot for slot, block in enumerate(self.manager.blocks) if block.state in BUSY)
+        self.stats.room_waits += bool(blockers)
+        return blockers
 
     def loaded(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
         """A load of these CPU slots (`tokens[i]` tokens from slot i) was ordered: credit the tier a fetch brought each

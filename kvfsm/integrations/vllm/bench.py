@@ -152,11 +152,13 @@ class Run:
 
     def __init__(self, workload: Workload, connector: str, model: Any, admission: str = "every-block",
                  layer_loads: bool = False, async_scheduling: bool = False, extra: Mapping[str, Any] | None = None,
-                 worker: Callable[[VllmConfig], Any] | None = None) -> None:
+                 worker: Callable[[VllmConfig], Any] | None = None, step_s: float = 0.0) -> None:
         """With `async_scheduling` vLLM's `AsyncScheduler` runs as vLLM's engine core drives it then: step N+1 is
         scheduled before step N's output is processed. `extra`: more of the connector's `kv_connector_extra_config`
         (over the defaults); `worker`: builds the worker that completes the jobs instead of the fake one (the tiered
-        bench's real worker role)."""
+        bench's real worker role); `step_s`: the model step's wall time, slept after the worker's hooks and before
+        the output is processed, so work the connector runs on threads (lookups, file I/O) gets the time a forward
+        pass gives it (a sleep: not in the scheduler's CPU time)."""
         init_none_hash(sha256)
         name = CONNECTORS[connector]
         settings = {"cpu_blocks": CPU_BLOCKS, "layer_loads": layer_loads} if name == KVFSM_CONNECTOR else {
@@ -189,6 +191,7 @@ class Run:
         connector's `request_finished` made it hold."""
         self.flushed = 0
         """Stores the measured steps flushed: each one a worker waits for before the step's forward pass."""
+        self.step_s = step_s
 
     def _count_deferrals(self, connector: Any) -> None:
         lookup = connector.get_num_new_matched_tokens
@@ -218,6 +221,8 @@ class Run:
         scheduled = time.thread_time()
         held = held_blocks(self.scheduler) if measured else 0  # as this step was scheduled: blocks it could not use
         connector_output = None if self.worker is None else self.worker.step(self.step_no, output, self.scheduler)
+        if self.step_s:
+            time.sleep(self.step_s)
         result = model_output(self.scheduler, output, connector_output)
         updating = time.thread_time()
         self.outputs.ran(self.step_no, output, result)
@@ -278,7 +283,7 @@ def play(workload: Workload, connector: str, model: Any, admission: str = "every
          layer_loads: bool = False, async_scheduling: bool = False, hooks: Callable[[Run], None] | None = None,
          **options: Any) -> tuple[Run, set[str]]:
     """The workload through one connector; the run and the requests it measured. `hooks` instruments the run before
-    its first step; `options`: `Run`'s `extra` and `worker`."""
+    its first step; `options`: `Run`'s `extra`, `worker` and `step_s`."""
     bench = Run(workload, connector, model, admission, layer_loads, async_scheduling, **options)
     if hooks is not None:
         hooks(bench)

@@ -7,8 +7,14 @@ stores started run to the end before the next arrives; vLLM's GPU prefix cache i
 (kvfsm: every stored block written back, `eager`, or the pool's next eviction victims, `on-evict`; vLLM: every stored
 chunk cascaded to its `fs` tier). Then every prefix returns once, one a step, with one new token. Counted in that
 second pass: the prefix tokens each connector loaded, and how many of them came from below DRAM (kvfsm: tokens loaded
-from CPU blocks a disk fetch brought; vLLM: chunks its `fs` tier promoted to CPU, in tokens), loads, deferrals, steps
-to first token, and the scheduler thread's CPU µs per step (`schedule()` + `update_from_output()`, as in `bench.py`).
+from CPU blocks a disk fetch brought; vLLM: tokens of loads its connector attributes to its `fs` tier), loads,
+deferrals, steps to first token, and the scheduler thread's CPU µs per step (`schedule()` + `update_from_output()`, as
+in `bench.py`).
+
+Each step takes `step_ms` of wall time as a model's forward pass would (`bench.Run`'s `step_s`: a sleep after the
+worker's hooks, the same for every run, outside the CPU time measured): both connectors run their tiers' lookups and
+I/O on threads, and steps spun back to back would give those threads no time at all, vLLM's lookups the most (each
+answers "ask again" until its thread answered).
 
 Where the bytes move: vLLM's `fs` tier reads and writes files on threads of the scheduler process, over a host region
 it shares with the workers, so its fake worker (`bench.OffloadingFakeWorker`) only completes GPU<->CPU jobs. kvfsm's
@@ -24,6 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from kvfsm.integrations.vllm import bench_table
 from kvfsm.integrations.vllm.bench import Arrival, Run, Workload, _tokens, play
 from kvfsm.integrations.vllm.config import gpu_block_bytes
@@ -32,6 +40,8 @@ from kvfsm.integrations.vllm.rig import BLOCK_SIZE, WorkerRole, kv_cache_config,
 CPU_TIER_BLOCKS = 64
 BLOCK_BYTES = gpu_block_bytes(kv_cache_config(1))
 RUNS = ("vllm fs", "kvfsm disk eager", "kvfsm disk on-evict")
+STEP_MS = 5.0
+"""A model step's wall time by default: a few milliseconds, a small model's decode step on a GPU."""
 
 
 def tiered_prefixes(prefixes: int = 16, prefix_blocks: int = 32, per_step: int = 1,
@@ -67,40 +77,47 @@ def _options(run: str, folder: Path) -> tuple[str, dict[str, Any]]:
 
 
 def _tokens_from_below(bench: Run) -> int:
-    """Prefix tokens loaded from CPU blocks a lower tier brought (vLLM: chunks promoted, in tokens)."""
+    """Prefix tokens loaded from CPU blocks a lower tier brought (vLLM: tokens of loads its connector says came from
+    its `fs` tier)."""
     side = getattr(bench.scheduler.connector, "scheduler_side", None)
     if side is not None:
         return sum(side.kvfsm.tiers.stats.tokens_loaded_from.values())
-    return bench.promoted * BLOCK_SIZE  # type: ignore[attr-defined]
+    return bench.from_disk  # type: ignore[attr-defined]
 
 
-def _count_promotions(bench: Run) -> None:
-    """Count the chunks vLLM's secondary tiers load into its CPU tier (its promotions)."""
-    bench.promoted = 0  # type: ignore[attr-defined]
-    for tier in bench.scheduler.connector.connector_scheduler.manager.secondary_tiers:  # type: ignore[union-attr]
-        submit = tier.submit_load
+def _count_disk_loads(bench: Run) -> None:
+    """Count the tokens of each load vLLM's connector accepted that it attributes to its `fs` tier: its own split of
+    an accepted hit by source (`get_external_cache_hit_sources`, which vLLM's Scheduler asks only when it logs
+    stats), asked as the load is planned."""
+    connector = bench.scheduler.connector
+    assert connector is not None
+    bench.from_disk = 0  # type: ignore[attr-defined]
+    allocated = connector.update_state_after_alloc
 
-        def counted(job: Any, submit: Any = submit) -> None:
-            bench.promoted += len(job.keys)  # type: ignore[attr-defined]
-            submit(job)
+    def counted(request: Any, blocks: Any, num_external_tokens: int) -> None:
+        allocated(request, blocks, num_external_tokens)
+        if num_external_tokens:
+            sources = connector.get_external_cache_hit_sources(request, num_external_tokens)
+            bench.from_disk += sources.get(CacheHitSource.DISK, 0)  # type: ignore[attr-defined]
 
-        tier.submit_load = counted
+    connector.update_state_after_alloc = counted  # type: ignore[method-assign]
 
 
-def compare_tiers(quick: bool = False) -> Iterator[dict[str, Any]]:
-    """One row per run of the same stream; the second pass's prompt tokens and what served them."""
+def compare_tiers(quick: bool = False, step_ms: float = STEP_MS) -> Iterator[dict[str, Any]]:
+    """One row per run of the same stream, each step taking `step_ms` of wall time; the second pass's prompt tokens
+    and what served them."""
     with tempfile.TemporaryDirectory() as folder:
         model = model_config(Path(folder) / "tiny-llama")
         workload = tiered_prefixes(**(QUICK if quick else {}))
         for name in RUNS:
             connector, options = _options(name, Path(folder) / name.replace(" ", "-"))
-            hooks = _count_promotions if connector == "vllm" else None
-            bench, measured = play(workload, connector, model, hooks=hooks, **options)
+            hooks = _count_disk_loads if connector == "vllm" else None
+            bench, measured = play(workload, connector, model, hooks=hooks, step_s=step_ms / 1000, **options)
             figures = bench.figures(measured)
             below = _tokens_from_below(bench)
             if bench.worker is not None and hasattr(bench.worker, "close"):
                 bench.worker.close()
-            yield {"workload": workload.name, "run": name, "requests": len(measured),
+            yield {"workload": workload.name, "run": name, "step_ms": step_ms, "requests": len(measured),
                    "prompt_tokens": sum(len(a.prompt) for s in range(workload.steps) for a in workload.arrivals(s)),
                    "tokens_loaded": figures["blocks_loaded"] * BLOCK_SIZE, "tokens_from_below": below,
                    "loads": figures["loads"], "deferrals": figures["deferrals"],
@@ -117,8 +134,9 @@ COLUMNS = {
 }
 
 
-def main(out: Path = Path("bench-out"), quick: bool = False) -> list[dict[str, Any]]:
+def main(out: Path = Path("bench-out"), quick: bool = False, step_ms: float = STEP_MS) -> list[dict[str, Any]]:
     """Run, print the table, and write `vllm-tiers.json` and `vllm-tiers.md` under `out`."""
-    title = "vLLM 0.32 Scheduler, a prefix set larger than the CPU tier, returning: who serves it"
-    return bench_table.publish(list(compare_tiers(quick)), COLUMNS, title, ("workload", "connector + tier"),
+    title = (f"vLLM 0.32 Scheduler, a prefix set larger than the CPU tier, returning, a {step_ms:g} ms model step: "
+             "who serves it")
+    return bench_table.publish(list(compare_tiers(quick, step_ms)), COLUMNS, title, ("workload", "connector + tier"),
                                out, "vllm-tiers", quick)
