@@ -132,9 +132,10 @@ class EffectsOncePerRun(CompiledLifecycle):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        for trigger, moves in self._moves.items():
-            for state, (dest, effects) in moves.items():
-                moves[state] = (dest, tuple(lambda run, _e=e, **c: _e(run[:1], **c) for e in effects))
+        # New tables, not the shipped ones edited: every machine of the lifecycle shares those.
+        self._moves = {trigger: {state: (dest, tuple(lambda run, _e=e, **c: _e(run[:1], **c) for e in effects))
+                                 for state, (dest, effects) in moves.items()}
+                       for trigger, moves in self._moves.items()}
 
 
 def test_control_whose_run_effects_skip_models_is_caught() -> None:
