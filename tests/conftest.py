@@ -70,3 +70,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many workers `-n auto` (pyproject's addopts) starts: one per core this process may run on, or none with
+    CUDA, where GPU tests share one device and their timed trials and race controls must not contend."""
+    return 0 if torch.cuda.is_available() else len(os.sched_getaffinity(0))
