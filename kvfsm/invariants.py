@@ -38,6 +38,17 @@ class Deferral:
     blockers: frozenset[int]
 
 
+@dataclass(frozen=True, slots=True)
+class RoomLookup:
+    """A lookup whose lower-tier hit found no CPU slot to claim for its fetch (`fetch-waits-for-room`): the request's
+    `wanted` leading keys the fetch needed in the pool, the pool's `busy` slots then (storing, loading, written back
+    or fetching), and the jobs it `waited` for (none: answered as a miss)."""
+
+    wanted: int
+    busy: int
+    waited: frozenset[int]
+
+
 class TierEntriesView(Protocol):
     """What the invariants read of a lower tier's index (`kvfsm.tiers.entries.TierEntries`)."""
 
@@ -71,6 +82,7 @@ class World(Protocol):
     store_bound: int | None  # configured bound on the CPU blocks of stores in flight (None: the pool alone)
     writeback_queues: Mapping[str, tuple[int, int | None]]  # each eager tier: (blocks queued, bound or None)
     eager_tiers: frozenset[str]  # the lower tiers whose write-back policy is eager
+    room_lookups: Sequence[RoomLookup]  # the latest lookups whose tier hit found no CPU slot for its fetch
     num_workers: int  # ranks whose reports a job waits for
     rank: int  # the rank whose device log `accesses` is
     replicated: bool  # every rank holds the same KV and the ranks share one host pool

@@ -108,6 +108,17 @@ def eager_every_tier(world: World) -> list[str]:
     return found
 
 
+@REGISTRY.invariant("fetch-waits-for-room")
+def fetch_waits_for_room(world: World) -> list[str]:
+    """Read from the scheduler's latest lookups whose tier hit found no CPU slot to claim: each that found busy slots
+    and wanted no more keys than the pool holds must have waited for some job; one that waited for none answered a
+    miss, and the engine recomputes a prefix the tier holds."""
+    capacity = len(world.cpu_blocks)
+    return [f"a lookup met a lower tier's hit with {each.busy} CPU slots busy and answered a miss, though the pool "
+            f"of {capacity} holds its {each.wanted} keys once their jobs end"
+            for each in world.room_lookups if each.busy and each.wanted <= capacity and not each.waited]
+
+
 @REGISTRY.invariant("fetch-lands-private")
 def fetch_lands_private(world: World) -> list[str]:
     fetches = _in_flight(world, "fetch")

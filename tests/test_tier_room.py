@@ -1,13 +1,16 @@
 """`fetch-waits-for-room`: a prefix a lower tier holds, met while every CPU slot a fetch could claim is busy, waits
 for the jobs holding them instead of being answered as a miss (which recomputes a prefix the tier holds); a prefix
 the pool could never hold is not waited for. The planner alone over a disk tier (`Below`, as in
-test_tier_planner.py); the control is the planner that answers a busy pool as a miss."""
+test_tier_planner.py), checked by the planner's orders and by the named invariant; the control `busy-pool-is-miss`
+(in `ROOM_CONTROLS`) answers a busy pool as a miss, which both must catch."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable
 
-from kvfsm.connector.tier_planner import TierPlanner
+from kvfsm.testing.tier_mutants import ROOM_CONTROLS
+from kvfsm.tier_invariants import fetch_waits_for_room
 from test_tier_planner import Below, below  # noqa: F401 (the fixture)
 
 
@@ -17,9 +20,10 @@ def busy_pool(b: Below) -> int:
     return 1
 
 
-def answers_a_busy_pool_as_a_miss(planner: TierPlanner) -> None:
-    """The control: no slot to claim, no fetch and nothing to defer on (the rule removed)."""
-    planner._room_blockers = lambda wanted: frozenset()  # type: ignore[method-assign]
+def violations(b: Below) -> list[str]:
+    """What `fetch-waits-for-room` finds in the planner's latest lookups."""
+    world = SimpleNamespace(cpu_blocks=b.manager.blocks, room_lookups=b.planner.room_lookups)
+    return fetch_waits_for_room(world)  # type: ignore[arg-type]
 
 
 def waits_for_room(b: Below) -> bool:
@@ -27,7 +31,7 @@ def waits_for_room(b: Below) -> bool:
     nothing else ordered) once that job ended."""
     store = busy_pool(b)
     b.publish("near", [1, 2])
-    if b.planner.fetch_missing([1, 2], 0, step=0) != {store} or b.planner.orders(0) != ():
+    if b.planner.fetch_missing([1, 2], 0, step=0) != {store} or b.planner.orders(0) != () or violations(b):
         return False
     slots = [b.manager.catalogue[8], b.manager.catalogue[9]]
     b.manager.mark_submitted(slots)
@@ -44,10 +48,13 @@ def test_a_tier_hit_that_finds_every_cpu_slot_busy_defers_on_their_jobs_then_is_
     assert b.planner.stats.room_waits == 1
 
 
-def test_the_control_that_answers_a_busy_pool_as_a_miss_is_caught(below: Callable[..., Below]) -> None:
+def test_the_control_that_answers_a_busy_pool_as_a_miss_is_caught_by_the_invariant(
+        below: Callable[..., Below]) -> None:
     b = below("eager", cpu_blocks=2)
-    answers_a_busy_pool_as_a_miss(b.planner)
+    ROOM_CONTROLS["busy-pool-is-miss"](b.planner)
     assert not waits_for_room(b)
+    assert violations(b) == ["a lookup met a lower tier's hit with 2 CPU slots busy and answered a miss, though the "
+                             "pool of 2 holds its 2 keys once their jobs end"]
 
 
 def test_a_tier_hit_longer_than_the_cpu_pool_is_not_waited_for(below: Callable[..., Below]) -> None:
@@ -56,3 +63,4 @@ def test_a_tier_hit_longer_than_the_cpu_pool_is_not_waited_for(below: Callable[.
     b.publish("near", [1, 2, 3])
     assert b.planner.fetch_missing([1, 2, 3], 0, step=0) == frozenset()
     assert b.planner.stats.room_waits == 0
+    assert violations(b) == [], "a prefix the pool could never hold is no violation"

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Sequence
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.executor.access import Access
 from kvfsm.executor.device import Device
-from kvfsm.invariants import Deferral, TierView
+from kvfsm.invariants import Deferral, RoomLookup, TierView
 from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TierJob, TransferJob
 
 
@@ -90,6 +90,11 @@ class ConnectorWorld:
     @property
     def eager_tiers(self) -> frozenset[str]:
         return frozenset(t.tier_name for t in self.scheduler.config.lower_tiers if t.writeback == "eager")
+
+    @property
+    def room_lookups(self) -> Sequence[RoomLookup]:
+        tiers = self.scheduler.tiers
+        return tiers.room_lookups if tiers is not None else ()
 
     @property
     def num_workers(self) -> int:

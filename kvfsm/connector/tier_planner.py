@@ -32,7 +32,8 @@ history policy), their ranks' reports are aggregated as a transfer job's are (`k
 job's end does to its CPU slots is declared as couplings in `tier-job.yaml`, which the ledger fires. What this module
 remembers between steps is planning only, each bounded by the CPU pool (per tier) whatever the number of jobs:
 each eager tier's write-back queue, the keys whose write-back failed, the write-backs in flight at a cache reset,
-and which fetch brought each CPU slot's block (for the per-tier statistics).
+which fetch brought each CPU slot's block (for the per-tier statistics), and the latest lookups that found no room
+for their fetch (what `fetch-waits-for-room` checks).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from kvfsm.connector.metrics import tier_key
 from kvfsm.connector.metadata import TierOrder, TierReport
 from kvfsm.connector.ranks import TierOutcome, every_rank_tier_outcome
 from kvfsm.connector.stats import ConnectorStats
+from kvfsm.invariants import RoomLookup
 from kvfsm.manager import OffloadingManager
 from kvfsm.manager.catalogue import BUSY
 from kvfsm.records import TierJob
@@ -103,6 +105,9 @@ class TierPlanner:
         self._stale: set[int] = set()  # write-backs in flight at a cache reset: their keys are dropped when they end
         self._gave_up: OrderedDict[tuple[str, int], None] = OrderedDict()  # (tier, key) whose write-back failed
         self._step = 0  # the step last planned: the one whose output reports the stores that end now
+        self.room_lookups: deque[RoomLookup] = deque(maxlen=manager.capacity)
+        """The latest lookups whose tier hit found no CPU slot to claim, and what each waited for: what
+        `fetch-waits-for-room` reads (a pool's worth, as the invariants run every step)."""
 
     # --- lookup ----------------------------------------------------------------------------------------------
 
@@ -119,7 +124,10 @@ class TierPlanner:
             job_id = self._new_job_id()
             plan = self.manager.prepare_fetch(hashes[:start + count], job_id)  # earlier keys stay protected
             if plan is None:
-                blockers.extend(self._room_blockers(start + count))
+                busy = [slot for slot, block in enumerate(self.manager.blocks) if block.state in BUSY]
+                waited = self._room_blockers(start + count, busy)
+                self.room_lookups.append(RoomLookup(start + count, len(busy), waited))
+                blockers.extend(waited)
                 break
             if not plan.hashes:
                 break
@@ -130,16 +138,15 @@ class TierPlanner:
             start += count
         return frozenset(blockers)
 
-    def _room_blockers(self, wanted: int) -> frozenset[int]:
+    def _room_blockers(self, wanted: int, busy: Sequence[int]) -> frozenset[int]:
         """No CPU slot to claim for a fetch of the request's first `wanted` keys (`fetch-waits-for-room`): the jobs
-        in flight on the pool's busy slots, on which the request defers, when the pool holds `wanted` keys once
+        in flight on the pool's `busy` slots, on which the request defers, when the pool holds `wanted` keys once
         they end (each leaves its slots ready or free, evictable); none when it never can (a prefix longer than the
         pool), and the rest is computed. A hit below CPU that waits a few steps for room costs a few steps; one
-        answered as a miss recomputes the whole prefix while the tier holds it. A pass over the pool, as the claim
-        that failed made."""
+        answered as a miss recomputes the whole prefix while the tier holds it."""
         if wanted > self.manager.capacity:
             return frozenset()
-        blockers = self.ledger.blockers(slot for slot, block in enumerate(self.manager.blocks) if block.state in BUSY)
+        blockers = self.ledger.blockers(busy)
         self.stats.room_waits += bool(blockers)
         return blockers
 
