@@ -62,6 +62,11 @@ class TooFewBlocks(IllegalCall):
     """The blocks allocated to a request do not cover the external tokens it accepted."""
 
 
+class StaleMatch(IllegalCall):
+    """A request was allocated external tokens its lookup offered, but the CPU blocks behind them left the pool
+    since (a call between the lookup and the allocation made room): it must be looked up again."""
+
+
 class ContradictoryStep(IllegalCall):
     """A step names a request twice, both preempts and schedules it, or has columns of different lengths."""
 

@@ -37,6 +37,7 @@ from kvfsm.connector.metadata import (
     StoreOrder,
 )
 from kvfsm.connector.ranks import every_rank_verdict, rank_reports
+from kvfsm.connector.refusals import StaleMatch
 from kvfsm.connector.stats import ConnectorStats
 from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.connector.validation import (
@@ -51,7 +52,7 @@ from kvfsm.connector.validation import (
 )
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
-from kvfsm.manager import OffloadingManager
+from kvfsm.manager import NotLoadable, OffloadingManager
 from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TierJob, TransferJob
 from kvfsm.states import RequestState, TransferJobState
 from kvfsm.tiers.base import LowerTier
@@ -216,25 +217,29 @@ class SchedulerConnector:
         end; the engine's null block stands for every block before the window)."""
         check_alloc(self, request, block_ids, num_external_tokens, store_from)
         record = self._get(request.request_id)
+        assert record.match is not None  # check_alloc read it: a looked-up request's lookup recorded it
+        count = num_external_tokens // self.config.gpu_block_size
+        k = self.config.block_size_factor
+        first_gpu = record.match[0] if count else 0
+        first_cpu, offset = divmod(first_gpu, k)
+        end_cpu = -(-(first_gpu + count) // k)
+        hashes = self._cpu_hashes(request)[first_cpu:end_cpu]
+        try:  # pinned before any state changes: the match may have been evicted since the lookup
+            slots = self.manager.prepare_load(hashes, self._next_job) if count else ()
+        except NotLoadable as gone:
+            raise StaleMatch(f"update_state_after_alloc: request {request.request_id!r} accepted {count} blocks its "
+                             f"lookup offered, but they left the CPU pool since ({gone}); look it up again") from gone
         record.block_ids = tuple(block_ids)
         record.store_from = store_from
         record.slid = set()  # a resumed request's window starts again from the blocks it was given now
         self.ledger.fences.allocated.extend(record.block_ids)  # handed out in the step the next metadata is for
         record.stored_cpu_blocks = 0
         self.ledger.due.set(record.req_id, self._cpu_block_tokens)
-        match, record.match = record.match, None
-        count = num_external_tokens // self.config.gpu_block_size
+        record.match = None
         inline = self.inline_loads
         self.ledger.fire_request(record, "allocate", external_tokens=count, inline=inline)
         if count == 0:
             return
-        assert match is not None  # check_alloc refused more tokens than the lookup offered
-        k = self.config.block_size_factor
-        first_gpu = match[0]
-        first_cpu, offset = divmod(first_gpu, k)
-        end_cpu = -(-(first_gpu + count) // k)
-        hashes = self._cpu_hashes(request)[first_cpu:end_cpu]
-        slots = self.manager.prepare_load(hashes, self._next_job)
         self.manager.touch(hashes)
         if self.tiers is not None:
             end, size = first_gpu + count, self.config.gpu_block_size
