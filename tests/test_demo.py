@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from typer.testing import CliRunner
 
@@ -152,3 +155,24 @@ def test_disk_flag_shows_tokens_per_tier(tmp_path: object) -> None:
 def test_control_a_disk_fetch_loaded_before_it_landed_fails_integrity(tmp_path: object) -> None:
     result = run_demo(small(cpu_blocks=16, disk=tmp_path, mutant="fetch-ready-early"))
     assert not result.ok
+
+
+
+def _with_blocked(modules: tuple[str, ...], code: str) -> subprocess.CompletedProcess[str]:
+    """`code` run in a fresh interpreter in which importing any of `modules` fails, as where they are not installed."""
+    block = "".join(f"sys.modules[{name!r}] = None\n" for name in modules)
+    return subprocess.run([sys.executable, "-c", f"import sys\n{block}{code}"], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("missing", [("blake3",), ("mooncake", "blake3")])
+def test_the_demo_loads_without_the_mooncake_extra(missing: tuple[str, ...]) -> None:
+    """What a user installs without extras (CI's wheel check runs the demo so): the demo's imports reach the Mooncake
+    tier and its controls, which must load without BLAKE3 or Mooncake."""
+    outcome = _with_blocked(missing, "import kvfsm.demo.runs, kvfsm.tiers.mooncake")
+    assert outcome.returncode == 0, outcome.stderr
+
+
+def test_control_the_blocked_import_is_real_once_a_key_is_made() -> None:
+    outcome = _with_blocked(("blake3",), "from kvfsm.mooncake.secret import ValueKey\nValueKey.derive(bytes(32), None)")
+    assert outcome.returncode != 0 and "import of blake3 halted" in outcome.stderr, outcome.stderr

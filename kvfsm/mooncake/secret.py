@@ -15,14 +15,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import blake3
+if TYPE_CHECKING:
+    import blake3
 
 MIN_SECRET_BYTES = 32
 """256 bits: a secret shorter than the MAC's key adds no strength and is refused."""
 DEFAULT_SECRET_ENV = "KVFSM_MOONCAKE_SECRET"
 _CONTEXT = "kvfsm 2026-11 mooncake value MAC key v2"
 """BLAKE3 key-derivation context: a key derived here is never the key of any other use of the same secret."""
+
+
+def _blake3() -> Any:
+    """BLAKE3, imported when a key is made: it comes with the `mooncake` extra, and kvfsm without that extra (the
+    demo, an engine with no Mooncake tier) imports this module through the tiers and the testing controls."""
+    import blake3
+
+    return blake3
 
 
 class SecretUnavailable(ValueError):
@@ -35,18 +45,19 @@ class ValueKey:
     __slots__ = ("_key",)
 
     def __init__(self, key: bytes) -> None:
-        if len(key) != blake3.blake3.key_size:
-            raise ValueError(f"a value key is {blake3.blake3.key_size} bytes")
+        size = _blake3().blake3.key_size
+        if len(key) != size:
+            raise ValueError(f"a value key is {size} bytes")
         self._key = key
 
     @classmethod
     def derive(cls, secret: bytes, tenant: str | None) -> ValueKey:
         material = len(secret).to_bytes(4, "little") + secret + (tenant or "").encode()
-        return cls(blake3.blake3(material, derive_key_context=_CONTEXT).digest())
+        return cls(_blake3().blake3(material, derive_key_context=_CONTEXT).digest())
 
     def mac(self, max_threads: int = 1) -> blake3.blake3:
         """A fresh keyed hasher (`max_threads` > 1 lets BLAKE3 hash one large input on several threads)."""
-        return blake3.blake3(key=self._key, max_threads=max_threads)
+        return _blake3().blake3(key=self._key, max_threads=max_threads)
 
     def __repr__(self) -> str:
         return "ValueKey(<hidden>)"
