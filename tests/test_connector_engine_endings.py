@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvfsm.connector.metadata import ConnectorMetadata, SchedulerOutput
-from kvfsm.engine.engine import RequestIdInUse
+from kvfsm.engine.config import RequestIdInUse
 from kvfsm.testing.harness import Harness
 
 from engine_scenarios import PREFIX, finish, harness, mutant, offload, on_results, step_lagging
