@@ -52,7 +52,8 @@ from kvfsm.connector.validation import (
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
-from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TierJob, TransferJob
+from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TransferJob
+from kvfsm.tier_records import TierJob
 from kvfsm.states import RequestState, TransferJobState
 from kvfsm.tiers.base import LowerTier
 

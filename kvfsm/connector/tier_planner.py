@@ -49,7 +49,7 @@ from kvfsm.connector.ranks import TierOutcome, every_rank_tier_outcome
 from kvfsm.connector.stats import ConnectorStats
 from kvfsm.manager import OffloadingManager
 from kvfsm.manager.catalogue import BUSY
-from kvfsm.records import TierJob
+from kvfsm.tier_records import TierJob
 from kvfsm.states import CpuBlockState as Cpu
 from kvfsm.states import TierEntryState, TierJobState
 from kvfsm.tiers.base import LowerTier, TierFailure
