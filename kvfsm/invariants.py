@@ -22,7 +22,7 @@ from kvfsm.config import store_writer
 from kvfsm.executor.access import Access, Actor, Mode, Space
 from kvfsm.records import FLUSHABLE_JOB_STATES, CpuBlock, GpuBlock, RequestRecord, TransferJob
 from kvfsm.registry import REGISTRY
-from kvfsm.records import TierEntry, TierJob
+from kvfsm.tier_records import TierEntry, TierJob
 from kvfsm.states import CpuBlockState as C
 from kvfsm.states import GpuBlockState as G
 from kvfsm.states import RequestState as R

@@ -17,7 +17,7 @@ from kvfsm.executor.sim import SimDevice
 from kvfsm.states import TransferJobState
 from kvfsm.testing.copy_faults import STAGES, Direction, Stage
 from kvfsm.testing.harness import Harness
-from test_connector_engine import PREFIX, Control, mutant
+from engine_scenarios import PREFIX, Control, mutant
 
 OTHER = tuple(range(40, 58))
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvfsm.mooncake import available as mooncake_available
-from kvfsm.testing.explorer import (
-    MOONCAKE_WORKLOADS, SMALL_WORKLOADS, TIER_WORKLOADS, Workload, explore, fits,
-)
+from kvfsm.testing.explorer import explore, fits
+from kvfsm.testing.explorer_workloads import MOONCAKE_WORKLOADS, SMALL_WORKLOADS, TIER_WORKLOADS, Workload
 from kvfsm.testing.mutants import MUTANTS
 
 WORKLOADS = {**SMALL_WORKLOADS, **TIER_WORKLOADS, **MOONCAKE_WORKLOADS}

@@ -12,7 +12,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, run_state_machine_as_test
 
-from kvfsm.testing.explorer import SMALL_WORKLOADS
+from kvfsm.testing.explorer_workloads import SMALL_WORKLOADS
 from kvfsm.testing.harness import Harness
 from kvfsm.testing.interleavings import PROMPTS, OffloadInterleavings
 

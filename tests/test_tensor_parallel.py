@@ -14,7 +14,8 @@ from kvfsm.connector import Connector, WorkerCountMismatch
 from kvfsm.connector.refusals import UnknownJob
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.engine.distributed import Command, ReadySlot, verify
-from kvfsm.engine.engine import Engine, EngineConfig, LayerByLayerOnOneDevice
+from kvfsm.engine.config import EngineConfig, LayerByLayerOnOneDevice
+from kvfsm.engine.engine import Engine
 from kvfsm.engine.model import ModelShape
 from kvfsm.engine.ranks import HeadsDoNotDivide, Rank
 from kvfsm.executor.sim import SimDevice

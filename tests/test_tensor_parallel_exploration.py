@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvfsm.testing.explorer import TP_WORKLOADS, explore
+from kvfsm.testing.explorer import explore
+from kvfsm.testing.explorer_workloads import TP_WORKLOADS
 from kvfsm.testing.mutants import TP_MUTANTS
 
 CLEAN_STATES = 600

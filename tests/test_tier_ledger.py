@@ -13,7 +13,7 @@ import pytest
 
 from kvfsm.bindings import default_spec
 from kvfsm.executor.sim import SimDevice
-from kvfsm.records import TierJob
+from kvfsm.tier_records import TierJob
 from kvfsm.spec import Spec
 from kvfsm.testing.census import census
 from kvfsm.testing.harness import Harness

@@ -14,7 +14,7 @@ from kvfsm.connector.refusals import UnknownJob
 from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.connector.tier_runner import TierRunner, UnknownTier
 from kvfsm.executor.sim import SimDevice
-from kvfsm.records import TierJob
+from kvfsm.tier_records import TierJob
 from kvfsm.testing.harness import Harness
 from test_tiers_disk import B, _serve
 

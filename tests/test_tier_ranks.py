@@ -28,7 +28,7 @@ from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import check_all
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
-from kvfsm.records import TierJob
+from kvfsm.tier_records import TierJob
 from kvfsm.states import CpuBlockState as Cpu
 from kvfsm.states import TierJobState as Job
 from kvfsm.testing.tier_faults import FaultyDiskIo

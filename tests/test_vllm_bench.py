@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvfsm.integrations.vllm import bench  # noqa: E402
+from kvfsm.integrations.vllm import bench, bench_workloads  # noqa: E402
 from kvfsm.integrations.vllm.bench_table import markdown  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -27,8 +27,8 @@ def test_the_zipf_workload_runs_through_no_connector_then_vllms_and_kvfsms_under
 
 
 def test_the_abort_storm_aborts_each_wave_mid_decode() -> None:
-    sizes = bench.QUICK_SIZES["abort-storm"]
-    workload = bench.abort_storm(**sizes)
+    sizes = bench_workloads.QUICK_SIZES["abort-storm"]
+    workload = bench_workloads.abort_storm(**sizes)
     arrived = {step: [a.req_id for a in workload.arrivals(step)] for step in range(workload.steps)}
     aborted = {step: workload.aborts(step) for step in range(workload.steps)}
     waves = {step: ids for step, ids in arrived.items() if ids}

@@ -30,7 +30,7 @@ from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.config import gpu_block_bytes, offload_config  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, kv_cache_config, vllm_config  # noqa: E402
 from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
-from kvfsm.records import TierJob  # noqa: E402
+from kvfsm.tier_records import TierJob  # noqa: E402
 from kvfsm.tiers.disk import DiskIo  # noqa: E402
 from vllm_harness import AdapterWorker, Driver, FakeRanks  # noqa: E402
 from vllm_support import hold_disk_writes, loads_of, model  # noqa: E402,F401

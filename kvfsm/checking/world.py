@@ -14,7 +14,8 @@ from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.executor.access import Access
 from kvfsm.executor.device import Device
 from kvfsm.invariants import Deferral, RoomLookup, TierView
-from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TierJob, TransferJob
+from kvfsm.records import CpuBlock, GpuBlock, RequestRecord, TransferJob
+from kvfsm.tier_records import TierJob
 
 
 def _never() -> bool:

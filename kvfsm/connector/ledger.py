@@ -27,7 +27,8 @@ from kvfsm.connector.fences import GpuFences
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import OffloadingManager
-from kvfsm.records import FLUSHABLE_JOB_STATES, RequestRecord, TierJob, TransferJob
+from kvfsm.records import FLUSHABLE_JOB_STATES, RequestRecord, TransferJob
+from kvfsm.tier_records import TierJob
 from kvfsm.states import CpuBlockState, RequestState, TierJobState, TransferJobState
 
 JOB_ENDS = frozenset({TransferJobState.DONE, TransferJobState.FAILED})

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from kvfsm.connector.metadata import ConnectorOutput
-from kvfsm.records import TierJob, TransferJob
+from kvfsm.records import TransferJob
+from kvfsm.tier_records import TierJob
 
 
 class Reported(Protocol):

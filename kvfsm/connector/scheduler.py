@@ -27,8 +27,8 @@ from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.admission import Admission
 from kvfsm.connector.backpressure import StoreBound
-from kvfsm.connector.due import StoreDue
 from kvfsm.connector.ledger import Ledger, StepResult
+from kvfsm.connector.ledger_tables import LedgerTables
 from kvfsm.connector.metadata import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -53,7 +53,7 @@ from kvfsm.connector.validation import (
 from kvfsm.invariants import Deferral
 from kvfsm.machines import MachineSet
 from kvfsm.manager import NotLoadable, OffloadingManager
-from kvfsm.records import FLUSHABLE_JOB_STATES, GpuBlock, RequestRecord, TierJob, TransferJob
+from kvfsm.records import FLUSHABLE_JOB_STATES, RequestRecord, TransferJob
 from kvfsm.states import RequestState, TransferJobState
 from kvfsm.tiers.base import LowerTier
 
@@ -75,7 +75,7 @@ class RequestView(Protocol):
         """Tokens the request holds; at its first lookup, its prompt (what `prompt-only` admission stores)."""
 
 
-class SchedulerConnector:
+class SchedulerConnector(LedgerTables):
     def __init__(self, config: OffloadConfig, gpu_block_bytes: int, machines: MachineSet | None = None,
                  keep_history: bool = False, num_gpu_blocks: int | None = None,
                  tiers: Sequence[LowerTier] = ()) -> None:
@@ -113,48 +113,6 @@ class SchedulerConnector:
         self.tiers = TierPlanner(config, tiers, self.manager, config.block_size_factor * gpu_block_bytes,
                                  self._take_job_id, self.ledger, self.stats) if tiers else None
         """The lower tiers' side of this half (lookup below CPU, fetches, write-backs); None without tiers."""
-
-    # --- the ledger's tables, as the spec's invariants read them -------------------------------------------
-
-    @property
-    def jobs(self) -> dict[int, TransferJob]:
-        return self.ledger.jobs
-
-    @property
-    def tier_jobs(self) -> dict[int, TierJob]:
-        """Write-backs and fetches, on the same ledger and under the same history policy as `jobs`."""
-        return self.ledger.tier_jobs
-
-    @property
-    def requests(self) -> dict[str, RequestRecord]:
-        return self.ledger.requests
-
-    @property
-    def tracked(self) -> dict[str, RequestRecord]:
-        """Requests not yet released."""
-        return self.ledger.tracked
-
-    @property
-    def store_due(self) -> dict[str, int]:
-        """Each tracked request's computed-token count at which its next CPU block completes."""
-        return self.ledger.due.tokens
-
-    @property
-    def due(self) -> StoreDue:
-        """The due points, with the batch last found quiet."""
-        return self.ledger.due
-
-    @property
-    def gpu_blocks(self) -> dict[int, GpuBlock]:
-        return self.ledger.fences.fenced()
-
-    @property
-    def deferrals(self) -> dict[str, Deferral]:
-        return self.ledger.deferrals
-
-    @property
-    def reported_failed(self) -> set[int]:
-        return self.ledger.reported_failed
 
     # --- lookup and allocation ---------------------------------------------------------------------------
 

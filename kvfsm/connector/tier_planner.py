@@ -51,7 +51,7 @@ from kvfsm.connector.stats import ConnectorStats
 from kvfsm.invariants import RoomLookup
 from kvfsm.manager import OffloadingManager
 from kvfsm.manager.catalogue import BUSY
-from kvfsm.records import TierJob
+from kvfsm.tier_records import TierJob
 from kvfsm.states import CpuBlockState as Cpu
 from kvfsm.states import TierEntryState, TierJobState
 from kvfsm.tiers.base import LowerTier, TierFailure

@@ -15,7 +15,7 @@ import torch
 
 from kvfsm.config import DiskTierConfig, LowerTierConfig, MooncakeTierConfig, OffloadConfig
 from kvfsm.demo.config import GPU_BLOCK_TOKENS, DemoConfig, DemoConfigError, DeviceKind
-from kvfsm.engine.engine import EngineConfig
+from kvfsm.engine.config import EngineConfig
 from kvfsm.engine.model import ModelShape
 from kvfsm.mooncake import available as mooncake_available
 from kvfsm.mooncake.local import MasterAddress, port_accepts

@@ -25,7 +25,8 @@ from kvfsm.demo.pacing import OneStepBehind
 from kvfsm.demo.plan import DemoPlan, offload_config, plan_demo
 from kvfsm.demo.results import DemoResult, RunReport
 from kvfsm.demo.switches import MUTANTS
-from kvfsm.engine.engine import Engine, EngineConfig
+from kvfsm.engine.config import EngineConfig
+from kvfsm.engine.engine import Engine
 from kvfsm.engine.world import EngineWorld
 from kvfsm.executor.cuda import CudaDevice
 from kvfsm.executor.device import Device

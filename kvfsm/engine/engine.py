@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -37,39 +36,18 @@ from kvfsm.connector.metadata import (
     WorkerOutput,
 )
 from kvfsm.engine.blocks import BlockPool
+from kvfsm.engine.config import EngineConfig, LayerByLayerOnOneDevice, RequestIdInUse
 from kvfsm.engine.forward import Forward
-from kvfsm.engine.model import ModelShape, ToyModel
+from kvfsm.engine.model import ToyModel
 from kvfsm.engine.ranks import LocalRanks, RankGroup, StepPlan
 from kvfsm.engine.requests import EngineRequest, Phase, Work
 from kvfsm.executor.device import Device
+
 
 class _Admission(enum.Enum):
     ADMITTED = "admitted"
     DEFERRED = "deferred"
     STOP = "stop"
-
-
-class RequestIdInUse(ValueError):
-    """A request id was reused while the earlier request with that id is still in the engine."""
-
-
-class LayerByLayerOnOneDevice(ValueError):
-    """A tensor-parallel engine was asked to compute layer by layer (only one device does)."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    num_gpu_blocks: int = 16
-    max_batched_tokens: int = 64
-    model: ModelShape = ModelShape()
-    compute_delay_cycles: int = 0
-    """CUDA only: the compute stream sleeps this long before each forward (`torch.cuda._sleep`)."""
-    per_layer: bool = False
-    """Compute layer by layer, calling the per-layer hooks, and compute a CPU hit in the step that loads it."""
-    report_lag: int = 0
-    """Steps a worker's transfer report waits before the connector hears of it. 1 is vLLM's async scheduling: step
-    N's output is processed after step N+1 was scheduled, so a preempted request can look up again while its
-    flushed stores are still unreported."""
 
 
 class Engine:

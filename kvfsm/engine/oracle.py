@@ -12,7 +12,8 @@ from functools import lru_cache
 
 import torch
 
-from kvfsm.engine.engine import Engine, EngineConfig
+from kvfsm.engine.config import EngineConfig
+from kvfsm.engine.engine import Engine
 from kvfsm.engine.model import POISONED_TOKEN, ModelShape, ToyModel
 from kvfsm.executor.sim import SimDevice
 

@@ -28,7 +28,8 @@ from kvfsm.manager import (
     UnknownEvictionPolicy,
     policy_class,
 )
-from kvfsm.testing.explorer import POLICY_WORKLOADS, explore
+from kvfsm.testing.explorer import explore
+from kvfsm.testing.explorer_workloads import POLICY_WORKLOADS
 from kvfsm.testing.manager_calls import manager_machine, policy_state
 from kvfsm.testing.policy_controls import CONTROLS
 

@@ -20,7 +20,8 @@ from kvfsm.bindings import default_spec
 from kvfsm.checking import DEVICE_LOG_INVARIANTS, TraceRecorder
 from kvfsm.config import DiskTierConfig, LowerTierConfig, MooncakeTierConfig, OffloadConfig, ThresholdScope
 from kvfsm.connector import Connector
-from kvfsm.engine.engine import Engine, EngineConfig
+from kvfsm.engine.config import EngineConfig
+from kvfsm.engine.engine import Engine
 from kvfsm.engine.model import ModelShape
 from kvfsm.engine.oracle import BlockOracle, expected_tokens, poisoned
 from kvfsm.engine.world import EngineWorld

@@ -18,7 +18,7 @@ from kvfsm.mooncake import available
 from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
 from kvfsm.mooncake.secret import ValueKey
 from kvfsm.mooncake.value import ValueMac
-from kvfsm.records import TierEntry
+from kvfsm.tier_records import TierEntry
 from kvfsm.states import TierEntryState as Entry
 from kvfsm.tiers.mooncake import MooncakeTier
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from kvfsm.records import TierEntry
+from kvfsm.tier_records import TierEntry
 from kvfsm.tiers.blockfile import RECORD, DiskIo
 from kvfsm.tiers.disk import DiskTier
 

@@ -19,7 +19,7 @@ from kvfsm.tiers.base import TierSite
 from kvfsm.tiers.disk import DiskTier
 from kvfsm.tiers.factory import open_tiers
 from kvfsm.connector.tier_planner import TierPlanner
-from kvfsm.records import TierEntry, TierJob
+from kvfsm.tier_records import TierEntry, TierJob
 
 
 def _disk(connector: Connector) -> DiskTier:

@@ -39,7 +39,7 @@ from kvfsm.config import OffloadConfig
 from kvfsm.executor.layouts import KVCaches
 from kvfsm.executor.pool import HostPool
 from kvfsm.mooncake.keys import KvNamespace
-from kvfsm.records import TierEntry
+from kvfsm.tier_records import TierEntry
 from kvfsm.tiers.entries import TierEntries
 
 log = logging.getLogger(__name__)

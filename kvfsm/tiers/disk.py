@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 from kvfsm.io_executor import IoExecutor
 from kvfsm.machines import MachineSet
 from kvfsm.mooncake.keys import KvNamespace, namespace_name
-from kvfsm.records import TierEntry
+from kvfsm.tier_records import TierEntry
 from kvfsm.tiers.base import FutureCalls, IoJob, IoKind, TierCompletion, TierFailure, TierJobs
 from kvfsm.tiers.blockfile import BlockFiles, CorruptBlock, DiskIo, Scan
 from kvfsm.tiers.bounded import BoundedCall

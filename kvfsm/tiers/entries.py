@@ -18,7 +18,7 @@ from collections import OrderedDict
 from typing import Collection, Iterator, Sequence
 
 from kvfsm.machines import LifecycleMachine, MachineSet
-from kvfsm.records import TierEntry
+from kvfsm.tier_records import TierEntry
 from kvfsm.states import TierEntryState
 
 PUBLISHED, EMPTY = TierEntryState.PUBLISHED, TierEntryState.EMPTY

@@ -53,7 +53,7 @@ from kvfsm.mooncake.keys import KvNamespace, head_key, object_key
 from kvfsm.mooncake.local import MasterAddress
 from kvfsm.mooncake.secret import load_value_key
 from kvfsm.mooncake.value import ValueMac
-from kvfsm.records import TierEntry
+from kvfsm.tier_records import TierEntry
 from kvfsm.states import TierEntryState as Entry
 from kvfsm.tiers.base import IoJob, IoKind, JobCalls, TierCompletion, TierFailure, TierJobs, TierSite
 from kvfsm.tiers.entries import TierEntries

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import gc
 import json
-import random
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
@@ -50,6 +48,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvfsm.integrations.vllm.bench_workloads import QUICK_SIZES, WORKLOADS, Arrival, Workload
 from kvfsm.integrations.vllm.config import gpu_block_bytes
 from kvfsm.integrations.vllm.rig import (
     BLOCK_SIZE,
@@ -76,35 +75,6 @@ ADMISSION: dict[str, dict[str, dict[str, Any]]] = {
 stores prompt blocks only unless told `offload_prompt_only: false`)."""
 LOAD_STEPS, STORE_STEPS = 2, 2
 CPU_BLOCKS = 65536
-
-
-@dataclass
-class Arrival:
-    req_id: str
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass
-class Workload:
-    """A request stream: `arrivals(step)` are added before that step; steps from `measure_from` on are timed."""
-
-    name: str
-    gpu_blocks: int
-    steps: int
-    arrivals: Callable[[int], list[Arrival]]
-    warm: list[Arrival] = field(default_factory=list)
-    """Requests run to the end first (their blocks reach the CPU pool), then vLLM's GPU prefix cache is reset."""
-    warm_one_by_one: bool = False
-    """Each warm-up request arrives once the one before ran to the end (and everything it started ended); else all
-    arrive before the first step."""
-    measure_from: Callable[[Scheduler], bool] = lambda scheduler: True
-    aborts: Callable[[int], list[str]] = lambda step: []
-    """Requests aborted before that step (those already finished are ignored)."""
-    max_seqs: int = 256
-    max_batched_tokens: int = 8192
-    cache: Callable[[int], Any] = kv_cache_config
-    """The `KVCacheConfig` for this many GPU blocks (one full-attention group unless a workload says otherwise)."""
 
 
 class OffloadingFakeWorker:
@@ -304,94 +274,6 @@ def play(workload: Workload, connector: str, model: Any, admission: str = "every
         bench.step(measured=workload.measure_from(bench.scheduler))
     bench.outputs.flush()
     return bench, measured
-
-
-def _tokens(seed: int, count: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 999) for _ in range(count)]
-
-
-def steady_decode(requests: int = 256, prompt_tokens: int = 2048, steps: int = 160) -> Workload:
-    arrivals = [Arrival(f"r{i}", _tokens(i, prompt_tokens), max_tokens=4 * steps) for i in range(requests)]
-    blocks = requests * (prompt_tokens + 4 * steps) // BLOCK_SIZE + requests
-    return Workload("steady-decode", blocks, steps, lambda step: arrivals if step == 0 else [],
-                    measure_from=lambda scheduler: not scheduler.waiting and all(
-                        r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running),
-                    max_seqs=requests)
-
-
-def zipf_prefixes(documents: int = 64, doc_tokens: int = 1024, per_step: int = 8, steps: int = 64,
-                  seed: int = 0) -> Workload:
-    docs = [_tokens(10_000 + d, doc_tokens) for d in range(documents)]
-    weights = [1.0 / (rank + 1) for rank in range(documents)]
-    rng = random.Random(seed)
-    stream = [[Arrival(f"s{step}-{i}", doc + _tokens(step * 1000 + i, 40), max_tokens=16)
-               for i, doc in enumerate(rng.choices(docs, weights, k=per_step))] for step in range(steps)]
-    warm = [Arrival(f"w{d}", doc + [1], max_tokens=1) for d, doc in enumerate(docs)]
-    gpu_blocks = documents * doc_tokens // BLOCK_SIZE // 2  # room for half the documents
-    return Workload("zipf-prefixes", gpu_blocks, steps + 40, lambda step: stream[step] if step < steps else [],
-                    warm=warm)
-
-
-def preemption_burst(requests: int = 48, prompt_tokens: int = 512, decode_tokens: int = 192) -> Workload:
-    arrivals = [Arrival(f"p{i}", _tokens(50_000 + i, prompt_tokens), max_tokens=decode_tokens)
-                for i in range(requests)]
-    gpu_blocks = requests * prompt_tokens // BLOCK_SIZE + requests * decode_tokens // BLOCK_SIZE // 3
-    return Workload("preemption-burst", gpu_blocks, decode_tokens + 160, lambda step: arrivals if step == 0 else [],
-                    max_seqs=requests, max_batched_tokens=4096)
-
-
-def abort_storm(waves: int = 12, per_wave: int = 8, prompt_tokens: int = 512, decode_tokens: int = 256,
-                abort_after: int = 40, wave_steps: int = 16) -> Workload:
-    """Every `wave_steps` steps `per_wave` requests arrive; each is aborted `abort_after` steps after it arrived,
-    mid-decode, its stores still in flight."""
-    def wave(step: int) -> int | None:
-        return step // wave_steps if step % wave_steps == 0 and step // wave_steps < waves else None
-
-    def arrivals(step: int) -> list[Arrival]:
-        w = wave(step)
-        return [] if w is None else [Arrival(f"a{w}-{i}", _tokens(70_000 + w * per_wave + i, prompt_tokens),
-                                             max_tokens=decode_tokens) for i in range(per_wave)]
-
-    def aborts(step: int) -> list[str]:
-        w = wave(step - abort_after) if step >= abort_after else None
-        return [] if w is None else [f"a{w}-{i}" for i in range(per_wave)]
-
-    gpu_blocks = 2 * per_wave * (prompt_tokens + decode_tokens) // BLOCK_SIZE
-    return Workload("abort-storm", gpu_blocks, waves * wave_steps + abort_after + 8, arrivals, aborts=aborts,
-                    max_seqs=4 * per_wave, max_batched_tokens=4096)
-
-
-def abort_storm_early(**sizes: int) -> Workload:
-    """The abort storm with each request aborted two steps after it arrived, its prompt's stores still in flight (a
-    client that cancels right after submitting): what `request_finished` makes vLLM hold shows here."""
-    workload = abort_storm(**{"abort_after": 2, **sizes})
-    workload.name = "abort-storm-early"
-    return workload
-
-
-def preemption_burst_tail(**sizes: int) -> Workload:
-    """The preemption burst with each request's last token completing a block, so it finishes with that block's
-    store in flight."""
-    workload = preemption_burst(**{"decode_tokens": 193, **sizes})
-    workload.name = "preemption-burst-tail"
-    return workload
-
-
-WORKLOADS: dict[str, Callable[..., Workload]] = {
-    "steady-decode": steady_decode, "zipf-prefixes": zipf_prefixes, "preemption-burst": preemption_burst,
-    "abort-storm": abort_storm, "abort-storm-early": abort_storm_early, "preemption-burst-tail": preemption_burst_tail,
-}
-QUICK_SIZES: dict[str, dict[str, int]] = {
-    "steady-decode": {"requests": 16, "prompt_tokens": 256, "steps": 20},
-    "zipf-prefixes": {"documents": 8, "doc_tokens": 256, "per_step": 2, "steps": 10},
-    "preemption-burst": {"requests": 8, "prompt_tokens": 128, "decode_tokens": 64},
-    "abort-storm": {"waves": 3, "per_wave": 4, "prompt_tokens": 128, "decode_tokens": 64, "abort_after": 8,
-                    "wave_steps": 4},
-    "abort-storm-early": {"waves": 3, "per_wave": 4, "prompt_tokens": 128, "decode_tokens": 64, "wave_steps": 4},
-    "preemption-burst-tail": {"requests": 8, "prompt_tokens": 128, "decode_tokens": 65},
-}
-"""Small sizes: check the plumbing in seconds, not the figures."""
 
 
 def compare(names: list[str] | None = None, quick: bool = False,

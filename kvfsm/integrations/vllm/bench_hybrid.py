@@ -21,7 +21,8 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 from kvfsm.integrations.vllm import bench_table
-from kvfsm.integrations.vllm.bench import Arrival, Run, Workload, _tokens, play
+from kvfsm.integrations.vllm.bench import Run, play
+from kvfsm.integrations.vllm.bench_workloads import Arrival, Workload, random_tokens
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, NUM_LAYERS, model_config
 
 WINDOW = 128
@@ -41,11 +42,12 @@ def hybrid_cache(num_blocks: int) -> KVCacheConfig:
 
 def returning_documents(documents: int = 16, doc_tokens: int = 1024, per_step: int = 2, steps: int = 40) -> Workload:
     """Every document stored first; then `per_step` requests a step return to them in turn, each with a question."""
-    docs = [_tokens(i, doc_tokens) for i in range(documents)]
+    docs = [random_tokens(i, doc_tokens) for i in range(documents)]
 
     def arrivals(step: int) -> list[Arrival]:
-        return [Arrival(f"q{step}-{i}", docs[(step * per_step + i) % documents] + _tokens(10_000 + step * 8 + i, 17),
-                        4) for i in range(per_step)] if step < steps // 2 else []
+        return [Arrival(f"q{step}-{i}",
+                        docs[(step * per_step + i) % documents] + random_tokens(10_000 + step * 8 + i, 17), 4)
+                for i in range(per_step)] if step < steps // 2 else []
 
     warm = [Arrival(f"doc{i}", doc + [1], 1) for i, doc in enumerate(docs)]
     return Workload("hybrid-returning", gpu_blocks=4 * documents * doc_tokens // BLOCK_SIZE, steps=steps,

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kvfsm.integrations.vllm import bench_table
-from kvfsm.integrations.vllm.bench import Arrival, Run, Workload, _tokens, play
+from kvfsm.integrations.vllm.bench import Run, play
+from kvfsm.integrations.vllm.bench_workloads import Arrival, Workload, random_tokens
 from kvfsm.integrations.vllm.rig import model_config
 
 RUNS: dict[str, tuple[str, bool]] = {
@@ -41,9 +42,9 @@ CPU hit asynchronously whatever `layer_loads` says (docs/vllm.md)."""
 def returning_prefixes(documents: int = 96, doc_tokens: int = 2048, per_step: int = 4, seed: int = 0) -> Workload:
     """`documents` prompts stored in the warm-up; then `per_step` of them come back each step with a new question,
     each once, so every measured request's prefix is on CPU and nowhere on the GPU."""
-    docs = [_tokens(seed * 100_000 + 20_000 + d, doc_tokens) for d in range(documents)]
+    docs = [random_tokens(seed * 100_000 + 20_000 + d, doc_tokens) for d in range(documents)]
     steps = -(-documents // per_step)
-    stream = [[Arrival(f"q{d}", docs[d] + _tokens(30_000 + d, 24), max_tokens=8)
+    stream = [[Arrival(f"q{d}", docs[d] + random_tokens(30_000 + d, 24), max_tokens=8)
                for d in range(step * per_step, min(documents, (step + 1) * per_step))] for step in range(steps)]
     warm = [Arrival(f"w{d}", doc + [1], max_tokens=1) for d, doc in enumerate(docs)]
     gpu_blocks = 12 * per_step * (doc_tokens // 16 + 4)  # every request of about 12 steps' arrivals at once

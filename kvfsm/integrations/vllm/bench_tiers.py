@@ -33,7 +33,8 @@ from typing import Any, Iterator
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfsm.integrations.vllm import bench_table
-from kvfsm.integrations.vllm.bench import Arrival, Run, Workload, _tokens, play
+from kvfsm.integrations.vllm.bench import Run, play
+from kvfsm.integrations.vllm.bench_workloads import Arrival, Workload, random_tokens
 from kvfsm.integrations.vllm.config import gpu_block_bytes
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, WorkerRole, kv_cache_config, model_config
 
@@ -48,7 +49,7 @@ def tiered_prefixes(prefixes: int = 16, prefix_blocks: int = 32, per_step: int =
                     tail_steps: int = 160) -> Workload:
     """`prefixes` prompts of `prefix_blocks` blocks computed in the warm-up, then each returning once with one more
     token, `per_step` a step; `tail_steps` more steps let the last fetches land and their requests finish."""
-    docs = [_tokens(40_000 + d, prefix_blocks * BLOCK_SIZE) for d in range(prefixes)]
+    docs = [random_tokens(40_000 + d, prefix_blocks * BLOCK_SIZE) for d in range(prefixes)]
     warm = [Arrival(f"w{d}", doc + [1], max_tokens=1) for d, doc in enumerate(docs)]
     steps = -(-prefixes // per_step)
     stream = [[Arrival(f"r{d}", docs[d] + [2], max_tokens=1)

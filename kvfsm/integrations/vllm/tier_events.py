@@ -24,7 +24,7 @@ from kvfsm.machines import MachineSet
 from kvfsm.manager.events import BlockRemoved as KvfsmBlockRemoved
 from kvfsm.manager.events import BlockStored as KvfsmBlockStored
 from kvfsm.manager.events import KVCacheEvent as KvfsmEvent
-from kvfsm.records import TierEntry
+from kvfsm.tier_records import TierEntry
 from kvfsm.tiers.entries import TierEntries
 
 LOCAL, REMOTE = "LOCAL", "REMOTE"

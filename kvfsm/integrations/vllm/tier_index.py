@@ -44,7 +44,7 @@ from kvfsm.integrations.vllm.master_lookup import KeyScheme, MasterLookup
 from kvfsm.integrations.vllm.tier_events import LOCAL, REMOTE, AnnouncedEntries
 from kvfsm.machines import MachineSet
 from kvfsm.manager.events import KVCacheEvent
-from kvfsm.records import TierEntry, TierJob
+from kvfsm.tier_records import TierEntry, TierJob
 from kvfsm.states import TierEntryState, TierJobState
 from kvfsm.tiers.entries import TierEntries
 
