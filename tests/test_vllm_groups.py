@@ -31,7 +31,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, groups  # noqa: E402
 from kvfsm.integrations.vllm.convert import computed_before  # noqa: E402
-from kvfsm.manager.catalogue import NotLoadable  # noqa: E402
+from kvfsm.connector.refusals import StaleMatch  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
 from kvfsm.connector import scheduler as scheduler_module  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
@@ -281,13 +281,14 @@ def test_each_group_reloads_its_own_bytes_through_one_shared_tensor(model) -> No
 
 def test_control_groups_sharing_keys_collide_in_the_cpu_pool(model, monkeypatch) -> None:
     """With the full group's keys for the window too, the window's stored blocks are the full group's slots, and the
-    reader's window load claims slots its own full-group load already reads: the pool refuses it."""
+    reader's window load claims slots its own full-group load already reads: the allocation is refused before any
+    state changes (`StaleMatch`: its blocks are no longer loadable)."""
     monkeypatch.setattr(groups, "group_key", lambda block_hash, group, width: block_hash)
     config = vllm_config(model, {"cpu_blocks": 32}, 48)
     worker = HybridWorker(config)
     d = Driver(config, worker, hybrid_cache(48))
     try:
-        with pytest.raises(NotLoadable):
+        with pytest.raises(StaleMatch):
             reloaded_bytes(d, worker)
     finally:
         d.close()
