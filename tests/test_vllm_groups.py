@@ -38,7 +38,7 @@ from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.testing.spec_mutants import load_mutant, spec_mutants  # noqa: E402
 from test_vllm_lazy_fence import handed_out  # noqa: E402
 from vllm_harness import AdapterWorker, Driver, HeldBlockReleased  # noqa: E402
-from vllm_support import PREFIX, loads_of, model, store_prefix  # noqa: E402,F401
+from vllm_support import PREFIX, hide_preemptions, loads_of, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
@@ -189,11 +189,7 @@ def test_preemption_with_stores_in_flight_flushes_every_groups_stores(hybrid) ->
 
 
 def test_control_preemption_not_passed_on_releases_blocks_a_store_reads(hybrid, monkeypatch) -> None:
-    import kvfsm.integrations.vllm.scheduler_side as side_module
-
-    convert = side_module.scheduler_output
-    monkeypatch.setattr(side_module, "scheduler_output", lambda output, tables, before: convert(
-        output, tables, before).model_copy(update={"preempted": ()}))
+    hide_preemptions(monkeypatch)
     d = hybrid(FakeWorker(store_steps=3, load_steps=2), gpu_blocks=20)
     with pytest.raises(HeldBlockReleased):
         preemption_storm(d)

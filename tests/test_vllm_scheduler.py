@@ -18,7 +18,7 @@ from kvfsm.integrations.vllm import InvalidExtraConfig  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.rig import FakeWorker, vllm_config  # noqa: E402
 from vllm_harness import Driver, HeldBlockReleased  # noqa: E402
-from vllm_support import PREFIX, loads_of, make_driver, model, store_prefix  # noqa: E402,F401
+from vllm_support import PREFIX, hide_preemptions, loads_of, make_driver, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
@@ -103,14 +103,7 @@ def test_preempted_request_flushes_its_stores_and_reloads_from_cpu(make_driver) 
 
 
 def test_control_preemption_not_passed_on_releases_blocks_a_store_reads(make_driver, monkeypatch) -> None:
-    import kvfsm.integrations.vllm.scheduler_side as side_module
-
-    convert = side_module.scheduler_output
-
-    def drop_preempted(output, tables, before):
-        return convert(output, tables, before).model_copy(update={"preempted": ()})
-
-    monkeypatch.setattr(side_module, "scheduler_output", drop_preempted)
+    hide_preemptions(monkeypatch)
     d = make_driver(FakeWorker(store_steps=4, load_steps=2), gpu_blocks=11)
     with pytest.raises(HeldBlockReleased):
         preemption_run(d)

@@ -83,3 +83,13 @@ def hold_disk_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
     monkeypatch.setattr(DiskIo, "write", held)
     return released
+
+
+def hide_preemptions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: the adapter's scheduler half never hears of vLLM's preemptions (each step's `preempted` emptied), so
+    it cannot flush the stores still reading the blocks vLLM takes back."""
+    import kvfsm.integrations.vllm.scheduler_side as side_module
+
+    convert = side_module.scheduler_output
+    monkeypatch.setattr(side_module, "scheduler_output", lambda output, tables, before: convert(
+        output, tables, before).model_copy(update={"preempted": ()}))
