@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from kvfsm.executor.access import Access, Actor, Mode, Space
 from kvfsm.records import FLUSHABLE_JOB_STATES, CpuBlock, GpuBlock, RequestRecord, TransferJob
@@ -369,6 +369,14 @@ def _unflushed_stores(world: World) -> Iterator[tuple[TransferJob, RequestRecord
                 yield job, owner
 
 
+def _handed_out(world: World, block_ids: Iterable[int]) -> Iterator[tuple[int, str]]:
+    """Each of these GPU blocks no longer freed-while-read (handed out again), with its state."""
+    for block_id in block_ids:
+        block = world.gpu_blocks.get(block_id)
+        if block is None or block.state != G.FREED_WHILE_READ:
+            yield block_id, block.state if block is not None else G.WRITABLE
+
+
 @REGISTRY.invariant("lazy-fence")
 def lazy_fence(world: World) -> list[str]:
     """A returned request's store not yet flushed reads only blocks nobody was handed since: once a step hands one
@@ -377,12 +385,9 @@ def lazy_fence(world: World) -> list[str]:
     for job, owner in _unflushed_stores(world):
         if owner.state != R.RETURNED:
             continue
-        for block_id in job.gpu_blocks:
-            block = world.gpu_blocks.get(block_id)
-            if block is None or block.state != G.FREED_WHILE_READ:
-                state = block.state if block is not None else G.WRITABLE
-                found.append(f"GPU block {block_id} is {state} (handed out again) while store job {job.job_id} of "
-                             f"returned request {job.req_id} is still {job.state}, not flushed")
+        found += [f"GPU block {block_id} is {state} (handed out again) while store job {job.job_id} of returned "
+                  f"request {job.req_id} is still {job.state}, not flushed"
+                  for block_id, state in _handed_out(world, job.gpu_blocks)]
     return found
 
 
@@ -394,12 +399,9 @@ def window_fence(world: World) -> list[str]:
     for job, owner in _unflushed_stores(world):
         if owner.state == R.RETURNED:
             continue
-        for block_id in owner.slid.intersection(job.gpu_blocks):
-            block = world.gpu_blocks.get(block_id)
-            if block is None or block.state != G.FREED_WHILE_READ:
-                state = block.state if block is not None else G.WRITABLE
-                found.append(f"GPU block {block_id} left {job.req_id}'s sliding window and is {state} while its "
-                             f"store job {job.job_id} is still {job.state}, not flushed")
+        found += [f"GPU block {block_id} left {job.req_id}'s sliding window and is {state} while its store job "
+                  f"{job.job_id} is still {job.state}, not flushed"
+                  for block_id, state in _handed_out(world, owner.slid.intersection(job.gpu_blocks))]
     return found
 
 
