@@ -10,8 +10,8 @@ fences of a block whichever group reads or writes it.
 - Full attention (and MLA, a full-attention spec) keeps every block: a prefix is looked up, stored and reloaded
   whole, as without the hybrid allocator.
 - A sliding-window group keeps only the blocks its window still reads, and vLLM's null block stands for the others:
-  only the window at the end of a prompt is stored (`store_from`), a hit needs the whole window ending where the
-  full-attention groups' hit ends, and only that window is reloaded. vLLM frees a running request's blocks as its
+  only the window at the end of a prompt is stored (`store_from`), a hit ends where every sliding group holds its
+  whole window (`window_hit`), and only that window is reloaded. vLLM frees a running request's blocks as its
   window leaves them behind, and may hand them out in the same step; kvfsm follows the same arithmetic
   (`window_start`) and fires the request's `slide`, which leaves those its stores still read freed-while-read
   (`window-fence`).

@@ -13,9 +13,9 @@ Two places where vLLM's protocol differs from kvfsm's, bridged here and nowhere 
   a failed load's token could not be taken back: CPU hits then load asynchronously whatever `layer_loads` says
   (`no-inline-load-under-async-scheduling`), and start-up logs it once.
 Under vLLM's hybrid allocator each KV-cache group of a request is a request of its own in kvfsm's scheduler
-(`groups`): a lookup offers a prefix only as far as every group holds it (a sliding-window group its window), vLLM
-hears of a load or a release once every group's is done, and a sliding window's left-behind blocks are told to kvfsm
-(`slide`) before the step that may hand them out is planned.
+(`groups`): a lookup offers the longest prefix every group holds (a sliding-window group its whole window ending
+there: `window_hit`), vLLM hears of a load or a release once every group's is done, and a sliding window's
+left-behind blocks are told to kvfsm (`slide`) before the step that may hand them out is planned.
 The lower tiers' bytes live in the workers; this process plans every write-back and fetch against an index of each
 tier fed by the workers' reports (`tier_index`), whose orders and discards go out in the step's metadata.
 """
@@ -48,6 +48,7 @@ from kvfsm.integrations.vllm.groups import GroupView, is_first_group_key, offloa
 from kvfsm.integrations.vllm.telemetry import StatsDelta
 from kvfsm.integrations.vllm.tier_events import to_vllm
 from kvfsm.integrations.vllm.tier_index import TierIndexes
+from kvfsm.integrations.vllm.window_hit import WindowHits
 from kvfsm.machines import MachineSet
 from kvfsm.states import RequestState
 
@@ -95,6 +96,8 @@ class SchedulerSide:
         self._waiting: dict[str, set[str]] = {}
         """Per request, the groups whose load (or, once it ended, whose draining) vLLM still waits for."""
         self.block_tables = BlockTables(self.groups)
+        self.window_hits = WindowHits(self.kvfsm, self.windows, self.codec)
+        """The hit offered a request with sliding-window groups (`longest-window-hit`)."""
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         record = self.kvfsm.requests.get(request.request_id)
@@ -107,33 +110,13 @@ class SchedulerSide:
             return None, False
         views: tuple[RequestView | GroupView, ...] = (view,)
         if self.windows:
-            match = self._match_windows(view, num_computed_tokens, match)
+            match = self.window_hits.match(view, num_computed_tokens, match)
             if match is None:
                 self._matched.pop(request.request_id, None)
                 return None, False
             views += tuple(GroupView(view, g, self.codec) for g in self.windows)
         self._matched[request.request_id] = views
         return match
-
-    def _match_windows(self, view: RequestView, computed: int, match: tuple[int, bool]) -> tuple[int, bool] | None:
-        """The full-attention hit kept only if every sliding-window group holds its whole window ending there, each
-        window looked up and offered as its own request's hit; None defers (a window block is busy)."""
-        block_size = self.kvfsm.config.gpu_block_size
-        end = (computed + match[0]) // block_size
-        whole = True
-        for group in self.windows:
-            start = max(computed // block_size, group.first_kept(end * block_size, block_size))
-            found = self.kvfsm.get_num_new_matched_tokens(GroupView(view, group, self.codec), start * block_size)
-            if found is None:
-                return None
-            whole = whole and start + found[0] // block_size >= end
-            self.kvfsm.limit_match(group.request_id(view.request_id), end)
-        if whole:
-            return match
-        for group in self.windows:
-            self.kvfsm.limit_match(group.request_id(view.request_id), 0)
-        self.kvfsm.limit_match(view.request_id, 0)
-        return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         views = self._matched.pop(request.request_id, None)
