@@ -7,9 +7,10 @@ attach to it before registering their caches; each process then registers its ow
 (`Device.register_host`: page-locked and portable on CUDA, so every rank's copy engine reaches it). The mapping is
 page-aligned (mmap), which CUDA host registration needs. A registration is the process's, not a device's: CUDA
 refuses a second one of a range still registered, so each distinct mapping is registered once, by the first rank
-that allocates it, and released by that rank's device once no rank of the process uses it. The creating process removes the path once it released its last
-mapping (or on `close`, where registration failed); the others attached at registration, and their mappings stay
-valid until they release theirs, so the order in which ranks shut down does not matter. Where every rank is in one
+that allocates it, and released by that rank's device once no rank of the process uses it. The creating process
+removes the path once it released its last mapping (or on `close`, where registration failed); the others attached
+at registration, and their mappings stay valid until they release theirs, so the order in which ranks shut down
+does not matter. Where every rank is in one
 process (`named=False`: the reference engine's `LocalRanks`) the region is an anonymous mapping that each rank's
 pool maps as is, and no file is made (an explorer making thousands of engines leaves none behind).
 
