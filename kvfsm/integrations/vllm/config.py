@@ -11,10 +11,15 @@ prefill-context parallel; pipeline stages other than the last pass their connect
 vLLM's engine core then keeps more than one batch in flight (`max_concurrent_batches`), under async scheduling (its
 default where the platform and executor allow it) and with pipeline parallelism. With it on, `layer_loads` loads CPU
 hits asynchronously (`no-inline-load-under-async-scheduling`), in both halves alike.
+Replicated (MLA) KV stored once per host (`replicated`) needs the ranks to share one host pool; vLLM runs each worker
+in a process of its own and the adapter does not share a pool between them yet, so `replicated` with several workers
+is refused at start-up, in both halves; an MLA model at TP>1 then has every rank store its own copy of the latent
+(TP times the PCIe bytes and host memory of one copy), which the start-up log says.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -26,6 +31,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+log = logging.getLogger(__name__)
+
 
 class InvalidExtraConfig(ValueError):
     """`kv_connector_extra_config` names an unknown key, a bad value, or contradicts vLLM's own settings."""
@@ -33,6 +40,11 @@ class InvalidExtraConfig(ValueError):
 
 class UnsupportedTier(InvalidExtraConfig):
     """A lower tier configured in a way that cannot work under vLLM's process split (see docs/vllm.md)."""
+
+
+class ReplicatedNotShared(InvalidExtraConfig):
+    """`replicated` with several vLLM workers: each is a process of its own, and the adapter gives them no host pool
+    to share, so every worker would refuse to register (or pin a copy of its own, against the setting)."""
 
 
 class UnsupportedKVCache(ValueError):
@@ -59,7 +71,21 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
     except ValidationError as error:
         raise InvalidExtraConfig(f"kv_connector_extra_config is not a valid kvfsm OffloadConfig:\n{error}") from None
     _check_tiers(config, vllm_config.parallel_config.data_parallel_size)
+    _check_replicated(config, vllm_config.model_config.use_mla)
     return config
+
+
+def _check_replicated(config: OffloadConfig, use_mla: bool) -> None:
+    """Refuse `replicated` over several workers by name, and say what an MLA model at TP>1 gets instead."""
+    if config.replicated and config.num_workers > 1:
+        raise ReplicatedNotShared(
+            f"kv_connector_extra_config sets replicated=true with {config.num_workers} vLLM workers: each runs in a "
+            "process of its own, and kvfsm's vLLM adapter does not share a host pool between them yet; leave "
+            "replicated out (every rank then stores its own copy)")
+    if use_mla and config.num_workers > 1:
+        log.warning("kvfsm: MLA KV over %d vLLM workers: every rank stores its own copy of the same latent (%d "
+                    "times the PCIe bytes and host pool of one copy); replicated KV shared by the ranks is not "
+                    "served under vLLM yet", config.num_workers, config.num_workers)
 
 
 def _check_tiers(config: OffloadConfig, data_parallel_size: int) -> None:
