@@ -1,12 +1,9 @@
 """kvfsm's vLLM adapter with tensor parallelism, under vLLM's real Scheduler: two fake workers (ranks), their
 outputs combined by vLLM's own `KVOutputAggregator`. A job ends only when both ranks reported it; a load one rank
-failed fails for both and vLLM recomputes. Replicated (MLA) KV shared by the ranks is not served under vLLM: asked
-for, it is refused at start-up; an MLA model at TP>1 is logged as storing a copy per rank. Skipped when vLLM is not
-installed."""
+failed fails for both and vLLM recomputes. Skipped when vLLM is not installed."""
 
 from __future__ import annotations
 
-import logging
 from typing import Iterator
 
 import pytest
@@ -14,7 +11,6 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
-from kvfsm.integrations.vllm.config import ReplicatedNotShared, offload_config  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker, vllm_config  # noqa: E402
 from vllm_harness import ComputedWhileLoading, Driver, FakeRanks  # noqa: E402
 from kvfsm.integrations.vllm.worker_side import engine_rank  # noqa: E402
@@ -90,22 +86,3 @@ def test_a_load_one_rank_failed_fails_on_both_and_is_recomputed(two_ranks) -> No
     kvfsm = d.connector.scheduler_side.kvfsm
     assert kvfsm.stats.loads_failed == 1 and d.first_token.keys() == {"writer", "reader"}
     assert d.cpu_pool_drained()
-
-
-def test_replicated_over_two_vllm_workers_is_refused_by_name_before_either_half_starts(model) -> None:
-    with pytest.raises(ReplicatedNotShared, match="replicated=true with 2 vLLM workers"):
-        offload_config(vllm_config(model, {"cpu_blocks": 32, "replicated": True}, 64, tensor_parallel_size=2))
-    assert offload_config(vllm_config(model, {"cpu_blocks": 32, "replicated": True}, 64)).replicated  # one rank
-
-
-def test_an_mla_model_at_tp2_is_logged_as_storing_a_copy_per_rank(model, monkeypatch: pytest.MonkeyPatch,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(type(model), "use_mla", property(lambda self: True))
-    with caplog.at_level(logging.WARNING, logger="kvfsm.integrations.vllm.config"):
-        offload_config(vllm_config(model, {"cpu_blocks": 32}, 64))
-        assert not caplog.records, "one rank stores one copy: nothing to say"
-        config = offload_config(vllm_config(model, {"cpu_blocks": 32}, 64, tensor_parallel_size=2))
-    assert not config.replicated
-    assert [r.getMessage() for r in caplog.records] == [
-        "kvfsm: MLA KV over 2 vLLM workers: every rank stores its own copy of the same latent (2 times the PCIe "
-        "bytes and host pool of one copy); replicated KV shared by the ranks is not served under vLLM yet"]

@@ -38,7 +38,8 @@ TABLE_SUFFIX = ".sums"
 
 
 class SharedRegionMismatch(ValueError):
-    """A rank attached to a shared region of another size than its pool: its ranks registered different caches."""
+    """A rank attached to a shared region of another size than its pool (its ranks registered different caches), or
+    an instance told to attach that names a region already."""
 
 
 class SharedRegionUnavailable(OSError):
@@ -77,6 +78,13 @@ class SharedHostMemory:
             device.register_host(buffer)  # portable: every device of this process reaches it
         self._registrations[buffer.data_ptr()] = (registrar, users + 1)
         return buffer
+
+    def attach(self, path: str) -> None:
+        """Name the region another process created, before this instance's first `allocate`: where the instance must
+        exist before the creator has registered and sent its path (a vLLM worker's connector half is built first)."""
+        if not self.named or self.path is not None:
+            raise SharedRegionMismatch(f"attach to {path}: this instance names {self.path or 'an anonymous region'}")
+        self.path = path
 
     def _anonymous(self, nbytes: int) -> torch.Tensor:
         if self._local is None:
