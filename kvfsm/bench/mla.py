@@ -9,12 +9,17 @@ orders of one step, timed from every rank's start to the last rank's last copy (
 checks that its pool holds its cache's bytes.
 
 One process: a worker half per GPU (CUDA), each rank's host submission on a thread of its own started together
-(the copies are asynchronous, and the GIL is released while CUDA enqueues), the shared pool being one `/dev/shm`
-region that each rank maps and registers apart, as rank processes do. On a CPU the ranks are `SimDevice`s sent in
-turn: that checks the plumbing and the byte counts in a second, not bandwidth. No process is spawned and no
-collective runs, so the run is bounded by its copies (the default: 1.1 GiB a copy, seconds on two GPUs).
+(the copies are asynchronous, and the GIL is released while CUDA enqueues). The shared pool is one anonymous
+mapping, as `kvfsm.Connector` makes for ranks in one process: registered once for both devices (portable), so its
+pages are pinned once as across rank processes, and no `/dev/shm` room is needed (a container's default of 64 MiB
+would refuse the default size). On a CPU the ranks are `SimDevice`s sent in turn: that checks the plumbing and the
+byte counts in a second, not bandwidth. No process is spawned and no collective runs, so the run is bounded by its
+copies (the default: 1.1 GiB a copy, seconds on two GPUs).
 
-Threads: each rank's worker half is used by its own thread during a timed store and by the main thread otherwise.
+Threads: each rank's worker half is used by its own thread during a timed store and by the main thread otherwise
+(registration, ordering the stores, reading the results). A thread's current CUDA device starts at 0, so each
+sending thread makes its rank's device current first: torch's ops follow their tensors' devices, but the driver
+calls of the copies (`kvfsm.executor.rows`) use the thread's current context.
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ def _mode(shape: MlaShape, ranks: Sequence[Device], caches: Sequence[dict[str, t
     world = len(ranks)
     config = OffloadConfig(cpu_blocks=shape.blocks, gpu_block_size=shape.block_tokens, num_workers=world,
                            replicated=replicated)
-    shared = SharedHostMemory() if replicated and world > 1 else None  # a mapping per rank, as across processes
+    shared = SharedHostMemory(named=False) if replicated and world > 1 else None
     with ExitStack() as stack:
         workers = []
         for index, (device, cache) in enumerate(zip(ranks, caches)):
@@ -155,14 +160,21 @@ def _timed_store(workers: Sequence[WorkerConnector], orders: tuple[StoreOrder, .
 
 def _sender(worker: WorkerConnector, job_ids: list[int]) -> Callable[[], None]:
     def send() -> None:
-        with ExitStack() as current:
-            if not isinstance(worker.device, SimDevice):  # a new thread's current CUDA device is device 0
-                current.enter_context(torch.cuda.device(worker.device.tensor_device()))
-            worker.start_load_kv()
-            worker.wait(job_ids)
-            _sync(worker.device)
+        if not isinstance(worker.device, SimDevice):
+            _make_current(worker.device.tensor_device())
+        worker.start_load_kv()
+        worker.wait(job_ids)
+        _sync(worker.device)
 
     return send
+
+
+def _make_current(device: torch.device) -> None:
+    """Make `device` (and its primary context) this thread's current one. `set_device` skips the runtime where
+    the device already is current by number (device 0 in a new thread) without binding its context to the thread;
+    a stream query is a runtime call on that device, which binds it."""
+    torch.cuda.set_device(device)
+    torch.cuda.current_stream(device).query()
 
 
 def _together(sends: Sequence[Callable[[], None]]) -> None:
@@ -204,10 +216,12 @@ def table(result: dict[str, Any]) -> Table:
     out = Table(title=f"Replicated (MLA) KV stores: {shape['blocks']} blocks of {shape['layers']} layers x "
                       f"{shape['block_tokens']} tokens x {shape['latent']} bf16, one copy = "
                       f"{result['rows'][0]['stored_bytes'] / 2**30:.2f} GiB; GB/s of one copy's bytes")
-    for column in ("mode", "store GB/s", "bytes over PCIe / one copy", "host pool bytes / one copy", "byte-exact"):
+    for column in ("mode", "store GB/s", "GB over PCIe", "bytes over PCIe / one copy", "host pool bytes / one copy",
+                   "byte-exact"):
         out.add_column(column, justify="right")
     for row in result["rows"]:
         gbps = "—" if result.get("note") else f"{row['store_gbps']:.1f}"  # SimDevices measure no bandwidth
-        out.add_row(row["mode"], gbps, f"{row['pcie_bytes'] / row['stored_bytes']:.1f}",
-                    f"{row['host_pool_bytes'] / row['stored_bytes']:.1f}", "yes" if row["byte_exact"] else "NO")
+        stored = row["stored_bytes"]
+        out.add_row(row["mode"], gbps, f"{row['pcie_bytes'] / 1e9:.2f}", f"{row['pcie_bytes'] / stored:.1f}",
+                    f"{row['host_pool_bytes'] / stored:.1f}", "yes" if row["byte_exact"] else "NO")
     return out

@@ -14,6 +14,13 @@ That kernel reads the host ids when its stream gets to it, which can be long aft
 the forward pass that writes its blocks. Each host copy is kept, with an event recorded after the kernel, until
 the event has completed. Otherwise torch's pinned allocator could hand the memory out again, and a later job's
 ids could overwrite it before it was read: the wrong blocks gathered, silently.
+
+torch places a mapped host tensor on the device whose context the pinned memory was allocated under, and its pinned
+allocator reuses memory whichever device asks. With several GPUs in one process (tensor-parallel ranks on threads,
+`python -m kvfsm.bench mla`), ids for one device may come in memory another device's context allocated: a kernel
+on this device cannot take that tensor (torch refuses tensors of two devices), so those ids are copied on the
+job's stream as before this module (a copy engine again, for a few bytes). One process per GPU, as vLLM runs,
+always reads them in place.
 """
 
 from __future__ import annotations
@@ -52,7 +59,10 @@ class BlockIds:
             self._kept.popleft()
         host = torch.tensor(ids, dtype=torch.int64, pin_memory=True)
         mapped = torch.as_tensor(MappedHost(host))
-        torch.add(mapped, 0, out=out)  # an elementwise kernel: `copy_` would be a memcpy on a copy engine again
+        if mapped.device == out.device:
+            torch.add(mapped, 0, out=out)  # an elementwise kernel: `copy_` would be a memcpy on a copy engine again
+        else:  # pinned under another device's context (several GPUs in this process)
+            out.copy_(host, non_blocking=True)
         read = torch.cuda.Event()
         read.record()
         self._kept.append((read, host))

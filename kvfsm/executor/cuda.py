@@ -4,6 +4,13 @@ The compute stream is whatever stream the engine computes on (torch's current st
 the store and load streams are private, so offload traffic is ordered against compute only through the waits the
 connector asks for. Host memory is one plain allocation registered with `cudaHostRegister` rather than torch's
 pinned caching allocator, which rounds each request up to a power of two (a 40 GiB pool would pin 64 GiB).
+
+Several devices in one process (tensor-parallel ranks on threads, `python -m kvfsm.bench mla`): a registration is
+the process's, made with the device's context current and `cudaHostRegisterPortable`, so every device's copies see
+the memory as pinned (a plain registration is pinned for the registering context alone; other devices would copy
+it as pageable memory, staged and synchronous). A second registration of a range still registered is refused by
+CUDA (`HostMemoryAlreadyRegistered`): memory the ranks of a process share is registered once
+(`kvfsm.executor.shared_host`).
 """
 
 from __future__ import annotations
@@ -13,8 +20,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from kvfsm.executor.device import StreamName, Touch
+from kvfsm.executor.device import HostMemoryAlreadyRegistered, StreamName, Touch
 from kvfsm.executor.access import Access, Actor
+
+HOST_REGISTER_PORTABLE = 1
+"""`cudaHostRegisterPortable`: the registration holds for every CUDA context of the process."""
+ALREADY_REGISTERED = 712
+"""`cudaErrorHostMemoryAlreadyRegistered`."""
 
 
 class HostRegisterError(RuntimeError):
@@ -81,7 +93,7 @@ class CudaDevice:
             raise ValueError(f"a host allocation needs a positive size, got {nbytes}")
         mapping = mmap.mmap(-1, nbytes)
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)
-        _host_register(buffer)
+        self._host_register(buffer)
         self._registered[buffer.data_ptr()] = nbytes
         self._mappings[buffer.data_ptr()] = mapping
         return buffer
@@ -93,8 +105,8 @@ class CudaDevice:
         _host_unregister(buffer)
 
     def register_host(self, buffer: torch.Tensor) -> None:
-        """Page-lock a mapping of a region shared by rank processes (each process registers its own mapping)."""
-        _host_register(buffer)
+        """Page-lock a mapping of a region the ranks share, for every device of this process (registered once)."""
+        self._host_register(buffer)
         self._shared[buffer.data_ptr()] = buffer.numel()
 
     def unregister_host(self, buffer: torch.Tensor) -> None:
@@ -102,16 +114,20 @@ class CudaDevice:
             raise HostRegisterError("this buffer was not registered by register_host, or was already unregistered")
         _host_unregister(buffer)
 
+    def _host_register(self, buffer: torch.Tensor) -> None:
+        """Register with this device's context current (the caller's thread may be on another device), portable."""
+        with torch.cuda.device(self._device):
+            code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), HOST_REGISTER_PORTABLE))
+        if code == ALREADY_REGISTERED:
+            raise HostMemoryAlreadyRegistered(f"cudaHostRegister of {buffer.numel()} bytes: the range is registered "
+                                              "in this process already (by this device or another)")
+        if code != 0:
+            raise HostRegisterError(f"cudaHostRegister of {buffer.numel()} bytes failed with cudaError {code}")
+
     @property
     def host_bytes(self) -> int:
         """Bytes currently registered through `pin_host`: what a leak check looks at."""
         return sum(self._registered.values())
-
-
-def _host_register(buffer: torch.Tensor) -> None:
-    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
-    if code != 0:
-        raise HostRegisterError(f"cudaHostRegister of {buffer.numel()} bytes failed with cudaError {code}")
 
 
 def _host_unregister(buffer: torch.Tensor) -> None:

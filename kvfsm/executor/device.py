@@ -29,6 +29,12 @@ class Touch:
     layer: int | None = None
 
 
+class HostMemoryAlreadyRegistered(ValueError):
+    """Host memory registered while a registration of it is still live, by this device or another of the process.
+    Page-locking belongs to the process, not to a device: CUDA refuses a second `cudaHostRegister` of a range
+    (cudaErrorHostMemoryAlreadyRegistered), so memory every rank of a process uses is registered once, portable."""
+
+
 class Event(Protocol):
     """A marker recorded on a stream; done once everything enqueued before it on that stream ran."""
 
@@ -64,8 +70,9 @@ class Device(Protocol):
         """Release what `pin_host` allocated."""
 
     def register_host(self, buffer: Any) -> None:
-        """Make host memory allocated elsewhere (a region shared by rank processes) reachable by this device's copies
-        as `pin_host`'s is (page-locked on CUDA); it stays the allocator's."""
+        """Make host memory allocated elsewhere (a region shared by ranks) reachable by the copies of every device of
+        this process as `pin_host`'s is (page-locked and portable on CUDA); it stays the allocator's. A range may
+        be registered once at a time per process (`HostMemoryAlreadyRegistered`)."""
 
     def unregister_host(self, buffer: Any) -> None:
         """Undo `register_host`."""

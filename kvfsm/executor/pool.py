@@ -61,7 +61,7 @@ class HostPool:
             if self._shared is None:
                 self._device.unpin_host(buffer)
             else:
-                self._shared.release(self._device, buffer)
+                self._shared.release(buffer)
 
     def __enter__(self) -> HostPool:
         return self

@@ -3,11 +3,14 @@
 With replicated KV every rank's pool would hold the same bytes, so the ranks of a host share one region instead
 (`OffloadConfig.replicated`). The region is a file in `/dev/shm` mapped shared by each process (`torch.from_file`
 with `shared=True`): the first rank creates it at exactly the pool's size and sends its path to the others, who
-attach to it before registering their caches; each process then registers its own mapping with its device
-(`Device.register_host`: page-locked on CUDA, so every rank's copy engine reaches it). The mapping is page-aligned
-(mmap), which CUDA host registration needs. The creating process removes the path once it released its last
-mapping (or on `close`, where registration failed); the others attached at registration, and their mappings stay
-valid until they release theirs, so the order in which ranks shut down does not matter. Where every rank is in one
+attach to it before registering their caches; each process then registers its own mapping
+(`Device.register_host`: page-locked and portable on CUDA, so every rank's copy engine reaches it). The mapping is
+page-aligned (mmap), which CUDA host registration needs. A registration is the process's, not a device's: CUDA
+refuses a second one of a range still registered, so each distinct mapping is registered once, by the first rank
+that allocates it, and released by that rank's device once no rank of the process uses it. The creating process
+removes the path once it released its last mapping (or on `close`, where registration failed); the others attached
+at registration, and their mappings stay valid until they release theirs, so the order in which ranks shut down
+does not matter. Where every rank is in one
 process (`named=False`: the reference engine's `LocalRanks`) the region is an anonymous mapping that each rank's
 pool maps as is, and no file is made (an explorer making thousands of engines leaves none behind).
 
@@ -35,7 +38,8 @@ TABLE_SUFFIX = ".sums"
 
 
 class SharedRegionMismatch(ValueError):
-    """A rank attached to a shared region of another size than its pool: its ranks registered different caches."""
+    """A rank attached to a shared region of another size than its pool (its ranks registered different caches), or
+    an instance told to attach that names a region already."""
 
 
 class SharedRegionUnavailable(OSError):
@@ -55,20 +59,32 @@ class SharedHostMemory:
         self._created = False
         self._local: torch.Tensor | None = None
         """Without `named`: the one anonymous mapping every rank of this process uses."""
-        self._mapped = 0
-        """Mappings handed out and not released yet."""
+        self._registrations: dict[int, tuple[Device, int]] = {}
+        """Each mapping handed out and not released yet, by data pointer: the device that registered it, and how
+        many of the ranks' pools use it (the anonymous mapping is one for every rank; a named one is mapped anew
+        each time)."""
         self._table: torch.Tensor | None = None
         """Without `named`: the one anonymous table every rank of this process uses."""
 
     def allocate(self, device: Device, nbytes: int) -> torch.Tensor:
-        """A mapping of the region, `nbytes` long, registered with `device`; the region is created at that size if
-        this instance names none yet."""
+        """A mapping of the region, `nbytes` long, registered for every device of this process (by `device`, unless
+        another rank's pool registered this mapping already); the region is created at that size if this instance
+        names none yet."""
         if nbytes <= 0:
             raise ValueError(f"a host allocation needs a positive size, got {nbytes}")
         buffer = self._named(nbytes) if self.named else self._anonymous(nbytes)
-        device.register_host(buffer)
-        self._mapped += 1
+        registrar, users = self._registrations.get(buffer.data_ptr(), (device, 0))
+        if not users:
+            device.register_host(buffer)  # portable: every device of this process reaches it
+        self._registrations[buffer.data_ptr()] = (registrar, users + 1)
         return buffer
+
+    def attach(self, path: str) -> None:
+        """Name the region another process created, before this instance's first `allocate`: where the instance must
+        exist before the creator has registered and sent its path (a vLLM worker's connector half is built first)."""
+        if not self.named or self.path is not None:
+            raise SharedRegionMismatch(f"attach to {path}: this instance names {self.path or 'an anonymous region'}")
+        self.path = path
 
     def _anonymous(self, nbytes: int) -> torch.Tensor:
         if self._local is None:
@@ -118,12 +134,16 @@ class SharedHostMemory:
                                        f"needs {nbytes}")
         return torch.from_file(path, shared=True, size=entries, dtype=torch.int64)
 
-    def release(self, device: Device, buffer: torch.Tensor) -> None:
-        """Unregister one mapping from its device (it is unmapped once the last tensor on it is gone); the creator's
-        last release removes the path."""
-        self._mapped -= 1
-        device.unregister_host(buffer)
-        if self._mapped == 0:
+    def release(self, buffer: torch.Tensor) -> None:
+        """One rank's pool is done with its mapping: the mapping is unregistered (by the device that registered it)
+        once no pool uses it, and unmapped once the last tensor on it is gone; the creator's last release removes
+        the path."""
+        registrar, users = self._registrations.pop(buffer.data_ptr())
+        if users > 1:
+            self._registrations[buffer.data_ptr()] = (registrar, users - 1)
+        else:
+            registrar.unregister_host(buffer)
+        if not self._registrations:
             self.close()
 
     @property

@@ -10,13 +10,14 @@ invariants say which rule it broke.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
 
-from kvfsm.executor.device import STREAMS, StreamName, Touch
+from kvfsm.executor.device import STREAMS, HostMemoryAlreadyRegistered, StreamName, Touch
 from kvfsm.executor.access import Access, Actor
 
 Scheduler = Callable[[list[StreamName]], StreamName]
@@ -32,6 +33,11 @@ class SimScheduleError(ValueError):
 
 class UnknownHostBuffer(ValueError):
     """`unpin_host` was given a buffer this device did not allocate (or already released)."""
+
+
+_PROCESS_REGISTERED: dict[int, int] = {}
+"""Host ranges registered by any SimDevice of this process and not released (first byte: byte past the end): the
+CUDA driver keeps one such table per process, whichever device registered a range."""
 
 
 def first_runnable(runnable: list[StreamName]) -> StreamName:
@@ -72,8 +78,10 @@ class SimDevice:
         self._issued = 0
         self._executed = 0
         self._host_buffers: dict[int, torch.Tensor] = {}
-        self._registered: dict[int, int] = {}
-        """Host memory allocated elsewhere and registered (`register_host`), bytes by data pointer."""
+        self._registered: dict[int, tuple[int, weakref.finalize]] = {}
+        """Host memory allocated elsewhere and registered (`register_host`) by this device: bytes by data pointer,
+        and the finalizer that drops the range from the process's table should the buffer die unreleased (its
+        address may then be handed out again, and a later registration there is no clash)."""
         self.peers: list[SimDevice] = []
         """Other devices this one's streams wait on (tensor-parallel ranks in one process, whose all-reduce waits
         for every rank's forward): when none of this device's streams can run, a host wait advances a peer's, by
@@ -181,16 +189,26 @@ class SimDevice:
             raise UnknownHostBuffer("this buffer was not allocated by pin_host, or was already released")
 
     def register_host(self, buffer: torch.Tensor) -> None:
-        self._registered[buffer.data_ptr()] = buffer.numel()
+        """As CUDA does, refuse a range that overlaps one registered by any device of the process."""
+        start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+        clash = next((first for first, last in _PROCESS_REGISTERED.items() if first < end and start < last), None)
+        if clash is not None:
+            raise HostMemoryAlreadyRegistered(
+                f"host bytes [{start:#x}, {end:#x}) overlap [{clash:#x}, {_PROCESS_REGISTERED[clash]:#x}), "
+                "registered in this process and not released")
+        _PROCESS_REGISTERED[start] = end
+        self._registered[start] = (buffer.numel(), weakref.finalize(buffer, _PROCESS_REGISTERED.pop, start, None))
 
     def unregister_host(self, buffer: torch.Tensor) -> None:
-        if self._registered.pop(buffer.data_ptr(), None) is None:
+        registered = self._registered.pop(buffer.data_ptr(), None)
+        if registered is None:
             raise UnknownHostBuffer("this buffer was not registered by register_host, or was already unregistered")
+        registered[1]()  # drops the range from the process's table, once
 
     @property
     def registered_bytes(self) -> int:
-        """Bytes of host memory allocated elsewhere and registered now (a shared region's mapping)."""
-        return sum(self._registered.values())
+        """Bytes of host memory allocated elsewhere and registered now by this device (a shared region's mapping)."""
+        return sum(nbytes for nbytes, _ in self._registered.values())
 
     @property
     def host_bytes(self) -> int:

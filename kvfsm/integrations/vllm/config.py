@@ -11,10 +11,16 @@ prefill-context parallel; pipeline stages other than the last pass their connect
 vLLM's engine core then keeps more than one batch in flight (`max_concurrent_batches`), under async scheduling (its
 default where the platform and executor allow it) and with pipeline parallelism. With it on, `layer_loads` loads CPU
 hits asynchronously (`no-inline-load-under-async-scheduling`), in both halves alike.
+Replicated (MLA) KV stored once per host (`replicated`) has the workers share one host pool (`worker_side`). It is
+the user's to ask for, and is served only where every rank holds the same KV on one host: an MLA model, tensor
+parallelism the engine's only parallel axis (pipeline stages and context-parallel ranks hold different KV), one node,
+no lower tier (not served under vLLM yet); elsewhere it is refused at start-up, in both halves, naming the reason. An
+MLA model at TP>1 without it has every rank store its own copy of the latent, which the start-up log says.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -26,6 +32,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+log = logging.getLogger(__name__)
+
 
 class InvalidExtraConfig(ValueError):
     """`kv_connector_extra_config` names an unknown key, a bad value, or contradicts vLLM's own settings."""
@@ -33,6 +41,12 @@ class InvalidExtraConfig(ValueError):
 
 class UnsupportedTier(InvalidExtraConfig):
     """A lower tier configured in a way that cannot work under vLLM's process split (see docs/vllm.md)."""
+
+
+class ReplicatedNotServed(InvalidExtraConfig):
+    """`replicated` with several vLLM workers whose KV is not the same on every rank of one host (not an MLA model,
+    pipeline or context parallelism, several nodes), or beside a lower tier: one shared copy would be wrong or would
+    not be shared."""
 
 
 class UnsupportedKVCache(ValueError):
@@ -59,7 +73,35 @@ def offload_config(vllm_config: "VllmConfig") -> OffloadConfig:
     except ValidationError as error:
         raise InvalidExtraConfig(f"kv_connector_extra_config is not a valid kvfsm OffloadConfig:\n{error}") from None
     _check_tiers(config, vllm_config.parallel_config.data_parallel_size)
+    _check_replicated(config, vllm_config)
     return config
+
+
+def _check_replicated(config: OffloadConfig, vllm_config: "VllmConfig") -> None:
+    """Refuse `replicated` over several workers where the ranks' KV differs or would not be shared, naming why; say
+    what an MLA model at TP>1 gets without it."""
+    use_mla, parallel = vllm_config.model_config.use_mla, vllm_config.parallel_config
+    if config.num_workers == 1:
+        return
+    if not config.replicated:
+        if use_mla:
+            log.warning("kvfsm: MLA KV over %d vLLM workers: every rank stores its own copy of the same latent (%d "
+                        "times the PCIe bytes and host pool of one copy); replicated=true stores one, shared by the "
+                        "ranks", config.num_workers, config.num_workers)
+        return
+    tp, dcp, nodes = parallel.tensor_parallel_size, parallel.decode_context_parallel_size, parallel.nnodes_within_dp
+    reasons = [
+        (not use_mla, "the model is not MLA: each rank holds its own heads' KV"),
+        (parallel.world_size != tp, f"{parallel.world_size} workers are not {tp} tensor-parallel ranks (pipeline or "
+                                    "prefill-context parallelism: the ranks hold different layers or tokens)"),
+        (dcp > 1, f"decode-context parallelism ({dcp}) splits the KV by tokens"),
+        (nodes > 1, f"the engine spans {nodes} nodes, and a host region is one host's"),
+        (bool(config.lower_tiers), "lower tiers with replicated KV are not served under vLLM yet"),
+    ]
+    found = [reason for holds, reason in reasons if holds]
+    if found:
+        raise ReplicatedNotServed(f"kv_connector_extra_config sets replicated=true with {config.num_workers} vLLM "
+                                  f"workers, but {'; '.join(found)}")
 
 
 def _check_tiers(config: OffloadConfig, data_parallel_size: int) -> None:

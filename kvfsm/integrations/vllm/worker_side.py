@@ -15,6 +15,11 @@ from tensor i): a block's bytes are that tensor's wherever its group is, so each
 first layer's name, and the other layers name it through `_aliases`. A shared tensor is written by one layer of
 each group in turn, so a per-layer store or load cannot be tied to one of them: with several groups those are
 refused by name (`UnsupportedKVCache`), and whole-step transfers follow the forward pass.
+With replicated (MLA) KV over several workers (`replicated`) the ranks share one host pool, a `/dev/shm` region:
+rank 0 registers first, its pool creating the region, and sends the region's path to the other ranks over vLLM's
+tensor-parallel CPU group (`region_path`); they attach to it and register. Every worker registers in the same call
+of vLLM's start-up, so the broadcast meets. Should rank 0 fail to register, it sends no path and the others refuse
+(`SharedRegionNotMade`) instead of waiting for one.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from kvfsm.connector.metadata import WorkerOutput
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.cuda import CudaDevice
 from kvfsm.executor.device import Device
+from kvfsm.executor.layouts import KVCaches
+from kvfsm.executor.shared_host import SharedHostMemory
 from kvfsm.executor.sim import SimDevice
 from kvfsm.integrations.vllm.config import UnsupportedKVCache, cache_layout, gpu_block_bytes
 from kvfsm.integrations.vllm.convert import KvfsmMetadata, KvfsmWorkerMetadata
@@ -55,6 +62,18 @@ def worker_rank(world_size: int) -> int:
     return engine_rank(torch.distributed.get_rank(), world_size) if torch.distributed.is_initialized() else 0
 
 
+class SharedRegionNotMade(RuntimeError):
+    """Replicated KV: rank 0 could not make the host region the ranks share (its own error says why)."""
+
+
+def region_path(path: str | None) -> str | None:
+    """Rank 0's shared-region path, for every rank of the engine: rank 0 passes its path (None where it failed), the
+    others None. A broadcast on vLLM's tensor-parallel group (gloo), which is the engine's world with replicated KV."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().broadcast_object(path, src=0)
+
+
 class WorkerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig", device: Device,
                  rank: int) -> None:
@@ -63,7 +82,9 @@ class WorkerSide:
         machines = MachineSet(default_spec())
         self._tiers = WorkerTiers(machines, [t.tier_name for t in config.lower_tiers
                                              if t.kind == "mooncake" or t.shared])  # type: ignore[union-attr]
-        self.kvfsm = WorkerConnector(config, device, worker=rank, machines=machines)
+        self._shared = SharedHostMemory() if config.replicated and config.num_workers > 1 else None
+        """With replicated KV over several workers: the host region the ranks share (rank 0 makes it)."""
+        self.kvfsm = WorkerConnector(config, device, worker=rank, machines=machines, shared_host=self._shared)
         self._rank = rank
         self._num_blocks = kv_cache_config.num_blocks
         self._scheduler_block_bytes = gpu_block_bytes(kv_cache_config)
@@ -82,13 +103,33 @@ class WorkerSide:
         first: dict[tuple[int, tuple[int, ...]], str] = {}
         self._aliases = {name: first.setdefault((t.data_ptr(), tuple(t.shape)), name) for name, t in kv_caches.items()}
         kv_caches = {name: t for name, t in kv_caches.items() if self._aliases[name] == name}
-        caches = self.kvfsm.register_kv_caches(kv_caches, cache_layout(kv_caches, self._num_blocks))
+        layout = cache_layout(kv_caches, self._num_blocks)
+        caches = (self.kvfsm.register_kv_caches(kv_caches, layout) if self._shared is None
+                  else self._register_shared(kv_caches, layout))
         ours, theirs = (self.config.num_cpu_blocks(b) for b in (caches.gpu_block_bytes, self._scheduler_block_bytes))
         if ours != theirs:
             raise UnsupportedKVCache(
                 f"this worker's caches hold {caches.gpu_block_bytes} bytes per block, the scheduler sized the pool for "
                 f"{self._scheduler_block_bytes}: the pools would differ ({ours} vs {theirs} CPU blocks)")
         self._tiers.opened(self.kvfsm.lower_tiers, self._rank)
+
+    def _register_shared(self, kv_caches: dict[str, torch.Tensor], layout: str) -> KVCaches:
+        """Replicated KV: rank 0's pool makes the region, whose path the others then attach to."""
+        assert self._shared is not None
+        if self._rank == 0:
+            try:
+                caches = self.kvfsm.register_kv_caches(kv_caches, layout)
+            except BaseException:
+                region_path(None)  # the other ranks stop waiting, and refuse
+                raise
+            region_path(self._shared.path)
+            return caches
+        path = region_path(None)
+        if path is None:
+            raise SharedRegionNotMade(f"worker {self._rank}: rank 0 could not make the host region the ranks share "
+                                      "(replicated KV); its error says why")
+        self._shared.attach(path)
+        return self.kvfsm.register_kv_caches(kv_caches, layout)
 
     def bind(self, meta: object) -> None:
         if not isinstance(meta, KvfsmMetadata):
