@@ -6,6 +6,7 @@ the controls caught."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -200,6 +201,30 @@ def test_the_mla_bench_moves_and_pins_one_copy_at_tp2_and_two_with_a_pool_per_ra
     assert all(row["byte_exact"] for row in result["rows"])
 
 
+def test_the_mla_bench_refuses_figures_of_a_rep_whose_stores_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rep starts from a cleared pool and its failed jobs are read: a rep whose copies failed cannot borrow the
+    bytes an earlier rep left (on two GPUs, rank 1's copies once failed at submission and the table still said
+    byte-exact). Control: stores that fail from the second rep on."""
+    from kvfsm.bench import mla
+    from kvfsm.executor.sim import SimDevice
+    from kvfsm.rank_invariants import STORE_JOBS
+
+    enqueue = SimDevice.enqueue
+    reps_started: list[int] = []
+
+    def failing_after_first_rep(self: SimDevice, stream, actor, label, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        named = STORE_JOBS.match(label)
+        if named and max(map(int, named.group(1).split(","))) >= mla.PLUMBING.jobs:
+            reps_started.append(1)
+            raise RuntimeError("injected: a copy refused at submission")
+        return enqueue(self, stream, actor, label, fn, *args, **kwargs)
+
+    monkeypatch.setattr(SimDevice, "enqueue", failing_after_first_rep)
+    with pytest.raises(mla.StoresFailed, match="failed"):
+        mla.run(dataclasses.replace(mla.PLUMBING, reps=2), cuda=False)
+    assert reps_started
+
+
 def test_the_mla_bench_on_a_host_of_one_gpu_refuses_by_name_before_touching_it(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvfsm.bench import mla
 
@@ -220,16 +245,13 @@ def test_a_disk_tier_under_tensor_parallelism_without_mla_is_refused_by_name_bef
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_the_mla_bench_on_two_gpus_moves_and_pins_one_copy_byte_exact_within_a_minute() -> None:
-    """`python -m kvfsm.bench mla --quick` on two GPUs: each rank's sends on its own thread, one process."""
-    import time
-
+def test_the_mla_bench_on_two_gpus_moves_and_pins_one_copy_byte_exact() -> None:
+    """`python -m kvfsm.bench mla --quick` on two GPUs: each rank's sends on its own thread, one process; every
+    rep's stores land (a failed one raises `StoresFailed`)."""
     from kvfsm.bench import mla
 
-    start = time.monotonic()
     result = mla.run(mla.QUICK)
     ratios = {row["mode"]: (row["pcie_bytes"] / row["stored_bytes"], row["host_pool_bytes"] / row["stored_bytes"])
               for row in result["rows"]}
     assert ratios == {"TP=1": (1, 1), "TP=2, one host copy": (1, 1), "TP=2, a pool per rank": (2, 2)}
     assert all(row["byte_exact"] and row["store_gbps"] > 0 for row in result["rows"])
-    assert time.monotonic() - start < 60, "the bench is no longer bounded by its copies"

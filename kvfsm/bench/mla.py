@@ -52,6 +52,10 @@ class TwoDevicesNeeded(RuntimeError):
     """The bench's TP=2 modes need two CUDA devices (or none: SimDevices on the CPU)."""
 
 
+class StoresFailed(RuntimeError):
+    """A timed rep's store jobs failed: its GB/s would count bytes that never crossed PCIe."""
+
+
 @dataclass(frozen=True)
 class MlaShape:
     """A DeepSeek-V3-shaped replicated cache (61 layers, a 576-wide latent of bf16 per token) and the run's size."""
@@ -119,17 +123,20 @@ def _mode(shape: MlaShape, ranks: Sequence[Device], caches: Sequence[dict[str, t
             workers.append(worker)
         host = shared.nbytes if shared is not None else sum(w.pool.registered_bytes for w in workers)
         per_job = shape.blocks // shape.jobs
-        times = []
+        times, exact = [], True
         for rep in range(shape.reps):
             orders = tuple(StoreOrder(job_id=rep * shape.jobs + j, req_id=f"r{j}",
                                       gpu_blocks=tuple(range(j * per_job, (j + 1) * per_job)),
                                       cpu_slots=tuple(range(j * per_job, (j + 1) * per_job)))
                            for j in range(shape.jobs))
+            for worker in workers:  # each rep from a cleared pool: a rep whose copies failed cannot pass on the
+                worker.pool.buffer.zero_()  # bytes an earlier rep left
             times.append(_timed_store(workers, orders, step=2 * rep + 1))
+            exact = exact and all(
+                torch.equal(worker.pool.buffer[:shape.blocks * shape.block_bytes], _pool_image(cache))
+                for worker, cache in zip(workers, caches))
         copied = sum(len(o.cpu_slots) for o in orders for index in range(world)
                      if not replicated or store_writer(o.job_id, world) == index) * shape.block_bytes
-        exact = all(torch.equal(worker.pool.buffer[:shape.blocks * shape.block_bytes], _pool_image(cache))
-                    for worker, cache in zip(workers, caches))
     seconds = statistics.median(times)
     stored = shape.blocks * shape.block_bytes
     return {"ranks": world, "stored_bytes": stored, "seconds": seconds, "store_gbps": stored / seconds / 1e9,
@@ -153,8 +160,9 @@ def _timed_store(workers: Sequence[WorkerConnector], orders: tuple[StoreOrder, .
     else:
         _together(sends)
     seconds = time.perf_counter() - start
-    for worker in workers:
-        worker.get_finished()
+    failed = sorted({job for worker in workers for job in worker.get_finished().failed})
+    if failed:
+        raise StoresFailed(f"the MLA bench's store jobs {failed} failed: its figures would time copies not made")
     return seconds
 
 
