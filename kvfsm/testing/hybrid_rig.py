@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from kvfsm.checking import IntegrationWorld, RunChecks
+from kvfsm.checking import IntegrationCheck
 from kvfsm.config import OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.connector.ledger import StepResult
@@ -169,9 +169,9 @@ class BlockBytes:
 class HybridRig:
     """The engine: requests added, stepped, finished and drained, each step through both halves of the connector.
 
-    `checks` trace every transition against the spec and evaluate the named invariants after each step (the device log
-    too, on `SimDevice`); what they find is kept in `broken` (not raised), so a control's trial still reaches its
-    bytes. `moved` counts the blocks of each direction's orders per tracked id."""
+    `checks` (`kvfsm.checking.IntegrationCheck`) trace every transition against the spec and evaluate the named
+    invariants after each step (the device log too, on `SimDevice`) and `fence` on the rig's block tables; what they
+    find is kept in `broken` (not raised), so a control's trial still reaches its bytes. `moved` counts the blocks of each direction's orders per tracked id."""
 
     def __init__(self, device: Device, shape: HybridShape, cpu_blocks: int, lag_copies: bool = False) -> None:
         self.device, self.shape, self.groups = device, shape, shape.groups
@@ -196,7 +196,7 @@ class HybridRig:
         """Per seed, the block positions its requests may write (the rows of its content)."""
         self.moved: Counter[tuple[str, str]] = Counter()
         self.broken: dict[str, list[str]] = {}
-        self.checks = RunChecks(IntegrationWorld(self.connector, self, device), self.connector.machines)
+        self.checks = IntegrationCheck(self.connector, self, device)
 
     # --- what the checks read of the engine (`kvfsm.checking.EngineTables`) ------------------------------------
 
