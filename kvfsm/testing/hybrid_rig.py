@@ -300,6 +300,13 @@ class HybridRig:
             self.broken.setdefault(name, []).extend(lines)
         return meta
 
+    def begin(self) -> None:
+        """A new scenario on a drained rig: forget what the checks found, and on `SimDevice` the log of what ran (all
+        of it ran: nothing issued from now on can run out of order with it, and the ordering checks grow with it)."""
+        self.broken = {}
+        if isinstance(self.device, SimDevice):
+            self.device.accesses.clear()
+
     def drain(self, max_steps: int = 64) -> None:
         """Idle steps until no job is in flight and no ended request holds blocks (the host waits for the copies)."""
         for _ in range(max_steps):
