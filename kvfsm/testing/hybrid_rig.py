@@ -23,10 +23,8 @@ the schedule a GPU reaches on its own when a store is long) and runs only when t
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 
@@ -35,145 +33,36 @@ from kvfsm.config import OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.connector.ledger import StepResult
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, ScheduledRequest, SchedulerOutput
-from kvfsm.executor import POISON_BYTE, Device, KVCaches, SimDevice, Touch
+from kvfsm.executor import POISON_BYTE, Device, SimDevice, Touch
 from kvfsm.executor.layouts import allocate_kv_caches
-
-NULL_BLOCK = 0
-"""The engine's null block: what a window's table names below the window. Never handed out."""
-NULL_FILL = 0x5A
-"""The null block's bytes, which nothing may change."""
-HASH_BITS = 48
-"""Width of a block hash; a group's rank sits above it in the group's keys."""
+from kvfsm.testing.hybrid_cache import (
+    NULL_BLOCK,
+    NULL_FILL,
+    BlockBytes,
+    CacheGroup,
+    GroupView,
+    HybridShape,
+    RigRequest,
+    hash_chain,
+)
 
 
 class RigError(RuntimeError):
     """The rig's engine could not do what a scenario asked (no free block, a deferred lookup, a failed load)."""
 
 
-@dataclass(frozen=True)
-class CacheGroup:
-    """One KV-cache group: its rank among the groups (0 is the full-attention group) and its window, if any."""
-
-    name: str
-    rank: int
-    window_blocks: int | None
-    """Blocks the window reads back from the next token (1: a state); None for full attention."""
-
-    def tracked(self, req_id: str) -> str:
-        """The id kvfsm's scheduler tracks this group of the request under (the adapter's naming)."""
-        return req_id if self.rank == 0 else f"{req_id}@g{self.rank}"
-
-    def first_kept(self, tokens: int, block_tokens: int) -> int:
-        """The first block the group still needs once `tokens` are computed: the next token's window starts there."""
-        if self.window_blocks is None:
-            return 0
-        return max(0, tokens - self.window_blocks * block_tokens + 1) // block_tokens
-
-    def key(self, block_hash: int) -> int:
-        """The group's key for a block hash: no two groups' keys meet."""
-        return block_hash | self.rank << HASH_BITS
-
-
-@dataclass(frozen=True)
-class HybridShape:
-    """The KV cache the rig allocates; every group pages from its `gpu_blocks`."""
-
-    layout: str
-    layers: int
-    block_tokens: int
-    heads: int
-    head_dim: int
-    dtype: torch.dtype
-    gpu_blocks: int
-    window_blocks: int
-
-    @property
-    def groups(self) -> tuple[CacheGroup, ...]:
-        return (CacheGroup("full", 0, None), CacheGroup("window", 1, self.window_blocks), CacheGroup("state", 2, 1))
-
-
-@dataclass(eq=False)
-class RigRequest:
-    """A request of the rig's engine: its content, its tokens and one block table per group."""
-
-    req_id: str
-    seed: int
-    """What its tokens are: requests of one seed share their prefix's hashes and bytes."""
-    prompt_tokens: int
-    hashes: tuple[int, ...]
-    """The hash chain of every full block it will hold."""
-    num_tokens: int
-    computed: int = 0
-    tables: dict[str, list[int]] = field(default_factory=dict)
-    loading: set[str] = field(default_factory=set)
-    """Its groups' tracked ids whose load has not been reported yet."""
-    ended: bool = False
-
-
-class GroupView:
-    """A request as kvfsm's scheduler tracks one of its groups (`kvfsm.connector.RequestView`)."""
-
-    def __init__(self, request: RigRequest, group: CacheGroup, block_tokens: int) -> None:
-        self._request, self._group, self._block_tokens = request, group, block_tokens
-        self.request_id = group.tracked(request.req_id)
-
-    @property
-    def num_tokens(self) -> int:
-        return self._request.num_tokens
-
-    @property
-    def block_hashes(self) -> list[int]:
-        return [self._group.key(h) for h in self._request.hashes[:self._request.num_tokens // self._block_tokens]]
-
-
-def hash_chain(seed: int, blocks: int) -> tuple[int, ...]:
-    """Block i's hash covers the request's content up to block i, as an engine's prefix hashes do."""
-    chain, parent = [], seed.to_bytes(8, "little")
-    for i in range(blocks):
-        parent = hashlib.blake2b(parent + i.to_bytes(4, "little"), digest_size=HASH_BITS // 8).digest()
-        chain.append(int.from_bytes(parent, "little"))
-    return tuple(chain)
-
-
-class BlockBytes:
-    """Whole GPU blocks as rows of bytes (every plane's pieces in the host pool's order), on the current stream."""
-
-    def __init__(self, caches: KVCaches) -> None:
-        self.caches = caches
-        self._pieces = [(plane.rows[p], plane.offset + p * plane.piece_bytes, plane.piece_bytes)
-                        for plane in caches.planes for p in range(plane.pieces)]
-
-    def _index(self, blocks: Sequence[int]) -> torch.Tensor:
-        """The block ids on the caches' device, from pinned memory: a pageable upload would first wait for
-        everything already on the stream."""
-        index = torch.tensor(list(blocks), dtype=torch.long)
-        if self.caches.device.type == "cuda":
-            return index.pin_memory().to(self.caches.device, non_blocking=True)
-        return index
-
-    def write(self, blocks: Sequence[int], rows: torch.Tensor) -> None:
-        index = self._index(blocks)
-        for piece, start, size in self._pieces:
-            piece.index_copy_(0, index, rows[:, start:start + size])
-
-    def fill(self, blocks: Sequence[int], value: int) -> None:
-        index = self._index(blocks)
-        for piece, _, _ in self._pieces:
-            piece.index_fill_(0, index, value)
-
-    def read(self, blocks: Sequence[int]) -> torch.Tensor:
-        index = self._index(blocks)
-        return torch.cat([piece.index_select(0, index) for piece, _, _ in self._pieces], dim=1)
-
-
 class HybridRig:
     """The engine: requests added, stepped, finished and drained, each step through both halves of the connector.
 
-    `checks` (`kvfsm.checking.IntegrationCheck`) trace every transition against the spec and evaluate the named
-    invariants after each step (the device log too, on `SimDevice`) and `fence` on the rig's block tables; what they
-    find is kept in `broken` (not raised), so a control's trial still reaches its bytes. `moved` counts the blocks of each direction's orders per tracked id."""
+    With `checked`, `checks` (`kvfsm.checking.IntegrationCheck`) trace every transition against the spec and evaluate
+    the named invariants after each step (the device log too, on `SimDevice`) and `fence` on the rig's block tables;
+    what they find is kept in `broken` (not raised), so a control's trial still reaches its bytes. Unchecked, the host
+    runs a step as an engine in production would: at hundreds of blocks the checks cost it tens of milliseconds a
+    step, longer than the copies a race on a GPU is about. `moved` counts the blocks of each direction's orders per
+    tracked id."""
 
-    def __init__(self, device: Device, shape: HybridShape, cpu_blocks: int, lag_copies: bool = False) -> None:
+    def __init__(self, device: Device, shape: HybridShape, cpu_blocks: int, lag_copies: bool = False,
+                 checked: bool = True) -> None:
         self.device, self.shape, self.groups = device, shape, shape.groups
         self.lag_copies = lag_copies
         tensors, _ = allocate_kv_caches(shape.layout, shape.layers, shape.gpu_blocks, shape.block_tokens, shape.heads,
@@ -196,7 +85,7 @@ class HybridRig:
         """Per seed, the block positions its requests may write (the rows of its content)."""
         self.moved: Counter[tuple[str, str]] = Counter()
         self.broken: dict[str, list[str]] = {}
-        self.checks = IntegrationCheck(self.connector, self, device)
+        self.checks = IntegrationCheck(self.connector, self, device) if checked else None
 
     # --- what the checks read of the engine (`kvfsm.checking.EngineTables`) ------------------------------------
 
@@ -236,9 +125,18 @@ class HybridRig:
         if key not in self._content:
             device = self.bytes.caches.device
             generator = torch.Generator(device=device).manual_seed(seed * 8 + group.rank)
-            self._content[key] = torch.randint(0, 256, (self._positions[seed], self.bytes.caches.gpu_block_bytes),
-                                               dtype=torch.uint8, generator=generator, device=device)
+            rows, width, step = self._positions[seed], self.bytes.caches.gpu_block_bytes, self.bytes.chunk_blocks
+            content = self._content[key] = torch.empty((rows, width), dtype=torch.uint8, device=device)
+            for first in range(0, rows, step):
+                content[first:first + step] = torch.randint(0, 256, (min(step, rows - first), width),
+                                                            dtype=torch.uint8, generator=generator, device=device)
         return self._content[key]
+
+    def null_intact(self) -> bool:
+        """Whether the null block still holds what it was filled with."""
+        width = self.bytes.caches.gpu_block_bytes
+        row = torch.full((1, width), NULL_FILL, dtype=torch.uint8, device=self.bytes.caches.device)
+        return self.bytes.differing([NULL_BLOCK], row) == 0
 
     def forget(self, seed: int) -> None:
         """Drop a seed's content (the GPU memory it holds) once nothing will compare against it."""
@@ -296,8 +194,9 @@ class HybridRig:
         worker.wait_for_save()
         self._advance()
         self._settle(scheduler.update_connector_output(ConnectorOutput(workers=(worker.get_finished(),))))
-        for name, lines in self.checks.violations().items():
-            self.broken.setdefault(name, []).extend(lines)
+        if self.checks is not None:
+            for name, lines in self.checks.violations().items():
+                self.broken.setdefault(name, []).extend(lines)
         return meta
 
     def begin(self) -> None:
@@ -324,7 +223,8 @@ class HybridRig:
             torch.cuda.synchronize(self.bytes.caches.device)
 
     def close(self) -> None:
-        self.checks.close()
+        if self.checks is not None:
+            self.checks.close()
         self.connector.worker.shutdown()
 
     # --- the engine's side of a step ----------------------------------------------------------------------------
