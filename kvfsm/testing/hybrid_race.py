@@ -41,15 +41,15 @@ from kvfsm.testing.mutants import MUTANTS
 
 @dataclass(frozen=True)
 class Scenario:
-    """The cache and the writer's prompt; the pools are sized for one trial at a time."""
+    """The cache and the writer's prompt; the pools are sized for one trial."""
 
     shape: HybridShape
     prompt_blocks: int
 
     @property
     def cpu_blocks(self) -> int:
-        """Two trials' stores (the writer's and the intruder's): the older trial's are evicted first."""
-        return 2 * (self.prompt_blocks + 3 * self.shape.window_blocks + 2)
+        """One trial's stores (the writer's and the intruder's): each trial evicts the one before's."""
+        return self.prompt_blocks + 3 * self.shape.window_blocks + 2
 
 
 def _scenario(layout: str, layers: int, block_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
