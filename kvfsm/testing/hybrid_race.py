@@ -5,8 +5,8 @@ A trial on the rig of `kvfsm.testing.hybrid_rig` (a full-attention group, a slid
    full-attention block, the window at the prompt's end and the state's block;
 2. the next step sends them, the full-attention blocks first, and the writer computes a burst of tokens that carries its
    window past every block those stores read (the decode steps a window takes to move on, while a store is still
-   copying: on a loaded engine, stores queued behind others). Already in this step the state's stored block is behind
-   its one-block window, and the writer's own next block takes it;
+   copying: on a loaded engine, stores queued behind others). With blocks of two tokens (the simulator's) the state's
+   stored block is behind its one-block window already in this step, and the writer's own next block takes it;
 3. the next step takes the window's blocks back and hands them at once to an intruder, whose poison and prefill go on
    the compute stream right after the allocation. kvfsm flushes every store still reading a handed-out block and the
    worker waits for it first (`window-fence`, the lazy fence of a running request);
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Literal
 
 import torch
@@ -79,7 +80,7 @@ CONTROLS: dict[str, Callable[[HybridRig], None]] = {
 }
 """kvfsm with the window's fence removed: by the spec's mutant, or by an engine that never reports the slide."""
 CAUGHT_BY = {"no-lazy-fence": "window-fence", "no-slide": "fence"}
-"""The rule each control breaks, which the checks name whatever the device (read on records and block tables)."""
+"""The rule each control breaks, which the checks name on any device (they read records and block tables)."""
 
 
 @dataclass(frozen=True)
@@ -179,13 +180,19 @@ def _row(table: Table, name: str, runs: list[Trial]) -> None:
                   (", ".join(broken) or "-") if checked else "unchecked")
 
 
+class DeviceChoice(str, Enum):
+    auto = "auto"
+    cuda = "cuda"
+    sim = "sim"
+
+
 @app.command()
 def main(count: int = typer.Option(20, "--trials", min=1, help="trials per arm"),
-         device: str = typer.Option("auto", help="cuda, sim, or auto (cuda where torch sees it)")) -> None:
+         device: DeviceChoice = typer.Option(DeviceChoice.auto, help="auto: cuda where torch sees it, else sim")) -> None:
     """Run the round trip once, then `--trials` reuse trials for kvfsm and each control; print one row per arm. Exit
     status 1 when kvfsm corrupted a byte or broke a rule, or a control corrupted nothing."""
-    kind: Literal["cuda", "sim"] = "cuda" if device == "cuda" or device == "auto" and torch.cuda.is_available() \
-        else "sim"
+    cuda = device == DeviceChoice.cuda or device == DeviceChoice.auto and torch.cuda.is_available()
+    kind: Literal["cuda", "sim"] = "cuda" if cuda else "sim"
     scenario = GPU if kind == "cuda" else SIM
     shape = scenario.shape
     started = time.perf_counter()
