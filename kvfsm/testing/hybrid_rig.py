@@ -257,8 +257,10 @@ class HybridRig:
             table.extend(self._take(needed - len(table)))
 
     def _admit(self, request: RigRequest) -> None:
-        """Look every group up, offer the prefix only as far as every window holds its whole window there (the
-        adapter's rule), allocate (the null block below a reloaded window) and start the loads."""
+        """Look every group up, offer the full group's hit only if every window holds its whole window where it ends
+        (the adapter's first rule; its fall-back to a shorter hit whose windows are whole, `window_hit`, is not needed
+        here: a reader's windows are whole where it looks), allocate (the null block below a reloaded window) and
+        start the loads."""
         bs, scheduler = self.shape.block_tokens, self.connector.scheduler
         full, *windows = self.groups
         match = scheduler.get_num_new_matched_tokens(GroupView(request, full, bs), 0)
