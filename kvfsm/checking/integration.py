@@ -5,7 +5,8 @@ holds, which ones its allocator may hand out); `IntegrationWorld` joins that to 
 `SimDevice`, the log of every access the device ran. `IntegrationCheck` runs every named invariant and the trace
 after each step, plus `fence` read from the engine's tables: a store kvfsm has not flushed reads its GPU blocks
 until it is done, so none of them may be free in the engine or held by anyone but the store's request (unless the
-request ended and gave them back: those are fenced when handed out again, `lazy-fence`). That
+request ended and gave them back, or its sliding window left them behind: those are fenced when handed out again,
+`lazy-fence`, `window-fence`). That
 reading needs no device log, so it catches a block reused under a store in flight on a GPU too, and at the step
 the engine frees it rather than when a write happens to run first.
 """
@@ -78,9 +79,10 @@ class IntegrationWorld(ConnectorWorld):
 def fence_in_tables(world: IntegrationWorld) -> list[str]:
     """`fence` read from the engine's tables. A store kvfsm has not flushed (pending-store or submitted) may read
     its GPU blocks until it is done, so each must stay held by the store's request; a flushed store's blocks are
-    free to reuse, because `handle_preemptions` waits for it before anything can write them. A returned request's
-    stores are the exception: its blocks went back at once, and the step that hands one out flushes them
-    (`lazy-fence`, checked on the connector's records)."""
+    free to reuse, because `handle_preemptions` waits for it before anything can write them. Blocks the engine took
+    back while a store reads them are the exception: a returned request's, and those a running request's sliding
+    window left behind (`slide`); the step that hands one out flushes the store (`lazy-fence`, `window-fence`, checked
+    on the connector's records)."""
     free = set(world.engine.free_blocks())
     tables = world.engine.block_tables()
     found = []
@@ -92,6 +94,8 @@ def fence_in_tables(world: IntegrationWorld) -> list[str]:
             continue
         held = set(tables.get(job.req_id, ()))
         for block in job.gpu_blocks:
+            if owner is not None and block in owner.slid:
+                continue
             if block in free:
                 found.append(f"GPU block {block} is free in the engine while store job {job.job_id} of "
                              f"{job.req_id} still reads it")
