@@ -9,7 +9,7 @@ also read from the bytes each rank's worker sent (`replicated_single_writer_byte
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvfsm.config import store_writer
 from kvfsm.invariants import World

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvfsm.config import OffloadConfig, store_writer
+from kvfsm.connector.refusals import StoreBytesNotKept
 from kvfsm.connector.worker import SharedHostMissing, WorkerConnector
 from kvfsm.engine.oracle import BlockOracle
 from kvfsm.engine.ranks import Rank
@@ -166,6 +167,14 @@ def test_replicated_over_several_ranks_without_shared_host_memory_is_refused_bef
     with pytest.raises(SharedHostMissing, match="worker 1: replicated KV over 2 ranks"):
         WorkerConnector(config, device, worker=1)
     assert device.host_bytes == 0
+
+
+def test_store_bytes_of_a_worker_that_keeps_none_is_refused_by_name() -> None:
+    """An engine's worker keeps no count per job (an entry per store for its lifetime): asking it is an error, not an
+    empty count that would read as a rank that copied nothing."""
+    worker = WorkerConnector(OffloadConfig(cpu_blocks=4, gpu_block_size=TP_SHAPE.block_size), SimDevice())
+    with pytest.raises(StoreBytesNotKept, match="worker 0: store_bytes is kept only by a worker built with"):
+        _ = worker.store_bytes
 
 
 def test_the_oracle_names_the_mla_bytes_a_replicated_rank_stores() -> None:
