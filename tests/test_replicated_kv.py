@@ -33,9 +33,9 @@ RUN_LIMIT_S = 300
 """A run that takes longer has hung (each takes seconds on an idle machine; collectives give up after 120 s)."""
 
 
-def replicated_ranks(mutant: str | None = None, staging_blocks: int | None = None) -> Harness:
+def replicated_ranks(mutant: str | None = None) -> Harness:
     return Harness([SimDevice(), SimDevice()], num_gpu_blocks=8, cpu_blocks=6, shape=TP_SHAPE, replicated=True,
-                   mutant=mutant, staging_blocks=staging_blocks)
+                   mutant=mutant)
 
 
 def store_then_reload(harness: Harness) -> None:
@@ -82,11 +82,15 @@ def logged_store_bytes(device: SimDevice, jobs: dict[int, TransferJob], slot_byt
 
 @pytest.mark.parametrize("mutant", [None, "every-rank-writes"])
 def test_the_bytes_each_rank_sent_per_store_job_agree_with_its_device_log(mutant: str | None) -> None:
-    """What `replicated_single_writer_bytes` reads where no device log exists (a GPU), against the log: chunks of
-    three blocks, so one copy may end a job and begin the next."""
-    harness = replicated_ranks(mutant, staging_blocks=3)
+    """What `replicated_single_writer_bytes` reads where no device log exists (a GPU), against the log: four
+    prompts stored in one step, each rank's share merged into one pipeline of two-block chunks, so that one copy
+    ends a job and begins the next."""
+    harness = Harness([SimDevice(), SimDevice()], num_gpu_blocks=16, cpu_blocks=12, shape=TP_SHAPE,
+                      replicated=True, mutant=mutant, staging_blocks=2)
     try:
-        store_then_reload(harness)
+        for prompt in (PROMPT, PROMPT[:5], (21, 22, 23, 24, 25, 26, 27), (31, 32, 33, 34, 35)):
+            harness.add_request(prompt, 2)
+        harness.drain()
         slot_bytes = harness.connector.workers[0].pool.slot_bytes
         sent = [worker.store_bytes for worker in harness.connector.workers]
         assert sent == [logged_store_bytes(device, harness.world.jobs, slot_bytes) for device in harness.devices]
