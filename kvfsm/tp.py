@@ -207,7 +207,8 @@ def _every_rank_sent(worker: WorkerConnector, group: dist.ProcessGroup) -> list[
 def _single_writer(run: TpRun, scheduler: SchedulerConnector, sent: list[dict[int, int]], slot_bytes: int) -> TpRun:
     """`run` with what the ranks' store copies sent: its totals, and `replicated-single-writer`'s violations."""
     stored = [job for job in scheduler.jobs.values() if job.kind == "store" and job.state == TransferJobState.DONE]
-    found = [f"replicated-single-writer: {line}" for line in replicated_single_writer_bytes(stored, sent, slot_bytes)]
+    found = [f"replicated-single-writer: {line}"
+             for line in replicated_single_writer_bytes(scheduler.jobs.values(), sent, slot_bytes)]
     return run.model_copy(update={
         "violations": run.violations + found,
         "store_pcie_bytes": sum(by_job.get(job.job_id, 0) for job in stored for by_job in sent),
