@@ -2,15 +2,18 @@
 fails the job everywhere, and with replicated (MLA) KV only a store job's writer rank writes its CPU slots.
 
 They read the same `World` as `kvfsm.invariants` (its rank, the number of workers, the jobs' reports, the device
-log); they live apart because only engines with more than one rank can break them.
+log); they live apart because only engines with more than one rank can break them. `replicated-single-writer` is
+also read from the bytes each rank's worker sent (`replicated_single_writer_bytes`), where no device log exists.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvfsm.config import store_writer
 from kvfsm.invariants import World
+from kvfsm.records import TransferJob
 from kvfsm.registry import REGISTRY
 from kvfsm.states import TransferJobState as J
 
@@ -53,4 +56,24 @@ def replicated_single_writer(world: World) -> list[str]:
             if writer != world.rank:
                 found.append(f"rank {world.rank} wrote CPU slot {access.block} for store job {job_id}, whose writer "
                              f"is rank {writer}")
+    return found
+
+
+def replicated_single_writer_bytes(jobs: Iterable[TransferJob], sent: Sequence[Mapping[int, int]],
+                                   slot_bytes: int) -> list[str]:
+    """`replicated-single-writer` read from what each rank's worker sent rather than from a device log, so that it
+    holds on a GPU too (which keeps no log): `sent[rank]` is that rank's `WorkerConnector.store_bytes`. Every byte a
+    rank sent belongs to a store whose writer it is, and every store that ended done crossed from GPU to host
+    memory exactly once over all ranks (its slots' bytes, `slot_bytes` each): a second copy is PCIe traffic and
+    host writes replicated KV exists to save, a missing one a slot published unwritten."""
+    workers = len(sent)
+    found = [f"rank {rank} copied {nbytes} bytes of store job {job_id} over PCIe, whose writer is rank {writer}"
+             for rank, by_job in enumerate(sent) for job_id, nbytes in sorted(by_job.items())
+             if (writer := store_writer(job_id, workers)) != rank]
+    for job in jobs:
+        if job.kind == "store" and job.state == J.DONE:
+            copied, one_copy = sum(by_job.get(job.job_id, 0) for by_job in sent), len(job.cpu_slots) * slot_bytes
+            if copied != one_copy:
+                found.append(f"store job {job.job_id} crossed PCIe as {copied} bytes over all ranks; one copy is "
+                             f"{one_copy}")
     return found

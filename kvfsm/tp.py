@@ -13,7 +13,9 @@ copies end in the step that queued them, so the ranks report each job together a
 tells a scheduler half that ends a job on its first report from kvfsm's. `--mla` serves replicated KV: every rank
 holds every head's KV in MLA-shaped caches, the ranks share one host pool in `/dev/shm`, each store is copied by
 one rank and every rank loads from the shared slot; the run then also fails unless the host pool bytes of all
-ranks together are exactly one copy. `--disk DIR` (with `--mla`) adds a disk tier below the shared pool: rank 0 alone
+ranks together are exactly one copy, and unless each store crossed PCIe once, from its writer rank: each rank's worker
+counts the bytes its store copies sent, by job, and rank 0 checks them (`replicated-single-writer`, which on
+`SimDevice` also reads every rank's device log; a GPU keeps none). `--disk DIR` (with `--mla`) adds a disk tier below the shared pool: rank 0 alone
 opens it, writes each block back from the shared pool and fetches it into the shared pool, the other ranks reporting
 each tier job having moved nothing (`replicated-one-tier-move`); `--checksum` checks every rank's loads against the
 checksums the ranks share.
@@ -56,7 +58,8 @@ from kvfsm.executor.layouts import KVCaches
 from kvfsm.executor.shared_host import SharedHostMemory
 from kvfsm.executor.sim import SimDevice
 from kvfsm.invariants import check_all
-from kvfsm.states import CpuBlockState
+from kvfsm.rank_invariants import replicated_single_writer_bytes
+from kvfsm.states import CpuBlockState, TransferJobState
 from kvfsm.workload import WorkloadShape, generate
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -102,6 +105,11 @@ class TpRun(BaseModel):
     """Host pool bytes of every rank together, measured: each rank's own pinned pool, and a shared region once."""
     one_copy_bytes: int
     """Bytes of one copy of the pool (slots x slot bytes): what `--mla` must use in all."""
+    store_pcie_bytes: int | None = None
+    """With `--mla`: bytes the stores that ended done sent GPU to host, all ranks together, as each rank's worker
+    counted them (`WorkerConnector.store_bytes`); None where not counted."""
+    store_one_copy_bytes: int | None = None
+    """With `--mla`: bytes of one copy of those stores (their CPU slots): what the ranks must have sent in all."""
     blocks_written_back: int = 0
     blocks_fetched: int = 0
     """Blocks the lower tiers (`--disk`) took and gave back."""
@@ -168,9 +176,13 @@ def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig, br
             run = _lead(Engine(engine_config, ranks, scheduler), ranks, scheduler, arrivals, config, world)
             one_copy = worker.pool.num_slots * worker.pool.slot_bytes
             run = run.model_copy(update={"host_pool_bytes": host, "one_copy_bytes": one_copy})
+            if breaks.mla:
+                run = _single_writer(run, scheduler, _every_rank_sent(worker, pools), worker.pool.slot_bytes)
             result.write_text(run.model_dump_json())
         else:
             follow(rank, after_step, BlockOracle(shape, config.block_size_factor).prefix_bytes)
+            if breaks.mla:
+                _every_rank_sent(worker, pools)
     finally:
         worker.shutdown()
         if shared is not None:
@@ -180,9 +192,27 @@ def _serve_rank(index: int, world: int, kind: DeviceKind, config: DemoConfig, br
 def _register(offload: OffloadConfig, device: Device, index: int, world: int, shared: SharedHostMemory | None,
               shape: ModelShape, num_gpu_blocks: int) -> tuple[WorkerConnector, Rank, KVCaches]:
     """This rank's worker half and its caches, registered (into the shared host memory with `--mla`)."""
-    worker = WorkerConnector(offload, device, worker=index, shared_host=shared)
+    worker = WorkerConnector(offload, device, worker=index, shared_host=shared, keep_store_bytes=offload.replicated)
     rank = Rank(shape, num_gpu_blocks, device, index, world, worker, replicated=offload.replicated)
     return worker, rank, worker.register_kv_caches(rank.kv_caches, rank.layout)
+
+
+def _every_rank_sent(worker: WorkerConnector, group: dist.ProcessGroup) -> list[dict[int, int]]:
+    """Every rank's `store_bytes`, in rank order (every rank calls this once the run is over)."""
+    every: list[dict[int, int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, worker.store_bytes, group=group)
+    return [sent or {} for sent in every]
+
+
+def _single_writer(run: TpRun, scheduler: SchedulerConnector, sent: list[dict[int, int]], slot_bytes: int) -> TpRun:
+    """`run` with what the ranks' store copies sent: its totals, and `replicated-single-writer`'s violations."""
+    stored = [job for job in scheduler.jobs.values() if job.kind == "store" and job.state == TransferJobState.DONE]
+    found = [f"replicated-single-writer: {line}"
+             for line in replicated_single_writer_bytes(scheduler.jobs.values(), sent, slot_bytes)]
+    return run.model_copy(update={
+        "violations": run.violations + found,
+        "store_pcie_bytes": sum(by_job.get(job.job_id, 0) for job in stored for by_job in sent),
+        "store_one_copy_bytes": sum(len(job.cpu_slots) for job in stored) * slot_bytes})
 
 
 def _lead(engine: Engine, ranks: DistributedRanks, scheduler: SchedulerConnector, arrivals: list, config: DemoConfig,
@@ -277,6 +307,9 @@ def render(run: TpRun, found: list[str]) -> Table:
     table.add_row("CPU blocks stored / loaded (each by every rank)", f"{run.blocks_stored} / {run.blocks_loaded}")
     table.add_row("stores / loads failed (on every rank)", f"{run.stores_failed} / {run.loads_failed}")
     table.add_row("host pool bytes, all ranks / one copy", f"{run.host_pool_bytes} / {run.one_copy_bytes}")
+    if run.store_pcie_bytes is not None:
+        table.add_row("store bytes over PCIe, all ranks / one copy", f"{run.store_pcie_bytes} / "
+                                                                       f"{run.store_one_copy_bytes}")
     table.add_row("blocks written back / fetched (lower tiers, by rank 0)",
                   f"{run.blocks_written_back} / {run.blocks_fetched}")
     table.add_row("problems (invariants, bytes, tokens, outputs)", str(len(found)))

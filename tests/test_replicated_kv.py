@@ -17,12 +17,15 @@ import pytest
 import torch
 
 from kvfsm.config import OffloadConfig, store_writer
+from kvfsm.connector.refusals import StoreBytesNotKept
 from kvfsm.connector.worker import SharedHostMissing, WorkerConnector
 from kvfsm.engine.oracle import BlockOracle
 from kvfsm.engine.ranks import Rank
 from kvfsm.executor.pool import HostPool
 from kvfsm.executor.shared_host import SharedHostMemory, SharedRegionMismatch
 from kvfsm.executor.sim import SimDevice
+from kvfsm.rank_invariants import STORE_JOBS, replicated_single_writer_bytes
+from kvfsm.records import TransferJob
 from kvfsm.testing.harness import TP_SHAPE, Harness
 
 PROMPT = (11, 12, 13, 14, 15, 16, 17)
@@ -66,6 +69,52 @@ def test_mla_caches_at_two_ranks_store_and_reload_byte_exact_with_one_host_copy(
         harness.close()
 
 
+def logged_store_bytes(device: SimDevice, jobs: dict[int, TransferJob], slot_bytes: int) -> dict[int, int]:
+    """Per store job, the bytes this device's log says its store copies wrote into host slots: a slot is one GPU
+    block of every layer here, written whole by one copy; a copy of merged jobs names them all, its slot tells whose."""
+    found: dict[int, int] = {}
+    for access in device.accesses:
+        named = STORE_JOBS.match(access.label)
+        if access.actor == "store" and access.mode == "write" and access.space == "cpu" and named is not None:
+            job_id = next(j for j in map(int, named.group(1).split(",")) if access.block in jobs[j].cpu_slots)
+            found[job_id] = found.get(job_id, 0) + slot_bytes
+    return found
+
+
+@pytest.mark.parametrize("mutant", [None, "every-rank-writes"])
+def test_the_bytes_each_rank_sent_per_store_job_agree_with_its_device_log(mutant: str | None) -> None:
+    """What `replicated_single_writer_bytes` reads where no device log exists (a GPU), against the log: four
+    prompts stored in one step, each rank's share merged into one pipeline of two-block chunks, so that one copy
+    ends a job and begins the next."""
+    harness = Harness([SimDevice(), SimDevice()], num_gpu_blocks=16, cpu_blocks=12, shape=TP_SHAPE,
+                      replicated=True, mutant=mutant, staging_blocks=2)
+    try:
+        for prompt in (PROMPT, PROMPT[:5], (21, 22, 23, 24, 25, 26, 27), (31, 32, 33, 34, 35)):
+            harness.add_request(prompt, 2)
+        harness.drain()
+        slot_bytes = harness.connector.workers[0].pool.slot_bytes
+        sent = [worker.store_bytes for worker in harness.connector.workers]
+        assert sent == [logged_store_bytes(device, harness.world.jobs, slot_bytes) for device in harness.devices]
+        assert sum(map(len, sent)) > 0, "no store was copied"
+    finally:
+        harness.close()
+
+
+def test_control_every_rank_writes_is_caught_from_the_bytes_each_rank_sent() -> None:
+    """Both halves of the rule, read from the counts alone: a rank sent bytes of a store it is not the writer of,
+    and each store crossed PCIe once per rank, not once."""
+    harness = replicated_ranks("every-rank-writes")
+    try:
+        store_then_reload(harness)
+        stored = [job for job in harness.world.jobs.values() if job.kind == "store" and job.state == "done"]
+        sent = [worker.store_bytes for worker in harness.connector.workers]
+        found = replicated_single_writer_bytes(stored, sent, harness.connector.workers[0].pool.slot_bytes)
+        assert any(" whose writer is rank " in line for line in found), found
+        assert any(" crossed PCIe as " in line for line in found), found
+    finally:
+        harness.close()
+
+
 def test_each_replicated_store_crosses_to_the_host_once_from_its_writer_rank() -> None:
     harness = replicated_ranks()
     try:
@@ -75,6 +124,8 @@ def test_each_replicated_store_crosses_to_the_host_once_from_its_writer_rank() -
                      for rank in (0, 1)]
         writes = [slot_writes(device) for device in harness.devices]
         assert sum(by_writer) > 0 and writes == by_writer, f"slot writes by rank {writes}, by writer {by_writer}"
+        sent = [worker.store_bytes for worker in harness.connector.workers]
+        assert replicated_single_writer_bytes(stores, sent, harness.connector.workers[0].pool.slot_bytes) == []
     finally:
         harness.close()
 
@@ -123,6 +174,14 @@ def test_replicated_over_several_ranks_without_shared_host_memory_is_refused_bef
     assert device.host_bytes == 0
 
 
+def test_store_bytes_of_a_worker_that_keeps_none_is_refused_by_name() -> None:
+    """An engine's worker keeps no count per job (an entry per store for its lifetime): asking it is an error, not an
+    empty count that would read as a rank that copied nothing."""
+    worker = WorkerConnector(OffloadConfig(cpu_blocks=4, gpu_block_size=TP_SHAPE.block_size), SimDevice())
+    with pytest.raises(StoreBytesNotKept, match="worker 0: store_bytes is kept only by a worker built with"):
+        _ = worker.store_bytes
+
+
 def test_the_oracle_names_the_mla_bytes_a_replicated_rank_stores() -> None:
     """The oracle's "mla" bytes are what the registered MLA-shaped caches hold, block for block."""
     rank = Rank(TP_SHAPE, 2, SimDevice(), index=1, world=2, replicated=True)
@@ -137,11 +196,11 @@ def test_the_oracle_names_the_mla_bytes_a_replicated_rank_stores() -> None:
 # --- two rank processes: python -m kvfsm.tp --mla ------------------------------------------------------------------
 
 
-def tp_run(tmp_path: Path, *args: str) -> tuple[int, dict]:
+def tp_run(tmp_path: Path, *args: str, device: str = "cpu") -> tuple[int, dict]:
     out = tmp_path / "run.json"
     repo = str(Path(__file__).parents[1])  # the rank processes import this checkout's kvfsm
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "kvfsm.tp", "--device", "cpu", "--mla", *SMALL, "--json", str(out),
+    done = subprocess.run([sys.executable, "-m", "kvfsm.tp", "--device", device, "--mla", *SMALL, "--json", str(out),
                            *args], capture_output=True, text=True, timeout=RUN_LIMIT_S, env=env)
     assert out.exists(), done.stdout + done.stderr
     return done.returncode, json.loads(out.read_text())
@@ -155,6 +214,7 @@ def test_two_gloo_ranks_store_reload_and_write_back_mla_byte_exact_with_one_host
     assert run["found"] == [] and code == 0
     assert run["blocks_loaded"] > 0 and run["cpu_hit_tokens"] > 0, "nothing was reloaded"
     assert run["host_pool_bytes"] == run["one_copy_bytes"] > 0, "the ranks' host pools are not one copy"
+    assert run["store_pcie_bytes"] == run["store_one_copy_bytes"] > 0, "the stores did not cross PCIe once"
     assert run["blocks_written_back"] > 0 and run["blocks_fetched"] > 0, "nothing went through the disk"
     assert run["loads_failed"] == 0, "a rank's load failed its checksum"
 
@@ -168,8 +228,11 @@ def test_two_gloo_ranks_with_mla_ride_out_a_failing_rank(tmp_path: Path) -> None
 
 
 def test_control_every_rank_writes_is_caught_across_processes(tmp_path: Path) -> None:
+    """Caught twice: by each rank's device log, and by the bytes each rank's worker sent (what a GPU run reads)."""
     code, run = tp_run(tmp_path, "--control", "every-rank-writes")
-    assert code == 1 and any("replicated-single-writer" in line for line in run["found"]), run["found"]
+    assert code == 1 and any(line.startswith("rank 1: replicated-single-writer") for line in run["found"])
+    assert any(line.startswith("replicated-single-writer: rank 1 copied") for line in run["found"]), run["found"]
+    assert run["store_pcie_bytes"] == 2 * run["store_one_copy_bytes"] > 0
 
 
 def test_with_mla_completing_on_the_first_report_is_caught_with_no_skew_and_no_failing_rank(tmp_path: Path) -> None:
@@ -188,6 +251,17 @@ def test_two_nccl_ranks_store_and_reload_mla_with_one_pinned_host_copy(tmp_path:
     run = json.loads(out.read_text())
     assert run["found"] == [] and run["device"] == "cuda" and run["blocks_loaded"] > 0
     assert run["host_pool_bytes"] == run["one_copy_bytes"]
+    assert run["store_pcie_bytes"] == run["store_one_copy_bytes"] > 0, "the stores did not cross PCIe once"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_on_two_gpus_control_every_rank_writes_is_caught_by_replicated_single_writer(tmp_path: Path) -> None:
+    """A GPU keeps no device log: the bytes each rank's worker sent are what catch a rank copying another's store."""
+    code, run = tp_run(tmp_path, "--control", "every-rank-writes", device="cuda")
+    assert code == 1 and run["device"] == "cuda"
+    assert any(line.startswith("replicated-single-writer: rank 1 copied") for line in run["found"]), run["found"]
+    assert run["store_pcie_bytes"] == 2 * run["store_one_copy_bytes"] > 0
 
 
 def test_the_mla_bench_moves_and_pins_one_copy_at_tp2_and_two_with_a_pool_per_rank() -> None:

@@ -60,7 +60,8 @@ class Connector:
         """With replicated KV over several ranks: the one host pool they share (its region removed once the last
         rank's pool is closed)."""
         self.workers = [WorkerConnector(config, each, worker=rank, machines=self.machines, tier_io=tier_io,
-                                        keep_lookups=keep_history, shared_host=self.shared_host)
+                                        keep_lookups=keep_history, shared_host=self.shared_host,
+                                        keep_store_bytes=keep_history)
                         for rank, each in enumerate(devices)]
         self.keep_history = keep_history
         self._scheduler: SchedulerConnector | None = None

@@ -75,6 +75,10 @@ class NotRegistered(IllegalCall, RuntimeError):
     """The scheduler half was used, or a transfer ordered, before `register_kv_caches`."""
 
 
+class StoreBytesNotKept(IllegalCall):
+    """`WorkerConnector.store_bytes` was read from a worker built without `keep_store_bytes`."""
+
+
 class UnknownJob(IllegalCall, KeyError):
     """A worker reported a job the scheduler does not have in flight for it, or reported it twice."""
 

@@ -10,6 +10,10 @@ With replicated KV (`OffloadConfig.replicated`: the ranks share one host pool) a
 alone (`replicated-single-writer`); on every other rank the job copies nothing and ends behind an event on the
 store stream, so it is reported as any store is. The scheduler half still ends it only on every rank's report,
 the writer's included, so no rank loads the slot before the writer's copy completed (`every-rank-reports`).
+
+What this worker sent GPU to CPU can be kept per job (`sent`): counted as each copy is enqueued, below the choice of
+which stores this rank copies, so a rank that copies another's store shows in it on a device that keeps no access
+log (a GPU); `python -m kvfsm.tp --mla` checks it (`replicated-single-writer`).
 """
 
 from __future__ import annotations
@@ -30,11 +34,14 @@ class WorkerStores:
     """One worker's stores between their order and their last copy sent."""
 
     def __init__(self, records: WorkerJobs, device: Device, transfers: Callable[[], Transfers],
-                 copies: Callable[[int], bool] = lambda job_id: True) -> None:
+                 copies: Callable[[int], bool] = lambda job_id: True, keep_sent: bool = False) -> None:
         """`transfers`: the worker's transfers, asked for at each use (they exist once its caches are registered);
-        `copies`: whether this worker copies the store of a job id (with replicated KV, only its writer does)."""
+        `copies`: whether this worker copies the store of a job id (with replicated KV, only its writer does);
+        `keep_sent`: keep `sent` (an entry per store job: for checks, not for an engine's lifetime)."""
         self._records = records
         self.copies = copies
+        self.sent: dict[int, int] | None = {} if keep_sent else None
+        """With `keep_sent`: bytes this worker's store copies enqueued GPU to CPU, by job id."""
         self._device = device
         self._transfers = transfers
         self._planned: dict[int, tuple[Event, Chunks | Exception | None]] = {}
@@ -95,6 +102,7 @@ class WorkerStores:
         except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
             self._records.fail(job, "store", err)
             return
+        self._count((job_id,), (segments.nbytes(segment),))
         self._records.events.record_segment("store", (job_id,))
 
     def after_forward(self, orders: Sequence[StoreOrder]) -> None:
@@ -162,10 +170,18 @@ class WorkerStores:
                     if self._records.events.end(job.job_id) is None:
                         self._records.fail(job, "store", err)
                 return
+            self._count([job.job_id for job in jobs], chunks.part_bytes(chunk))
             if chunk in ending:
                 self._records.record_end(ending[chunk], "store")
 
         return [(chunks.nbytes(chunk), partial(send, chunk)) for chunk in range(chunks.count)]
+
+    def _count(self, job_ids: Sequence[int], nbytes: Sequence[int]) -> None:
+        """Add what one enqueued copy moved of each of these jobs to `sent`, if it is kept."""
+        if self.sent is not None:
+            for job_id, moved in zip(job_ids, nbytes):
+                if moved:
+                    self.sent[job_id] = self.sent.get(job_id, 0) + moved
 
     def _wait_for_compute(self, compute_done: Event) -> None:
         """store-after-compute: the store stream waits on the event recorded after the forward that wrote it."""

@@ -35,7 +35,7 @@ from kvfsm.config import OffloadConfig, moves_tier_jobs, store_writer
 from kvfsm.connector.checksums import SlotChecksums
 from kvfsm.connector.job_events import JobEvents
 from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, WorkerOutput
-from kvfsm.connector.refusals import NotRegistered
+from kvfsm.connector.refusals import NotRegistered, StoreBytesNotKept
 from kvfsm.connector.stores import WorkerStores
 from kvfsm.connector.tier_runner import TierRunner
 from kvfsm.connector.turns import Piece, send_in_turns
@@ -68,9 +68,11 @@ _RUNNING = frozenset({TransferJobState.SUBMITTED, TransferJobState.FLUSHED_ON_PR
 class WorkerConnector:
     def __init__(self, config: OffloadConfig, device: Device, worker: int = 0,
                  machines: MachineSet | None = None, tier_io: IoFactory | None = None,
-                 keep_lookups: bool = False, shared_host: SharedHostMemory | None = None) -> None:
+                 keep_lookups: bool = False, shared_host: SharedHostMemory | None = None,
+                 keep_store_bytes: bool = False) -> None:
         """`shared_host`: with `config.replicated` and several ranks, the host memory this host's ranks share (one
-        `SharedHostMemory` per process, attached to the region the first rank created)."""
+        `SharedHostMemory` per process, attached to the region the first rank created); `keep_store_bytes`: count
+        what each store job's copies moved (`store_bytes`)."""
         check_halves("WorkerConnector", config, device, worker)
         if config.replicated and config.num_workers > 1 and shared_host is None:
             raise SharedHostMissing(f"worker {worker}: replicated KV over {config.num_workers} ranks needs the "
@@ -85,7 +87,7 @@ class WorkerConnector:
         self._records = WorkerJobs(self._job, self.events, lambda: self._meta.step)
         self._stores = WorkerStores(self._records, device, lambda: self.transfers,
                                     lambda job_id: not config.replicated
-                                    or store_writer(job_id, config.num_workers) == worker)
+                                    or store_writer(job_id, config.num_workers) == worker, keep_store_bytes)
         self._shared_host = shared_host
         self._step_loads: list[int] = []
         self._load_batch: list[tuple[TransferJob, Segments]] = []
@@ -144,6 +146,15 @@ class WorkerConnector:
         if self._pool is None:
             raise NotRegistered("register_kv_caches must run before the host pool exists")
         return self._pool
+
+    @property
+    def store_bytes(self) -> dict[int, int]:
+        """Bytes this worker's store copies moved GPU to CPU (over PCIe on a GPU), by job id, counted as each copy is
+        enqueued: a job another rank copies has none here. Kept with `keep_store_bytes` only (an entry per job)."""
+        if self._stores.sent is None:
+            raise StoreBytesNotKept(f"worker {self.worker}: store_bytes is kept only by a worker built with "
+                                    "keep_store_bytes=True")
+        return self._stores.sent
 
     @property
     def lower_tiers(self) -> tuple[LowerTier, ...]:

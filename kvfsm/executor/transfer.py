@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_right
-from itertools import accumulate, chain
+from itertools import accumulate, chain, pairwise
 from typing import Sequence
 
 import torch
@@ -303,6 +303,13 @@ class Chunks:
     def nbytes(self, chunk: int) -> int:
         """Bytes chunk `chunk` moves."""
         return (self._bounds[chunk + 1] - self._bounds[chunk]) * self._transfers._caches.gpu_block_bytes
+
+    def part_bytes(self, chunk: int) -> tuple[int, ...]:
+        """Bytes chunk `chunk` moves of each part (job), in part order: a chunk of merged stores may end one job and
+        begin the next, and what each job sent is counted per job (`WorkerConnector.store_bytes`)."""
+        start, stop, block_bytes = self._bounds[chunk], self._bounds[chunk + 1], self._transfers._caches.gpu_block_bytes
+        return tuple(max(0, min(stop, end) - max(start, begin)) * block_bytes
+                     for begin, end in pairwise(accumulate(self._sizes, initial=0)))
 
     def enqueue(self, chunk: int, label: str) -> None:
         """Enqueue chunk `chunk` on the store stream (chunks go out in order, the first behind the stream)."""

@@ -28,6 +28,7 @@ from kvfsm.engine.world import EngineWorld
 from kvfsm.executor.device import Device
 from kvfsm.invariants import check_all
 from kvfsm.machines import Backend, MachineSet
+from kvfsm.rank_invariants import replicated_single_writer_bytes
 from kvfsm.states import CpuBlockState
 from kvfsm.states import TierEntryState as Entry
 from kvfsm.testing.copy_faults import FaultInjector
@@ -262,7 +263,17 @@ class Harness:
             found.append("drained: the engine still has work after draining")
         found += [f"drained: request {r.req_id} is {r.state}, not released"
                   for r in self.connector.scheduler.tracked.values()]
-        return found
+        return found + self._single_writer_bytes()
+
+    def _single_writer_bytes(self) -> list[str]:
+        """With replicated KV: `replicated-single-writer` from the bytes each rank's worker sent, as `python -m
+        kvfsm.tp --mla` checks it, so a harness on GPUs (which keep no device log) checks the rule too."""
+        workers = self.connector.workers
+        if not (self.connector.config.replicated and self.connector.keep_history):
+            return []
+        sent = [worker.store_bytes for worker in workers]
+        return [f"replicated-single-writer: {line}"
+                for line in replicated_single_writer_bytes(self.world.jobs.values(), sent, workers[0].pool.slot_bytes)]
 
     def close(self) -> None:
         """Stop tracing and release the pinned pool (on CUDA an unreleased registration outlives the memory)."""
