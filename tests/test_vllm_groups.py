@@ -5,7 +5,7 @@ A sliding-window group stores and reloads only the window at the end of a prefix
 written; a block vLLM takes back out of a running request's window while its store still reads it is fenced
 (`window-fence`) before vLLM hands it out again. Every scenario runs traced against the spec, with the named
 invariants after each step, the harness's checks on vLLM's own tables (per group) and the drain at the end; each
-rule has a control that breaks it and is caught. A state-space (Mamba) group is refused by name. Skipped without vLLM.
+rule has a control that breaks it and is caught (state-space groups: `test_vllm_mamba.py`). Skipped without vLLM.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.config import KVEventsConfig  # noqa: E402
@@ -211,14 +210,18 @@ def test_an_aborted_loading_request_keeps_every_groups_blocks_until_its_loads_en
     assert d.cpu_pool_drained()
 
 
-def test_control_an_abort_not_passed_on_leaves_the_groups_undrained(hybrid, monkeypatch) -> None:
-    d = hybrid(FakeWorker(load_steps=4), gpu_blocks=16)
+def abort_not_passed_on_is_caught(d: Driver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Control: the adapter never hears of the reader's abort, so its groups never drain, and the drain check says so."""
     side = d.connector.scheduler_side
     original = side.request_finished
     monkeypatch.setattr(side, "request_finished",
                         lambda request: (False, None) if request.request_id == "reader" else original(request))
     with pytest.raises(SpecViolation, match="drained: request reader"):
         abort_while_loading(d)
+
+
+def test_control_an_abort_not_passed_on_leaves_the_groups_undrained(hybrid, monkeypatch) -> None:
+    abort_not_passed_on_is_caught(hybrid(FakeWorker(load_steps=4), gpu_blocks=16), monkeypatch)
 
 
 class HybridWorker(AdapterWorker):
@@ -288,12 +291,6 @@ def test_control_groups_sharing_keys_collide_in_the_cpu_pool(model, monkeypatch)
             reloaded_bytes(d, worker)
     finally:
         d.close()
-
-
-def test_a_state_space_group_is_refused_by_name(model) -> None:
-    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float16,))
-    with pytest.raises(UnsupportedKVCache, match="group 1 is a MambaSpec"):
-        Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), hybrid_cache(48, mamba))
 
 
 def stored_events(d: Driver, monkeypatch) -> list[bytes]:  # type: ignore[no-untyped-def]

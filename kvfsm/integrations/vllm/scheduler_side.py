@@ -13,9 +13,10 @@ Two places where vLLM's protocol differs from kvfsm's, bridged here and nowhere 
   a failed load's token could not be taken back: CPU hits then load asynchronously whatever `layer_loads` says
   (`no-inline-load-under-async-scheduling`), and start-up logs it once.
 Under vLLM's hybrid allocator each KV-cache group of a request is a request of its own in kvfsm's scheduler
-(`groups`): a lookup offers a prefix only as far as every group holds it (a sliding-window group its window), vLLM
-hears of a load or a release once every group's is done, and a sliding window's left-behind blocks are told to kvfsm
-(`slide`) before the step that may hand them out is planned.
+(`groups`): a lookup offers a prefix only as far as every group holds it (a sliding-window group its window, a
+state-space group the state at its end), vLLM hears of a load or a release once every group's is done, and a sliding
+window's (or a state's) left-behind blocks are told to kvfsm (`slide`) before the step that may hand them out is
+planned.
 The lower tiers' bytes live in the workers; this process plans every write-back and fetch against an index of each
 tier fed by the workers' reports (`tier_index`), whose orders and discards go out in the step's metadata.
 """
@@ -75,8 +76,9 @@ class UnexpectedAllocation(RuntimeError):
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
         block_bytes = gpu_block_bytes(kv_cache_config)
-        self.groups = offloaded_groups(kv_cache_config, config.gpu_block_size)
-        self.windows = tuple(g for g in self.groups if g.window is not None)
+        self.groups = offloaded_groups(kv_cache_config, config.gpu_block_size, config.block_size_factor)
+        self.windows = tuple(g for g in self.groups if g.trailing)
+        """The groups vLLM keeps only the end of (sliding windows, states): matched, stored and slid as windows."""
         machines = MachineSet(scheduler.default_spec())  # the spec the connector would load (tests swap it there)
         self.tier_index = TierIndexes(config, config.block_size_factor * block_bytes, machines)
         """The lower tiers' indexes: the workers hold the bytes, this process decides every write-back and fetch."""
@@ -116,24 +118,17 @@ class SchedulerSide:
         return match
 
     def _match_windows(self, view: RequestView, computed: int, match: tuple[int, bool]) -> tuple[int, bool] | None:
-        """The full-attention hit kept only if every sliding-window group holds its whole window ending there, each
-        window looked up and offered as its own request's hit; None defers (a window block is busy)."""
+        """The full-attention hit kept only if every sliding-window group holds its whole window ending there (a
+        state group its state there), each looked up as its own request and offered with it; None defers (a window
+        block is busy)."""
         block_size = self.kvfsm.config.gpu_block_size
         end = (computed + match[0]) // block_size
-        whole = True
         for group in self.windows:
             start = max(computed // block_size, group.first_kept(end * block_size, block_size))
-            found = self.kvfsm.get_num_new_matched_tokens(GroupView(view, group, self.codec), start * block_size)
-            if found is None:
+            if self.kvfsm.get_num_new_matched_tokens(GroupView(view, group, self.codec), start * block_size) is None:
                 return None
-            whole = whole and start + found[0] // block_size >= end
-            self.kvfsm.limit_match(group.request_id(view.request_id), end)
-        if whole:
-            return match
-        for group in self.windows:
-            self.kvfsm.limit_match(group.request_id(view.request_id), 0)
-        self.kvfsm.limit_match(view.request_id, 0)
-        return 0, False
+        partners = [g.request_id(view.request_id) for g in self.windows]
+        return match if self.kvfsm.match_together(view.request_id, partners, end) else (0, False)
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         views = self._matched.pop(request.request_id, None)
@@ -153,7 +148,8 @@ class SchedulerSide:
                 first, count = self.kvfsm.requests[view.request_id].match or (0, 0)
                 tokens = (end - first) * block_size if count else 0
             self.kvfsm.update_state_after_alloc(view, group_block_ids(blocks, group), tokens,
-                                                store_from=group.first_kept(prompt_end, block_size))
+                                                store_from=group.first_kept(prompt_end, block_size),
+                                                state_of=request.request_id if group.state else None)
         if len(views) > 1:
             self._waiting[request.request_id] = {v.request_id for v in views
                                                  if self.kvfsm.requests[v.request_id].state == RequestState.LOADING}
