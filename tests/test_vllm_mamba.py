@@ -31,6 +31,7 @@ from test_vllm_groups import (  # noqa: E402
     abort_while_loading,
     no_null_block,
     preemption_storm,
+    slide_then_reuse,
     stores_of,
 )
 from test_vllm_lazy_fence import handed_out  # noqa: E402
@@ -84,14 +85,32 @@ def test_a_prefix_reloads_every_full_block_and_only_the_state_at_its_end(mamba) 
     d = mamba()
     store_prefix(d)
     d.add("reader", PREFIX + [9])
+    d.step()
+    state_table = d.scheduler.kv_cache_manager.get_block_ids("reader")[1]
     d.run()
     blocks = len(PREFIX) // BLOCK_SIZE
     assert [len(s) for s in stores_of(d, "writer@g1")] == [1], "the state group stored more than its last state"
     (full,) = loads_of(d, "reader")
     (state,) = loads_of(d, "reader@g1")
-    assert (len(full.gpu_blocks), len(state.gpu_blocks)) == (blocks, 1)
-    table = d.scheduler.kv_cache_manager.get_block_ids("reader")[1] if "reader" in d.scheduler.requests else None
-    assert table is None or state.gpu_blocks == (table[blocks - 1],)
+    assert (len(full.gpu_blocks), state.gpu_blocks) == (blocks, (state_table[blocks - 1],))
+    no_null_block(d)
+    assert d.cpu_pool_drained()
+
+
+def test_a_prefix_cached_in_part_on_the_gpu_loads_the_rest_and_the_state_at_its_end(mamba) -> None:
+    """A 48-token request leaves vLLM's GPU prefix cache the first three blocks and the state after them; a reader of
+    the whole stored prefix loads only the fourth block and the state after it, into the block vLLM gave it there."""
+    d = mamba()
+    store_prefix(d)
+    d.add("mid", PREFIX[:3 * BLOCK_SIZE] + [5])
+    d.run()
+    d.add("reader", PREFIX + [9])
+    d.step()
+    state_table = d.scheduler.kv_cache_manager.get_block_ids("reader")[1]
+    d.run()
+    (full,) = loads_of(d, "reader")
+    (state,) = loads_of(d, "reader@g1")
+    assert (len(full.gpu_blocks), state.gpu_blocks) == (1, (state_table[3],))
     no_null_block(d)
     assert d.cpu_pool_drained()
 
@@ -116,38 +135,29 @@ def test_control_a_prefix_restored_without_its_state_breaks_state_at_prefix_end(
         d.run()
 
 
-def run_past_the_stored_state(d: Driver) -> None:
-    """The writer decodes past the block holding its prompt's state while the store still copies it: vLLM takes
-    that block back and hands it to a request arriving then."""
-    d.add("writer", PREFIX + [1, 2, 3], max_tokens=3 * BLOCK_SIZE)
-    for _ in range(BLOCK_SIZE + 2):
-        d.step()
-    d.add("taker", list(range(3000, 3000 + 2 * BLOCK_SIZE + 1)), max_tokens=2)
-    d.run(max_steps=120)
-
-
 def test_a_state_block_left_behind_is_fenced_before_vllm_hands_it_out(mamba) -> None:
-    d = mamba(FakeWorker(store_steps=60), gpu_blocks=12)
+    d = mamba(FakeWorker(store_steps=40), gpu_blocks=14)
     handed = handed_out(d)
-    run_past_the_stored_state(d)
-    (state_store,) = stores_of(d, "writer@g1")[:1]
+    slide_then_reuse(d)
+    state_store = stores_of(d, "writer@g1")[0]
     assert set(handed) & set(state_store), "vLLM handed out no block of the stored state"
     no_null_block(d)
     assert d.cpu_pool_drained()
 
 
 def test_control_without_the_slide_a_state_block_is_written_under_its_store(mamba) -> None:
-    d = mamba(FakeWorker(store_steps=60), gpu_blocks=12)
+    d = mamba(FakeWorker(store_steps=40), gpu_blocks=14)
     d.connector.scheduler_side.kvfsm.slide = lambda request_id, block_ids: None  # type: ignore[method-assign]
     with pytest.raises(HeldBlockReleased, match="writer@g1"):
-        run_past_the_stored_state(d)
+        slide_then_reuse(d)
 
 
 def test_preemption_with_stores_in_flight_flushes_the_states_stores_too(mamba) -> None:
     d = mamba(FakeWorker(store_steps=3, load_steps=2), gpu_blocks=16)
     preemption_storm(d)
-    assert any(log.orders.flush for log in d.log), "no store was flushed by a preemption"
-    assert any(order.req_id.endswith("@g1") for log in d.log for order in log.orders.stores)
+    flushed = {job_id for log in d.log for job_id in log.orders.flush}
+    states = {order.job_id for log in d.log for order in log.orders.stores if order.req_id.endswith("@g1")}
+    assert flushed & states, "no state's store was flushed by a preemption"
     no_null_block(d)
     assert d.cpu_pool_drained()
 

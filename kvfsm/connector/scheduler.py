@@ -159,10 +159,9 @@ class SchedulerConnector(LedgerTables):
         return None
 
     def match_together(self, request_id: str, partners: Sequence[str], end_block: int) -> bool:
-        """Offer the looked-up request's CPU hit, and each looked-up partner's (another KV-cache group of the same
-        engine request: a sliding window, a state), only up to GPU block `end_block`, and only if every partner's
-        hit reaches it: an engine with several groups loads a prefix only as far as every group can (a window needs
-        its whole window there, a state its block ending there). Otherwise none of them is offered; False."""
+        """Offer the looked-up request's CPU hit and its partners' (other KV-cache groups of one engine request) only
+        up to GPU block `end_block`, and only if every partner's reaches it (a window needs its whole window there, a
+        state its block ending there, `state-at-prefix-end`); else none of them (False)."""
         records = [self._get(request_id), *map(self._get, partners)]
         whole = all(sum(r.match or (0, 0)) >= end_block for r in records[1:])
         for record in records:
