@@ -28,7 +28,7 @@ from vllm.distributed.kv_events import BlockStored  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, groups  # noqa: E402
+from kvfsm.integrations.vllm import KvfsmConnector, groups  # noqa: E402
 from kvfsm.integrations.vllm.convert import computed_before  # noqa: E402
 from kvfsm.connector.refusals import StaleMatch  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
@@ -129,21 +129,29 @@ def slide_then_reuse(d: Driver) -> None:
     d.run(max_steps=80)
 
 
-def test_a_block_the_window_left_behind_is_fenced_before_vllm_hands_it_out(hybrid) -> None:
-    d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
+def left_behind_then_fenced(d: Driver) -> None:
+    """`slide_then_reuse`, vLLM handing out a block of the writer's second group's first store while it still runs;
+    the fence held it (the harness's checks), nothing read vLLM's null block and everything drained."""
     handed = handed_out(d)
     slide_then_reuse(d)
-    window_store = stores_of(d, "writer@g1")[0]
-    assert set(handed) & set(window_store), "vLLM handed out none of the window's stored blocks"
+    assert set(handed) & set(stores_of(d, "writer@g1")[0]), "vLLM handed out none of the group's stored blocks"
     no_null_block(d)
     assert d.cpu_pool_drained()
 
 
-def test_control_without_the_slide_a_left_behind_block_is_written_under_its_store(hybrid) -> None:
-    d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
+def unslid_written_under_store(d: Driver) -> None:
+    """Control: the adapter never tells kvfsm what vLLM took back, and the harness sees a block taken back unfenced."""
     d.connector.scheduler_side.kvfsm.slide = lambda request_id, block_ids: None  # type: ignore[method-assign]
     with pytest.raises(HeldBlockReleased, match="writer@g1"):  # taken back unfenced, then written
         slide_then_reuse(d)
+
+
+def test_a_block_the_window_left_behind_is_fenced_before_vllm_hands_it_out(hybrid) -> None:
+    left_behind_then_fenced(hybrid(FakeWorker(store_steps=40), gpu_blocks=14))
+
+
+def test_control_without_the_slide_a_left_behind_block_is_written_under_its_store(hybrid) -> None:
+    unslid_written_under_store(hybrid(FakeWorker(store_steps=40), gpu_blocks=14))
 
 
 SLIDE_MUTANTS = {m.name: m for m in spec_mutants() if "(slide running -> running)" in m.name}
@@ -211,7 +219,7 @@ def test_an_aborted_loading_request_keeps_every_groups_blocks_until_its_loads_en
 
 
 def abort_not_passed_on_is_caught(d: Driver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Control: the adapter never hears of the reader's abort, so its groups never drain, and the drain check says so."""
+    """Control: the adapter never hears of the reader's abort, so its groups never drain; the drain check says so."""
     side = d.connector.scheduler_side
     original = side.request_finished
     monkeypatch.setattr(side, "request_finished",
@@ -317,3 +325,17 @@ def test_control_unfiltered_events_cannot_be_told_as_vllm_hashes(hybrid, monkeyp
     monkeypatch.setattr(side_module, "is_first_group_key", lambda key, width: True)
     with pytest.raises(OverflowError):
         stored_events(hybrid(kv_events=True), monkeypatch)
+
+
+def test_under_async_scheduling_a_window_slides_only_behind_processed_tokens(model) -> None:
+    """vLLM's async scheduling keeps a step in flight: vLLM frees a window's blocks only behind the tokens whose step's
+    output it processed, and kvfsm's tables follow it (the harness compares both every step)."""
+    d = Driver(vllm_config(model, {"cpu_blocks": 32}, 48, async_scheduling=True),
+               FakeWorker(store_steps=2, load_steps=2), hybrid_cache(48))
+    try:
+        store_prefix(d)
+        d.add("reader", PREFIX + [9], max_tokens=BLOCK_SIZE)
+        d.run(max_steps=80)
+        assert loads_of(d, "reader@g1") and d.cpu_pool_drained()
+    finally:
+        d.close()

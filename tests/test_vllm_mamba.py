@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec  # noqa: E402
 
-from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, groups  # noqa: E402
+from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, convert, groups  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.convert import computed_before  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
@@ -29,12 +29,12 @@ from kvfsm.testing.mutants import restore_without_state  # noqa: E402
 from test_vllm_groups import (  # noqa: E402
     abort_not_passed_on_is_caught,
     abort_while_loading,
+    left_behind_then_fenced,
     no_null_block,
     preemption_storm,
-    slide_then_reuse,
     stores_of,
+    unslid_written_under_store,
 )
-from test_vllm_lazy_fence import handed_out  # noqa: E402
 from vllm_harness import AdapterWorker, Driver, HeldBlockReleased  # noqa: E402
 from vllm_support import PREFIX, hide_preemptions, loads_of, model, store_prefix  # noqa: E402,F401
 
@@ -59,9 +59,9 @@ def mamba_cache(num_blocks: int, state: MambaSpec | None = None) -> KVCacheConfi
         KVCacheGroupSpec([FULL], FullAttentionSpec(**SHAPE)), KVCacheGroupSpec([STATE], state or state_spec())])
 
 
-def align_config(model, gpu_blocks: int):  # type: ignore[no-untyped-def]
+def align_config(model, gpu_blocks: int, async_scheduling: bool = False):  # type: ignore[no-untyped-def]
     """vLLM's configuration in "align" mode: its scheduler ends every prefill chunk at a block's end."""
-    config = vllm_config(model, {"cpu_blocks": 32}, gpu_blocks)
+    config = vllm_config(model, {"cpu_blocks": 32}, gpu_blocks, async_scheduling=async_scheduling)
     config.cache_config.mamba_cache_mode = "align"
     return config
 
@@ -71,8 +71,8 @@ def mamba(model) -> Iterator:
     """Builds drivers on the full + Mamba configuration and stops their tracing afterwards."""
     opened: list[Driver] = []
 
-    def build(worker: FakeWorker | None = None, gpu_blocks: int = 48) -> Driver:
-        d = Driver(align_config(model, gpu_blocks), worker or FakeWorker(), mamba_cache(gpu_blocks))
+    def build(worker: FakeWorker | None = None, gpu_blocks: int = 48, async_scheduling: bool = False) -> Driver:
+        d = Driver(align_config(model, gpu_blocks, async_scheduling), worker or FakeWorker(), mamba_cache(gpu_blocks))
         opened.append(d)
         return d
 
@@ -115,6 +115,13 @@ def test_a_prefix_cached_in_part_on_the_gpu_loads_the_rest_and_the_state_at_its_
     assert d.cpu_pool_drained()
 
 
+def decode_past_the_loaded_state(d: Driver) -> None:
+    """A reader loads the stored prefix and its state, then decodes past the block holding that state."""
+    store_prefix(d)
+    d.add("reader", PREFIX + [9], max_tokens=BLOCK_SIZE)
+    d.run(max_steps=80)
+
+
 def test_a_state_that_was_not_stored_is_no_hit(mamba) -> None:
     """Only the state at the writer's prompt end (64 tokens) was stored: a 48-token prefix's blocks are in CPU, its
     state is not, so nothing is offered and vLLM computes the prefix itself."""
@@ -136,20 +143,30 @@ def test_control_a_prefix_restored_without_its_state_breaks_state_at_prefix_end(
 
 
 def test_a_state_block_left_behind_is_fenced_before_vllm_hands_it_out(mamba) -> None:
-    d = mamba(FakeWorker(store_steps=40), gpu_blocks=14)
-    handed = handed_out(d)
-    slide_then_reuse(d)
-    state_store = stores_of(d, "writer@g1")[0]
-    assert set(handed) & set(state_store), "vLLM handed out no block of the stored state"
-    no_null_block(d)
-    assert d.cpu_pool_drained()
+    left_behind_then_fenced(mamba(FakeWorker(store_steps=40), gpu_blocks=14))
 
 
 def test_control_without_the_slide_a_state_block_is_written_under_its_store(mamba) -> None:
-    d = mamba(FakeWorker(store_steps=40), gpu_blocks=14)
-    d.connector.scheduler_side.kvfsm.slide = lambda request_id, block_ids: None  # type: ignore[method-assign]
-    with pytest.raises(HeldBlockReleased, match="writer@g1"):
-        slide_then_reuse(d)
+    unslid_written_under_store(mamba(FakeWorker(store_steps=40), gpu_blocks=14))
+
+
+def test_under_async_scheduling_the_state_slides_only_behind_processed_tokens(mamba) -> None:
+    """vLLM's async scheduling keeps a step in flight: vLLM frees a state block only once the output of the step
+    that moved past it was processed, and kvfsm's table follows it (the harness compares both every step)."""
+    d = mamba(FakeWorker(store_steps=2, load_steps=2), async_scheduling=True)
+    decode_past_the_loaded_state(d)
+    assert loads_of(d, "reader@g1")
+    assert d.cpu_pool_drained()
+
+
+def test_control_in_flight_tokens_ignored_slide_the_state_before_vllm_frees_it(mamba, monkeypatch) -> None:
+    """The writer's state at 64 tokens, slid as soon as vLLM scheduled past it: vLLM still holds it (its step is in
+    flight), and the harness's comparison of both tables catches it."""
+    monkeypatch.setattr(convert.RequestView, "in_flight_tokens", property(lambda view: 0))
+    d = mamba(FakeWorker(store_steps=2, load_steps=2), async_scheduling=True)
+    stale = r"adapter has writer's blocks as \[0, 0, 0, 0, 7\], vLLM holds \[0, 0, 0, 5, 7\]"
+    with pytest.raises(AssertionError, match=stale):
+        decode_past_the_loaded_state(d)
 
 
 def test_preemption_with_stores_in_flight_flushes_the_states_stores_too(mamba) -> None:

@@ -165,13 +165,15 @@ class SchedulerSide:
 
     def _slide(self, output: "SchedulerOutput", before: dict[str, int]) -> None:
         """Tell kvfsm which blocks vLLM took back this step from each scheduled request's sliding windows (vLLM
-        frees what a window no longer reads as it allocates the step, by the same arithmetic)."""
+        frees what a window no longer reads as it allocates the step, by the same arithmetic, counting only the
+        tokens whose step's output it has processed: under async scheduling a step in flight still reads below)."""
         block_size = self.kvfsm.config.gpu_block_size
-        tables = self.block_tables
+        tables, requests = self.block_tables, self.kvfsm.requests
+        processed = {r: before[r] - requests[r].view.in_flight_tokens for r in output.num_scheduled_tokens}
         for group in self.windows:
             for req_id in output.num_scheduled_tokens:
                 tracked = group.request_id(req_id)
-                left = tables.left_behind(tracked, group.first_kept(before[req_id], block_size), NULL_BLOCK)
+                left = tables.left_behind(tracked, group.first_kept(processed[req_id], block_size), NULL_BLOCK)
                 if left:
                     self.kvfsm.slide(tracked, left)
                 record = self.kvfsm.requests[tracked]
