@@ -1,12 +1,12 @@
 """A state-space (Mamba) KV-cache group under vLLM 0.32's hybrid allocator, with vLLM's real Scheduler: a full-attention
 group beside a Mamba group in vLLM's "align" cache mode, where each Mamba block holds the state after its last token.
 
-kvfsm stores only the state at a prompt's last whole block, and restores it only with the attention prefix it belongs
-to, at that prefix's end (`state-at-prefix-end`); the blocks vLLM takes back behind the state a request runs on are
-fenced as a sliding window's are (`window-fence`). Every scenario runs traced against the spec, with the named
-invariants after each step, the harness's checks on vLLM's own tables (per group) and the drain at the end; each rule
-has a control that breaks it and is caught. Any other cache mode, or a state kvfsm would store beside states vLLM never
-kept, is refused by name. Skipped without vLLM.
+kvfsm stores states from a prompt's last whole block on (none of its earlier chunks'), and restores one only with the
+attention prefix it belongs to, at that prefix's end (`state-at-prefix-end`); the blocks vLLM takes back behind the
+state a request runs on are fenced as a sliding window's are (`window-fence`). Every scenario runs traced against the
+spec, with the named invariants after each step, the harness's checks on vLLM's own tables (per group) and the drain at
+the end; each rule has a control that breaks it and is caught. Any other cache mode, or a state kvfsm would store beside
+states vLLM never kept, is refused by name. Skipped without vLLM.
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ fences of a block whichever group reads or writes it.
   (`window_start`) and fires the request's `slide`, which leaves those its stores still read freed-while-read
   (`window-fence`).
 - A state-space group (vLLM's `MambaSpec`) in vLLM's "align" cache mode keeps, per block, the state after the block's
-  last token (vLLM ends every prefill chunk at a block's end, and keeps only the state it runs on and the one before):
-  a sliding window of one block in kvfsm's terms. Only the state block at a prompt's last whole block is stored
-  (`store_from`), a hit needs exactly the state ending where the full-attention hit ends and restores that one block
-  with the prefix (`state-at-prefix-end`), and the blocks vLLM takes back behind the running state are told to kvfsm
-  as a window's are (`slide`). Any other cache mode keeps no state at a block's end ("none": prefix caching off), a
-  state block whose table moves (speculative blocks) or a CPU block of several GPU blocks (`block_size_factor`) would
-  hold states vLLM never kept: refused by name.
+  last token (vLLM ends every prefill chunk at a block's end, and keeps only the state it runs on and the one before): a
+  sliding window of one block in kvfsm's terms. States are stored from a prompt's last whole block on (`store_from`:
+  none of the prompt's earlier chunks, then each decoded block's as it completes), a hit needs exactly the state ending
+  where the full-attention hit ends and restores that one block with the prefix (`state-at-prefix-end`), and the blocks
+  vLLM takes back behind the running state are told to kvfsm as a window's are (`slide`). Any other cache mode keeps no
+  state at a block's end ("none": prefix caching off), a state block whose table moves (speculative blocks) or a CPU
+  block of several GPU blocks (`block_size_factor`) would hold states vLLM never kept: refused by name.
 - Any other kind (chunked local attention, cross-attention, attention sinks) is refused at start-up by name.
 """
 
