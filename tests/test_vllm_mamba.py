@@ -24,7 +24,14 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, convert, groups  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.convert import computed_before  # noqa: E402
-from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
+from kvfsm.integrations.vllm.rig import (  # noqa: E402
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    SAMPLED_TOKEN,
+    FakeWorker,
+    vllm_config,
+)
 from kvfsm.testing.mutants import restore_without_state  # noqa: E402
 from test_vllm_groups import (  # noqa: E402
     abort_not_passed_on_is_caught,
@@ -232,8 +239,10 @@ class StateWorker(AdapterWorker):
         return set(self.caches[STATE][:, block_id].flatten().tolist())
 
 
-def restored(model, aligned: bool = True) -> tuple[list[list[int]], set[float]]:  # type: ignore[no-untyped-def]
-    """The writer's prefix stored, the GPU zeroed, a reader reloads it: the full blocks' tokens, the state's values.
+def restored(model, prefix: list[int], decoded: int = 0,  # type: ignore[no-untyped-def]
+             aligned: bool = True) -> tuple[list[list[int]], set[float]]:
+    """A writer's prompt (`PREFIX + [1, 2, 3]`) computed and stored with `decoded` tokens sampled after it, the GPU
+    zeroed, then a reader of `prefix` and one more token reloads it: the full blocks' tokens, the state's values.
     `aligned=False`: vLLM's scheduler does not end prefill chunks at a block's end (its "align" split off)."""
     config = align_config(model, 48)
     if not aligned:
@@ -241,10 +250,12 @@ def restored(model, aligned: bool = True) -> tuple[list[list[int]], set[float]]:
     worker = StateWorker(config)
     d = Driver(config, worker, mamba_cache(48))
     try:
-        store_prefix(d)
+        d.add("writer", PREFIX + [1, 2, 3], max_tokens=decoded or 2)
+        d.run(max_steps=80)
+        d.reset_gpu_prefix_cache()
         worker.caches[FULL].zero_()  # whatever the reader finds now came from the CPU pool
-        d.add("reader", PREFIX + [9])
-        d.run()
+        d.add("reader", prefix + [9])
+        d.run(max_steps=120)
         (full,) = loads_of(d, "reader")
         (state,) = loads_of(d, "reader@g1")
         assert d.cpu_pool_drained()
@@ -253,21 +264,29 @@ def restored(model, aligned: bool = True) -> tuple[list[list[int]], set[float]]:
         d.close()
 
 
-def check_restored_exact(model, aligned: bool = True) -> None:  # type: ignore[no-untyped-def]
-    full, state = restored(model, aligned)
-    assert full == [[t % 251 for t in PREFIX[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]] for i in range(4)]
-    assert state == {state_after(PREFIX)}, "the state restored is not the one after the prefix's last token"
+def check_restored_exact(model, prefix: list[int], decoded: int = 0,  # type: ignore[no-untyped-def]
+                         aligned: bool = True) -> None:
+    full, state = restored(model, prefix, decoded, aligned)
+    blocks = len(prefix) // BLOCK_SIZE
+    assert full == [[t % 251 for t in prefix[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]] for i in range(blocks)]
+    assert state == {state_after(prefix)}, "the state restored is not the one after the prefix's last token"
 
 
 def test_the_restored_state_is_the_one_at_the_prefix_end_byte_exact(model) -> None:
-    check_restored_exact(model)
+    check_restored_exact(model, PREFIX)
+
+
+def test_a_decoded_blocks_state_is_restored_byte_exact_too(model) -> None:
+    """The writer decodes past its prompt: the state after its first decoded block is stored as that block completes,
+    and a reader of the prompt and those sampled tokens restores it."""
+    check_restored_exact(model, PREFIX + [1, 2, 3] + [SAMPLED_TOKEN] * (BLOCK_SIZE - 3), decoded=BLOCK_SIZE)
 
 
 def test_control_chunks_not_ended_at_block_ends_leave_no_state_there_to_restore(model) -> None:
     """Without vLLM's align split the writer's prompt is computed in one chunk: its state lands in the block of its
     last token, and the block at the prompt's last whole block holds no state; the byte check catches it."""
     with pytest.raises(AssertionError, match="not the one after the prefix's last token"):
-        check_restored_exact(model, aligned=False)
+        check_restored_exact(model, PREFIX, aligned=False)
 
 
 @pytest.mark.parametrize(("state", "factor", "refusal"), [
