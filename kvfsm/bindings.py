@@ -14,6 +14,7 @@ import kvfsm.invariants  # noqa: F401  (registers the invariant predicates)
 import kvfsm.records  # noqa: F401  (registers the guards and effects)
 import kvfsm.tier_invariants  # noqa: F401  (registers the lower tiers' invariant predicates)
 import kvfsm.rank_invariants  # noqa: F401  (registers the tensor-parallel ranks' invariant predicates)
+import kvfsm.group_invariants  # noqa: F401  (registers the KV-cache groups' invariant predicates)
 import kvfsm.tier_records  # noqa: F401  (registers the lower tiers' guards and effects)
 from kvfsm.registry import REGISTRY, Registry
 from kvfsm.spec import DEFAULT_SPEC_DIR, Spec, load_spec

@@ -101,6 +101,12 @@ class RequestRecord:
     """GPU blocks its sliding window left behind while it ran (`record-slid-blocks`): the engine has them back."""
     slid_now: tuple[int, ...] = ()
     """The blocks its last `slide` left behind: what that slide frees (`slid-store-blocks`)."""
+    state_of: str | None = None
+    """The request whose prefix this one's blocks are the state of (a state-space KV-cache group's, each block the
+    state after its last token, tracked beside its prefix): restored only with that prefix, at its end
+    (`state-at-prefix-end`). None for any other request."""
+    restored: tuple[int, int, int] = (0, 0, 0)
+    """(step, first GPU block, end) of what its last allocation loaded; first == end when it loaded nothing."""
 
     @property
     def jobs_in_flight(self) -> list[TransferJob]:

@@ -5,7 +5,7 @@ A sliding-window group stores and reloads only the window at the end of a prefix
 written; a block vLLM takes back out of a running request's window while its store still reads it is fenced
 (`window-fence`) before vLLM hands it out again. Every scenario runs traced against the spec, with the named
 invariants after each step, the harness's checks on vLLM's own tables (per group) and the drain at the end; each
-rule has a control that breaks it and is caught. A state-space (Mamba) group is refused by name. Skipped without vLLM.
+rule has a control that breaks it and is caught (state-space groups: `test_vllm_mamba.py`). Skipped without vLLM.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.config import KVEventsConfig  # noqa: E402
@@ -29,7 +28,7 @@ from vllm.distributed.kv_events import BlockStored  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, groups  # noqa: E402
+from kvfsm.integrations.vllm import KvfsmConnector, groups  # noqa: E402
 from kvfsm.integrations.vllm.convert import computed_before  # noqa: E402
 from kvfsm.connector.refusals import StaleMatch  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
@@ -130,21 +129,29 @@ def slide_then_reuse(d: Driver) -> None:
     d.run(max_steps=80)
 
 
-def test_a_block_the_window_left_behind_is_fenced_before_vllm_hands_it_out(hybrid) -> None:
-    d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
+def left_behind_then_fenced(d: Driver) -> None:
+    """`slide_then_reuse`, vLLM handing out a block of the writer's second group's first store while it still runs;
+    the fence held it (the harness's checks), nothing read vLLM's null block and everything drained."""
     handed = handed_out(d)
     slide_then_reuse(d)
-    window_store = stores_of(d, "writer@g1")[0]
-    assert set(handed) & set(window_store), "vLLM handed out none of the window's stored blocks"
+    assert set(handed) & set(stores_of(d, "writer@g1")[0]), "vLLM handed out none of the group's stored blocks"
     no_null_block(d)
     assert d.cpu_pool_drained()
 
 
-def test_control_without_the_slide_a_left_behind_block_is_written_under_its_store(hybrid) -> None:
-    d = hybrid(FakeWorker(store_steps=40), gpu_blocks=14)
+def unslid_written_under_store(d: Driver) -> None:
+    """Control: the adapter never tells kvfsm what vLLM took back, and the harness sees a block taken back unfenced."""
     d.connector.scheduler_side.kvfsm.slide = lambda request_id, block_ids: None  # type: ignore[method-assign]
     with pytest.raises(HeldBlockReleased, match="writer@g1"):  # taken back unfenced, then written
         slide_then_reuse(d)
+
+
+def test_a_block_the_window_left_behind_is_fenced_before_vllm_hands_it_out(hybrid) -> None:
+    left_behind_then_fenced(hybrid(FakeWorker(store_steps=40), gpu_blocks=14))
+
+
+def test_control_without_the_slide_a_left_behind_block_is_written_under_its_store(hybrid) -> None:
+    unslid_written_under_store(hybrid(FakeWorker(store_steps=40), gpu_blocks=14))
 
 
 SLIDE_MUTANTS = {m.name: m for m in spec_mutants() if "(slide running -> running)" in m.name}
@@ -211,14 +218,18 @@ def test_an_aborted_loading_request_keeps_every_groups_blocks_until_its_loads_en
     assert d.cpu_pool_drained()
 
 
-def test_control_an_abort_not_passed_on_leaves_the_groups_undrained(hybrid, monkeypatch) -> None:
-    d = hybrid(FakeWorker(load_steps=4), gpu_blocks=16)
+def abort_not_passed_on_is_caught(d: Driver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Control: the adapter never hears of the reader's abort, so its groups never drain; the drain check says so."""
     side = d.connector.scheduler_side
     original = side.request_finished
     monkeypatch.setattr(side, "request_finished",
                         lambda request: (False, None) if request.request_id == "reader" else original(request))
     with pytest.raises(SpecViolation, match="drained: request reader"):
         abort_while_loading(d)
+
+
+def test_control_an_abort_not_passed_on_leaves_the_groups_undrained(hybrid, monkeypatch) -> None:
+    abort_not_passed_on_is_caught(hybrid(FakeWorker(load_steps=4), gpu_blocks=16), monkeypatch)
 
 
 class HybridWorker(AdapterWorker):
@@ -290,12 +301,6 @@ def test_control_groups_sharing_keys_collide_in_the_cpu_pool(model, monkeypatch)
         d.close()
 
 
-def test_a_state_space_group_is_refused_by_name(model) -> None:
-    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float16,))
-    with pytest.raises(UnsupportedKVCache, match="group 1 is a MambaSpec"):
-        Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), hybrid_cache(48, mamba))
-
-
 def stored_events(d: Driver, monkeypatch) -> list[bytes]:  # type: ignore[no-untyped-def]
     """A prefix stored with vLLM's KV-cache events on; the block hashes of every CPU `BlockStored` kvfsm published."""
     side, published = d.connector.scheduler_side, []
@@ -320,3 +325,17 @@ def test_control_unfiltered_events_cannot_be_told_as_vllm_hashes(hybrid, monkeyp
     monkeypatch.setattr(side_module, "is_first_group_key", lambda key, width: True)
     with pytest.raises(OverflowError):
         stored_events(hybrid(kv_events=True), monkeypatch)
+
+
+def test_under_async_scheduling_a_window_slides_only_behind_processed_tokens(model) -> None:
+    """vLLM's async scheduling keeps a step in flight: vLLM frees a window's blocks only behind the tokens whose step's
+    output it processed, and kvfsm's tables follow it (the harness compares both every step)."""
+    d = Driver(vllm_config(model, {"cpu_blocks": 32}, 48, async_scheduling=True),
+               FakeWorker(store_steps=2, load_steps=2), hybrid_cache(48))
+    try:
+        store_prefix(d)
+        d.add("reader", PREFIX + [9], max_tokens=BLOCK_SIZE)
+        d.run(max_steps=80)
+        assert loads_of(d, "reader@g1") and d.cpu_pool_drained()
+    finally:
+        d.close()

@@ -159,8 +159,8 @@ class SchedulerConnector(LedgerTables):
         return None
 
     def limit_match(self, request_id: str, end_block: int) -> None:
-        """Offer the looked-up request's CPU hit only up to GPU block `end_block`: an engine with several KV-cache
-        groups loads a prefix only as far as every group can (a sliding-window group needs its whole window)."""
+        """Offer the looked-up request's CPU hit only up to GPU block `end_block` (a group of a request with several
+        KV-cache groups, cut where a shorter hit every group holds ends)."""
         record = self._get(request_id)
         if record.match is not None:
             first, count = record.match
@@ -168,12 +168,23 @@ class SchedulerConnector(LedgerTables):
             self.stats.cpu_hit_blocks -= count - kept
             record.match = (first, kept)
 
+    def match_together(self, request_id: str, partners: Sequence[str], end_block: int) -> bool:
+        """Offer the looked-up request's CPU hit and its partners' (other KV-cache groups of one engine request) only
+        up to GPU block `end_block`, and only if every partner's reaches it (a window needs its whole window there, a
+        state its block ending there, `state-at-prefix-end`); else none of them (False)."""
+        records = [self._get(request_id), *map(self._get, partners)]
+        whole = all(sum(r.match or (0, 0)) >= end_block for r in records[1:])
+        for record in records:
+            self.limit_match(record.req_id, end_block if whole else 0)
+        return whole
+
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int],
-                                 num_external_tokens: int, store_from: int = 0) -> None:
+                                 num_external_tokens: int, store_from: int = 0, state_of: str | None = None) -> None:
         """The engine allocated `block_ids` (all of the request's GPU blocks); start the load it accepted.
         `store_from`: the first GPU block its stores may read (a sliding-window request's window at its prompt's
-        end; the engine's null block stands for every block before the window)."""
-        check_alloc(self, request, block_ids, num_external_tokens, store_from)
+        end; the engine's null block stands for every block before the window). `state_of`: the request whose
+        prefix this one's blocks are the state of (a state-space group's; `state-at-prefix-end`)."""
+        check_alloc(self, request, block_ids, num_external_tokens, store_from, state_of)
         record = self._get(request.request_id)
         assert record.match is not None  # check_alloc read it: a looked-up request's lookup recorded it
         count = num_external_tokens // self.config.gpu_block_size
@@ -190,6 +201,7 @@ class SchedulerConnector(LedgerTables):
         record.block_ids = tuple(block_ids)
         record.store_from = store_from
         record.slid = set()  # a resumed request's window starts again from the blocks it was given now
+        record.state_of, record.restored = state_of, (self.step, first_gpu, first_gpu + count)
         self.ledger.fences.allocated.extend(record.block_ids)  # handed out in the step the next metadata is for
         record.stored_cpu_blocks = 0
         self.ledger.due.set(record.req_id, self._cpu_block_tokens)

@@ -174,14 +174,17 @@ def check_lookup(sched: SchedulerHalf, request: object, num_computed_tokens: obj
 
 
 def check_alloc(sched: SchedulerHalf, request: object, block_ids: Sequence[object],
-                num_external_tokens: object, store_from: int = 0) -> None:
-    """`update_state_after_alloc`: a looked-up request, block ids in the cache, at most the offered tokens. Below
-    the blocks it loads or stores (`store_from`) a sliding-window request's table repeats the engine's null block."""
+                num_external_tokens: object, store_from: int = 0, state_of: str | None = None) -> None:
+    """`update_state_after_alloc`: a looked-up request (and the tracked prefix it is the state of), block ids in the
+    cache, at most the offered tokens. Below the blocks it loads or stores (`store_from`) a sliding-window or state
+    request's table repeats the engine's null block."""
     call = "update_state_after_alloc"
     req_id, _ = _request(call, request, sched.config.gpu_block_size)
     record = _tracked(sched, req_id)
     if record is None:
         raise UnknownRequest(f"{call}: request {req_id!r} was never looked up; call get_num_new_matched_tokens first")
+    if state_of is not None and _tracked(sched, state_of) is None:
+        raise UnknownRequest(f"{call}: request {req_id!r} is the state of {state_of!r}, which is not tracked")
     _state_allows(call, sched, req_id, record.state, "allocate")
     block_size = sched.config.gpu_block_size
     tokens = _count(call, "num_external_tokens", num_external_tokens)

@@ -308,6 +308,21 @@ TP_MUTANTS: dict[str, Mutant] = {
 """Controls that differ from kvfsm only with several workers: the tensor-parallel interleavings must catch each."""
 
 
+def restore_without_state(scheduler: SchedulerConnector) -> None:
+    """An engine request's KV-cache groups matched apart: each group's hit is cut at the prefix's end, but the
+    prefix's own hit is offered whatever its partners hold there, so a prefix whose state (or window) at its end was
+    never stored is loaded alone and the engine resumes from the state its GPU block happens to hold. A control of
+    an engine with a state-space group (vLLM's Mamba): with one KV-cache group it is kvfsm."""
+    match_together = scheduler.match_together
+
+    def apart(request_id: str, partners: Sequence[str], end_block: int) -> bool:
+        for partner in partners:
+            match_together(partner, (), end_block)
+        return True
+
+    scheduler.match_together = apart  # type: ignore[method-assign]
+
+
 def bound_per_store(scheduler: SchedulerConnector) -> None:
     """Each store is held to `store_max_blocks_in_flight` alone, as if no other store were in flight: every store
     fits, and together they pile up past the bound on the copy stream."""

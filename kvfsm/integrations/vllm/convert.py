@@ -67,6 +67,12 @@ class RequestView:
         return self._request.num_tokens
 
     @property
+    def in_flight_tokens(self) -> int:
+        """Tokens vLLM scheduled whose step's output it has not processed yet (async scheduling keeps one step in
+        flight); read before vLLM counts the step being scheduled."""
+        return self._request.num_in_flight_tokens
+
+    @property
     def block_hashes(self) -> Sequence[int]:
         new = self._request.block_hashes[len(self._hashes):]
         self._hashes.extend(self._codec.to_int(h) for h in new)

@@ -15,8 +15,15 @@ fences of a block whichever group reads or writes it.
   window leaves them behind, and may hand them out in the same step; kvfsm follows the same arithmetic
   (`window_start`) and fires the request's `slide`, which leaves those its stores still read freed-while-read
   (`window-fence`).
-- Any other kind (Mamba and other state-space or linear-attention state, chunked local attention, cross-attention)
-  is refused at start-up by name: kvfsm cannot yet offload a state with its prefix.
+- A state-space group (vLLM's `MambaSpec`) in vLLM's "align" cache mode keeps, per block, the state after the block's
+  last token (vLLM ends every prefill chunk at a block's end, and keeps only the state it runs on and the one before): a
+  sliding window of one block in kvfsm's terms. States are stored from a prompt's last whole block on (`store_from`:
+  none of the prompt's earlier chunks, then each decoded block's as it completes), a hit needs exactly the state ending
+  where the full-attention hit ends and restores that one block with the prefix (`state-at-prefix-end`), and the blocks
+  vLLM takes back behind the running state are told to kvfsm as a window's are (`slide`). Any other cache mode keeps no
+  state at a block's end ("none": prefix caching off), a state block whose table moves (speculative blocks) or a CPU
+  block of several GPU blocks (`block_size_factor`) would hold states vLLM never kept: refused by name.
+- Any other kind (chunked local attention, cross-attention, attention sinks) is refused at start-up by name.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from kvfsm.integrations.vllm.config import UnsupportedKVCache
 
@@ -47,7 +54,15 @@ class Group:
     rank: int
     """Its place among the offloaded groups: 0 is the first full-attention group, whose keys are vLLM's hashes."""
     window: int | None
-    """The sliding window in tokens; None for full attention."""
+    """The sliding window in tokens; None for full attention and for a state."""
+    state: bool = False
+    """A state-space group's: each block the state after its last token, only the running state's kept."""
+
+    @property
+    def trailing(self) -> bool:
+        """Whether vLLM keeps only the blocks at the end of the request's tokens (a window, a state): such a group is
+        stored and reloaded only there and slides while it runs."""
+        return self.window is not None or self.state
 
     def request_id(self, req_id: str) -> str:
         """The id kvfsm's scheduler tracks this group of the request under."""
@@ -55,39 +70,66 @@ class Group:
 
     def first_kept(self, tokens: int, block_size: int) -> int:
         """The first block of a request with `tokens` computed that vLLM still holds for this group (its window's
-        first; 0 for full attention): vLLM's sliding-window manager skips every token the window no longer reads."""
+        first; 0 for full attention): vLLM's sliding-window manager skips every token the window no longer reads, its
+        Mamba manager every token before the last (whose block holds the state the request runs on)."""
+        if self.state:
+            return max(0, tokens - 1) // block_size
         return 0 if self.window is None else max(0, tokens - self.window + 1) // block_size
 
 
-def offloaded_groups(kv_cache_config: "KVCacheConfig", block_size: int) -> tuple[Group, ...]:
+def offloaded_groups(kv_cache_config: "KVCacheConfig", block_size: int, block_size_factor: int = 1,
+                     ) -> tuple[Group, ...]:
     """The groups of vLLM's configuration, the first full-attention group first; refuses by name what kvfsm cannot
-    serve (a state-space or other group, no full-attention group, groups of another block size or page)."""
+    serve (a state group outside "align" mode, or under a `block_size_factor`; another kind; no full-attention group;
+    groups of another block size or page)."""
     groups = kv_cache_config.kv_cache_groups
     kinds = ", ".join(f"{i}: {type(g.kv_cache_spec).__name__}" for i, g in enumerate(groups))
     windows: list[int | None] = []
+    states: list[bool] = []
     for i, group in enumerate(groups):
         spec = group.kv_cache_spec
+        states.append(isinstance(spec, MambaSpec))
         if isinstance(spec, SlidingWindowSpec):  # the trailing tokens vLLM retains beyond the window are kept too
             windows.append(spec.sliding_window + spec.extra_retained_tokens)
-        elif type(spec) in _FULL:
+        elif type(spec) in _FULL or isinstance(spec, MambaSpec):
+            if isinstance(spec, MambaSpec):
+                _check_state(i, spec, block_size_factor, kinds)
             windows.append(None)
         else:
             raise UnsupportedKVCache(
-                f"kvfsm offloads full-attention (and MLA) and sliding-window KV-cache groups; group {i} is a "
-                f"{type(spec).__name__} ({kinds}): a state-space (Mamba) or other state is not offloaded with its "
-                "prefix yet. Serve this model without kvfsm, or with vLLM's own OffloadingConnector")
+                f"kvfsm offloads full-attention (and MLA), sliding-window and state-space (Mamba, align mode) KV-cache "
+                f"groups; group {i} is a {type(spec).__name__} ({kinds}). Serve this model without kvfsm, or with "
+                "vLLM's own OffloadingConnector")
         if spec.block_size != block_size:
             raise UnsupportedKVCache(f"KV-cache group {i} ({type(spec).__name__}) pages {spec.block_size} tokens a "
                                      f"block, the engine hashes {block_size}: kvfsm needs one block size ({kinds})")
-    if None not in windows:
+    full = [i for i, window in enumerate(windows) if window is None and not states[i]]
+    if not full:
         raise UnsupportedKVCache(f"kvfsm needs a full-attention KV-cache group to look a prefix up by; this "
                                  f"configuration has none ({kinds})")
     sizes = {g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups}
     if len(sizes) != 1:
         raise UnsupportedKVCache(f"KV-cache groups of different bytes per block ({sorted(sizes)}; {kinds}): kvfsm's "
                                  "CPU pool has one block size")
-    order = sorted(range(len(groups)), key=lambda i: (windows[i] is not None, i))
-    return tuple(Group(index, rank, windows[index]) for rank, index in enumerate(order))
+    order = full + [i for i in range(len(groups)) if i not in full]
+    return tuple(Group(index, rank, windows[index], states[index]) for rank, index in enumerate(order))
+
+
+def _check_state(index: int, spec: MambaSpec, block_size_factor: int, kinds: str) -> None:
+    """A state group kvfsm can offload: vLLM keeps the state at every block's end, in place, one GPU block a CPU
+    block."""
+    if spec.mamba_cache_mode != "align":
+        raise UnsupportedKVCache(
+            f"KV-cache group {index} is a MambaSpec in mamba_cache_mode {spec.mamba_cache_mode!r} ({kinds}): kvfsm "
+            "offloads a state only in 'align' mode (prefix caching on), where vLLM keeps the state at each block's end")
+    if spec.num_speculative_blocks:
+        raise UnsupportedKVCache(
+            f"KV-cache group {index} is a MambaSpec with {spec.num_speculative_blocks} speculative blocks ({kinds}): "
+            "vLLM moves those within the block table, so a block no longer holds the state at its own end")
+    if block_size_factor != 1:
+        raise UnsupportedKVCache(
+            f"KV-cache group {index} is a MambaSpec ({kinds}) and block_size_factor is {block_size_factor}: a CPU "
+            "block of several GPU blocks would hold states vLLM never kept (only the last block's is); use 1")
 
 
 def group_key(block_hash: int, group: Group, width: int) -> int:

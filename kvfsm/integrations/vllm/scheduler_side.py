@@ -14,8 +14,9 @@ Two places where vLLM's protocol differs from kvfsm's, bridged here and nowhere 
   (`no-inline-load-under-async-scheduling`), and start-up logs it once.
 Under vLLM's hybrid allocator each KV-cache group of a request is a request of its own in kvfsm's scheduler
 (`groups`): a lookup offers the longest prefix every group holds (a sliding-window group its whole window ending
-there: `window_hit`), vLLM hears of a load or a release once every group's is done, and a sliding window's
-left-behind blocks are told to kvfsm (`slide`) before the step that may hand them out is planned.
+there, a state-space group the state at its end: `window_hit`), vLLM hears of a load or a release once every group's is done, and a sliding
+window's (or a state's) left-behind blocks are told to kvfsm (`slide`) before the step that may hand them out is
+planned.
 The lower tiers' bytes live in the workers; this process plans every write-back and fetch against an index of each
 tier fed by the workers' reports (`tier_index`), whose orders and discards go out in the step's metadata.
 """
@@ -76,8 +77,9 @@ class UnexpectedAllocation(RuntimeError):
 class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
         block_bytes = gpu_block_bytes(kv_cache_config)
-        self.groups = offloaded_groups(kv_cache_config, config.gpu_block_size)
-        self.windows = tuple(g for g in self.groups if g.window is not None)
+        self.groups = offloaded_groups(kv_cache_config, config.gpu_block_size, config.block_size_factor)
+        self.windows = tuple(g for g in self.groups if g.trailing)
+        """The groups vLLM keeps only the end of (sliding windows, states): matched, stored and slid as windows."""
         machines = MachineSet(scheduler.default_spec())  # the spec the connector would load (tests swap it there)
         self.tier_index = TierIndexes(config, config.block_size_factor * block_bytes, machines)
         """The lower tiers' indexes: the workers hold the bytes, this process decides every write-back and fetch."""
@@ -136,7 +138,8 @@ class SchedulerSide:
                 first, count = self.kvfsm.requests[view.request_id].match or (0, 0)
                 tokens = (end - first) * block_size if count else 0
             self.kvfsm.update_state_after_alloc(view, group_block_ids(blocks, group), tokens,
-                                                store_from=group.first_kept(prompt_end, block_size))
+                                                store_from=group.first_kept(prompt_end, block_size),
+                                                state_of=request.request_id if group.state else None)
         if len(views) > 1:
             self._waiting[request.request_id] = {v.request_id for v in views
                                                  if self.kvfsm.requests[v.request_id].state == RequestState.LOADING}
@@ -152,13 +155,15 @@ class SchedulerSide:
 
     def _slide(self, output: "SchedulerOutput", before: dict[str, int]) -> None:
         """Tell kvfsm which blocks vLLM took back this step from each scheduled request's sliding windows (vLLM
-        frees what a window no longer reads as it allocates the step, by the same arithmetic)."""
+        frees what a window no longer reads as it allocates the step, by the same arithmetic, counting only the
+        tokens whose step's output it has processed: under async scheduling a step in flight still reads below)."""
         block_size = self.kvfsm.config.gpu_block_size
-        tables = self.block_tables
+        tables, requests = self.block_tables, self.kvfsm.requests
+        processed = {r: before[r] - requests[r].view.in_flight_tokens for r in output.num_scheduled_tokens}
         for group in self.windows:
             for req_id in output.num_scheduled_tokens:
                 tracked = group.request_id(req_id)
-                left = tables.left_behind(tracked, group.first_kept(before[req_id], block_size), NULL_BLOCK)
+                left = tables.left_behind(tracked, group.first_kept(processed[req_id], block_size), NULL_BLOCK)
                 if left:
                     self.kvfsm.slide(tracked, left)
                 record = self.kvfsm.requests[tracked]

@@ -50,15 +50,16 @@ class WindowHits:
         whole = self._look_up(views, first, end)
         if whole is None:
             return None
-        if whole:
-            return match
-        end = self.longest_end(views, first, end)
-        for group_view in views:  # counted once: each window is looked up again where the shorter hit ends
-            self.kvfsm.limit_match(group_view.request_id, 0)
-        if self._look_up(views, first, end) is None:
-            return None
-        self.kvfsm.limit_match(view.request_id, end)
-        return (end - first) * self.block_size, match[1] and end > first
+        if not whole:
+            end = self.longest_end(views, first, end)
+            for group_view in views:  # counted once: each window is looked up again where the shorter hit ends
+                self.kvfsm.limit_match(group_view.request_id, 0)
+            if self._look_up(views, first, end) is None:
+                return None
+        partners = [group_view.request_id for group_view in views]  # the prefix and its groups offered together
+        if not self.kvfsm.match_together(view.request_id, partners, end):  # (`state-at-prefix-end`) or not at all
+            return 0, False
+        return match if whole else ((end - first) * self.block_size, match[1] and end > first)
 
     def window_start(self, group: Group, first: int, end: int) -> int:
         """The first block a hit ending at block `end` must load for `group`: its window's, or the GPU prefix's end."""
