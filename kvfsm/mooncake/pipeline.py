@@ -50,13 +50,13 @@ def round_values(sizes: Sequence[int], hash_threads: int, pipeline_bytes: int) -
 
 def sealed_run(sealed: Sequence[Future[int]], start: int, least: int) -> range:
     """The values the next put of a write-back carries: from `start`, once the next `least` values (or those left)
-    are sealed, every value sealed without a gap. Waits on the MAC threads; a failed seal raises here, before any
-    put of its value."""
+    are sealed, every value sealed without a gap. Waits on the MAC threads; a failed seal ends a run before it and
+    raises here as the next run's first, so no put carries its value."""
     first = min(start + least, len(sealed))
     for future in sealed[start:first]:
         future.result()
     end = first
-    while end < len(sealed) and sealed[end].done():
+    while end < len(sealed) and sealed[end].done() and sealed[end].exception() is None:
         end += 1
     return range(start, end)
 

@@ -43,11 +43,12 @@ def test_a_run_waits_for_one_round_of_seals_and_takes_every_value_sealed_without
     assert sealed_run(sealed, 3, 2) == range(3, 5)
 
 
-def test_a_failed_seal_raises_before_its_run_is_put() -> None:
+def test_a_failed_seal_raises_before_its_run_is_put_and_no_run_carries_it() -> None:
     failed: Future[int] = Future()
     failed.set_exception(ValueError("seal failed"))
     with pytest.raises(ValueError):
         sealed_run([done(), failed], 0, 2)
+    assert sealed_run([done(), failed, done()], 0, 1) == range(0, 1)
 
 
 def test_a_call_carries_one_value_per_mac_thread_and_at_least_pipeline_bytes() -> None:
