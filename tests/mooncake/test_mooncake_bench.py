@@ -12,7 +12,8 @@ pytest.importorskip("mooncake.store")
 
 from kvfsm.bench.__main__ import app  # noqa: E402
 
-WAYS = {"baseline put", "baseline get", "zero-copy put", "zero-copy get", "tier write-back", "tier fetch"}
+WAYS = {"baseline put", "baseline get", "zero-copy put", "zero-copy get", "tier write-back", "tier fetch",
+        "MACs alone"}
 
 
 def test_the_mooncake_part_reports_every_way_for_both_placements_with_the_mac_threads_asked(tmp_path: Path) -> None:
