@@ -35,9 +35,10 @@ end before the get of the next, smaller run does."""
 def default_hash_threads(cores: int | None = None) -> int:
     """MAC threads for a client that was not told how many: half of `cores` (by default the cores this process may
     run on), within `HASH_THREADS_RANGE`."""
-    available = len(os.sched_getaffinity(0)) if cores is None else cores
+    if cores is None:  # the cores this process may run on (where the platform says), else every core
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     low, high = HASH_THREADS_RANGE
-    return max(low, min(high, available // 2))
+    return max(low, min(high, cores // 2))
 
 
 def round_values(sizes: Sequence[int], hash_threads: int, pipeline_bytes: int) -> int:
