@@ -143,8 +143,9 @@ class MooncakeTierConfig(_TierConfig):
     when the tier opens. None: the secret is read from the environment variable `secret_env`."""
     secret_env: str = Field(default="KVFSM_MOONCAKE_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """The environment variable holding the tenant's secret when `secret_file` is None."""
-    hash_threads: PositiveInt = 2
-    """Threads that seal and check the values' MACs, overlapped with the transfers."""
+    hash_threads: PositiveInt | None = None
+    """Threads that seal and check the values' MACs, overlapped with the transfers. None: half the cores the
+    worker may run on, 2 to 8."""
     segment_bytes: int = Field(default=0, ge=0)
     """Memory this engine lends to the store; 0 leaves storage to segment hosts (the shared KV outlives engines)."""
     op_timeout_s: float = Field(default=2.0, gt=0)

@@ -10,14 +10,15 @@ here, never asserted.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import typer
 
 from kvfsm.bench import plot
 from kvfsm.bench.goals import verdicts
-from kvfsm.bench.parts import GPU_PARTS, PARTS, RUNNERS
+from kvfsm.bench.parts import GPU_PARTS, PARTS, RUNNERS, Runner
 from kvfsm.bench.report import console, show
 from kvfsm.mooncake import available as mooncake_available
 from kvfsm.options import folder_option
@@ -25,9 +26,10 @@ from kvfsm.options import folder_option
 app = typer.Typer(add_completion=False, help=__doc__)
 
 
-def collect(parts: tuple[str, ...], out: Path, quick: bool) -> dict[str, Any]:
-    """Run `parts` in order, write `bench.json` and `bench.png` (or why not) into `out`, print the tables; returns
-    the result."""
+def collect(parts: tuple[str, ...], out: Path, quick: bool, runners: Mapping[str, Runner] = RUNNERS
+            ) -> dict[str, Any]:
+    """Run `parts` in order (each by its runner in `runners`), write `bench.json` and `bench.png` (or why not) into
+    `out`, print the tables; returns the result."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -39,7 +41,7 @@ def collect(parts: tuple[str, ...], out: Path, quick: bool) -> dict[str, Any]:
         if part in result["skipped"]:
             continue
         try:
-            RUNNERS[part](result, quick)
+            runners[part](result, quick)
         except Exception as error:  # one broken part must not lose the others' figures; the exit status says it
             errors[part] = f"{type(error).__name__}: {error}"
             console.print_exception()
@@ -93,7 +95,21 @@ def _one(part: str) -> None:
 
 
 for _part in PARTS:
-    _one(_part)
+    if _part != "mooncake":  # its command takes options of its own, below
+        _one(_part)
+
+
+@app.command("mooncake")
+def mooncake_part(ctx: typer.Context, out: Path | None = OUT, quick: bool = QUICK,
+                  hash_threads: list[int] = typer.Option([], min=1, help="the tier client's MAC threads "
+                                                                          "(repeatable: one row per count, each with "
+                                                                          "its own baselines; default: the client's "
+                                                                          "default, half the cores, 2 to 8)")
+                  ) -> None:
+    """Run only the mooncake part."""
+    chosen: tuple[int | None, ...] = tuple(hash_threads) or (None,)
+    runners = {**RUNNERS, "mooncake": partial(RUNNERS["mooncake"], hash_threads=chosen)}
+    _exit(collect(("mooncake",), *_settings(ctx, out, quick), runners))
 
 
 VLLM_PARTS = ("workloads", "inline", "tiers", "hybrid")

@@ -8,9 +8,14 @@ four ways, each timed from call to verified answer:
 - `zero-copy put/get`: Mooncake's `batch_put_from` / `batch_get_into` on the registered pool, nothing else;
 - `tier write-back/fetch`: `MooncakeClient.write_back` / `fetch`: the zero-copy calls plus the keyed MAC of every
   block (sealed / checked on the client's MAC threads, overlapped with the transfers), the block checksum each
-  value carries, the presence check before a put, and the hop to the I/O thread, i.e. what the engine gets.
+  value carries, the presence check before a put, and the hop to the I/O thread, i.e. what the engine gets;
+- `MACs alone`: sealing every block on as many threads as the client's MAC threads, nothing moved: the rate the
+  integrity pass must stay above to hide behind the transfer.
 
-Figures are medians over repetitions, in GB/s (1e9 bytes/s); shares are tier / baseline of the same run.
+Figures are medians over repetitions, in GB/s (1e9 bytes/s); shares are tier / baseline of the same run. The
+calls of one repetition take tens of milliseconds on an engine host, where one slow call moves a median of a few
+by a tenth, so a full run takes 15 repetitions. `hash_threads` picks the client's MAC threads (None: its default),
+so that one run can set several beside each other (`--hash-threads`), each with its own deployment and baselines.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import statistics
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -47,12 +53,12 @@ def _moved(results: list[Any] | None, blocks: int) -> bool:
     return results is not None and len(results) == blocks and not any(isinstance(r, Exception) for r in results)
 
 
-def run(quick: bool, segment: str = "segment host") -> dict[str, Any]:
+def run(quick: bool, segment: str = "segment host", hash_threads: int | None = None) -> dict[str, Any]:
     """`segment`: where the objects live, `"segment host"` (another process: bytes cross the transfer engine's
     TCP path) or `"own"` (memory this client lends: the path a single-host deployment takes)."""
     block_bytes = (256 << 10) if quick else (2 << 20)
     blocks = 8 if quick else 32
-    reps = 2 if quick else 5
+    reps = 2 if quick else 15
     total = blocks * block_bytes
     generator = torch.Generator().manual_seed(0)
     source = SlotRegion(torch.randint(0, 256, (total,), dtype=torch.uint8, generator=generator), block_bytes)
@@ -61,15 +67,18 @@ def run(quick: bool, segment: str = "segment host") -> dict[str, Any]:
     slots = list(range(blocks))
     carried = [zlib.crc32(p) for p in payloads]  # the CPU pool's checksums, taken at store time (not timed)
     times: dict[str, list[float]] = {name: [] for name in (
-        "baseline put", "baseline get", "zero-copy put", "zero-copy get", "tier write-back", "tier fetch")}
+        "baseline put", "baseline get", "zero-copy put", "zero-copy get", "tier write-back", "tier fetch",
+        "MACs alone")}
     capacity = max(4 * total, 64 << 20)
     with LocalMooncake(DeploymentSettings(segment_bytes=capacity if segment == "segment host" else 16 << 20)
                        ) as deployment:
+        mac = ValueMac(ValueKey.derive(os.urandom(32), "bench"))
         client = MooncakeClient(ClientSettings(master=deployment.address, op_timeout_s=WAIT_S,
                                                transfer_buffer_bytes=2 * total,
-                                               segment_bytes=capacity if segment == "own" else 0),
-                                ValueMac(ValueKey.derive(os.urandom(32), "bench")))
+                                               segment_bytes=capacity if segment == "own" else 0,
+                                               hash_threads=hash_threads), mac)
         client.connect()
+        sealers = ThreadPoolExecutor(client.hash_threads)
         try:
             client.register(source.buffer)
             client.register(target.buffer)
@@ -102,11 +111,16 @@ def run(quick: bool, segment: str = "segment host") -> dict[str, Any]:
                 _expect(_moved(results, blocks) and results == carried and torch.equal(target.buffer, source.buffer),
                         f"fetch answered {results} or other bytes")
                 times["tier fetch"].append(dt)
+                dt, _ = _timed(lambda: list(sealers.map(lambda i: mac.seal(
+                    source.trailer(i), keys["tier"][i], source.payload(i), carried[i]), slots)))
+                times["MACs alone"].append(dt)
                 _expect(store.remove_all(True) >= 0, "remove_all failed")
         finally:
+            sealers.shutdown()
             client.close()
     gbps = {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
-    return {"segment": segment, "block_bytes": block_bytes, "blocks": blocks, "bytes_per_rep": total, "reps": reps, "gbps": gbps,
+    return {"segment": segment, "hash_threads": client.hash_threads, "block_bytes": block_bytes, "blocks": blocks,
+            "bytes_per_rep": total, "reps": reps, "gbps": gbps,
             "write_back_share_of_baseline": gbps["tier write-back"] / gbps["baseline put"],
             "fetch_share_of_baseline": gbps["tier fetch"] / gbps["baseline get"],
             "write_back_share_of_zero_copy": gbps["tier write-back"] / gbps["zero-copy put"],

@@ -7,7 +7,7 @@ dependency fails that part alone (`collect` records it and goes on).
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvfsm.bench.goals import FULL_LAYERS
 
@@ -126,10 +126,12 @@ def _vllm_layers(result: dict[str, Any], quick: bool) -> None:
     _free_gpu()
 
 
-def _mooncake(result: dict[str, Any], quick: bool) -> None:
+def _mooncake(result: dict[str, Any], quick: bool, hash_threads: Sequence[int | None] = (None,)) -> None:
+    """Both placements, each with every count of MAC threads in `hash_threads` (None: the client's default)."""
     from kvfsm.bench import mooncake
 
-    result["mooncake"] = [mooncake.run(quick, segment) for segment in ("segment host", "own")]
+    result["mooncake"] = [mooncake.run(quick, segment, threads) for segment in ("segment host", "own")
+                          for threads in hash_threads]
 
 
 def _mla(result: dict[str, Any], quick: bool) -> None:
@@ -147,7 +149,9 @@ def _mla(result: dict[str, Any], quick: bool) -> None:
         result["mla"] = {"note": f"not run: {refused}"}
 
 
-RUNNERS: dict[str, Callable[[dict[str, Any], bool], None]] = {
+Runner = Callable[[dict[str, Any], bool], None]
+"""A part's runner: adds its figures to the result, given whether the run is `--quick`."""
+RUNNERS: dict[str, Runner] = {
     "scheduler": _scheduler, "disk": _disk, "transfer": _transfer, "connector": _connector, "ttft": _ttft,
     "vllm-layers": _vllm_layers, "mooncake": _mooncake, "mla": _mla,
 }

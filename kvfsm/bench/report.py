@@ -111,15 +111,16 @@ def show(result: dict[str, Any]) -> None:
     if "mooncake" in result:
         table = Table(title="Mooncake tier, GB/s (median; baseline = the store's put_batch / get_batch of the same "
                             "bytes, same run)")
-        for column in ("objects live in", "block", "baseline put", "zero-copy put", "tier write-back", "share",
-                       "of zero-copy", "baseline get", "zero-copy get", "tier fetch", "share", "of zero-copy"):
+        for column in ("objects live in", "block", "MAC threads", "baseline put", "zero-copy put", "tier write-back",
+                       "share", "of zero-copy", "MACs alone", "baseline get", "zero-copy get", "tier fetch", "share",
+                       "of zero-copy"):
             table.add_column(column, justify="right")
         for r in result["mooncake"]:
             g = r["gbps"]
-            table.add_row(r["segment"], f"{r['block_bytes'] >> 10} KiB", f"{g['baseline put']:.2f}",
-                          f"{g['zero-copy put']:.2f}", f"{g['tier write-back']:.2f}",
+            table.add_row(r["segment"], f"{r['block_bytes'] >> 10} KiB", str(r["hash_threads"]),
+                          f"{g['baseline put']:.2f}", f"{g['zero-copy put']:.2f}", f"{g['tier write-back']:.2f}",
                           f"{r['write_back_share_of_baseline']:.2f}", f"{r['write_back_share_of_zero_copy']:.2f}",
-                          f"{g['baseline get']:.2f}", f"{g['zero-copy get']:.2f}", f"{g['tier fetch']:.2f}",
+                          f"{g['MACs alone']:.2f}", f"{g['baseline get']:.2f}", f"{g['zero-copy get']:.2f}", f"{g['tier fetch']:.2f}",
                           f"{r['fetch_share_of_baseline']:.2f}", f"{r['fetch_share_of_zero_copy']:.2f}")
         console.print(table)
     if result.get("mla", {}).get("rows"):

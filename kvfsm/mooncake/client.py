@@ -21,11 +21,10 @@ the first time it is seen (`register` registers a whole buffer up front, which c
 `kvfsm.mooncake.host_memory` keeps which ranges are registered).
 
 Integrity at transfer speed: every value is sealed and checked with the tenant's MAC (`kvfsm.mooncake.value`), a
-pass over every byte. A batch is cut into chunks of about `pipeline_bytes`; the MACs run on `hash_threads` threads of
-their own (BLAKE3 releases the GIL), overlapped with the transfers: a write-back seals the chunks ahead while the I/O
-thread puts the ones already sealed, and a fetch checks each chunk while the I/O thread gets the next. The I/O
-thread waits for the last chunk's MACs before it answers, so a `Pending` never settles while a hashing thread still
-reads a slot.
+pass over every byte, on `hash_threads` threads of its own (BLAKE3 releases the GIL), overlapped with the transfers
+(`kvfsm.mooncake.pipeline` says how a batch is cut): a write-back puts what is sealed while the MAC threads seal
+the rest, and a fetch checks each run of values while the I/O thread gets the next. The I/O thread waits for the
+last MACs before it answers, so a `Pending` never settles while a hashing thread still reads a slot.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt
 
 from kvfsm.io_executor import IoExecutor
-from kvfsm.mooncake import value
+from kvfsm.mooncake import pipeline, value
 from kvfsm.mooncake.errors import (
     ChecksumMismatch, StoreBusy, StoreCode, StoreTimeout, StoreUnavailable, TierFault, fault_of,
 )
@@ -86,10 +85,12 @@ class ClientSettings(BaseModel):
     max_pending: PositiveInt = 32
     retry_after_s: PositiveFloat = 1.0
     """After the store was found unreachable or slow, new calls are refused at once for this long."""
-    hash_threads: PositiveInt = 2
-    """Threads that seal and check values' MACs, beside the I/O thread that moves the bytes."""
+    hash_threads: PositiveInt | None = None
+    """Threads that seal and check values' MACs, beside the I/O thread that moves the bytes. None: half the cores
+    this process may run on, 2 to 8 (`kvfsm.mooncake.pipeline.default_hash_threads`)."""
     pipeline_bytes: PositiveInt = 8 << 20
-    """A batch moves in chunks of about this many bytes, so the MACs of one chunk overlap the transfer of the next."""
+    """The least one put or get of a batch carries (unless less is left), beside one value per MAC thread: the
+    batch moves in several calls so that the MACs overlap the transfers (`kvfsm.mooncake.pipeline`)."""
 
 
 class MooncakeClient:
@@ -113,7 +114,8 @@ class MooncakeClient:
         self.verify_value: Verify = mac.check
         """How a value read from the store is checked against its trailer, for a fetch and for a key found present
         by a write-back (an attribute so a test's control can drop the MAC)."""
-        self._hashing = ThreadPoolExecutor(settings.hash_threads, thread_name_prefix="kvfsm-mooncake-mac")
+        self.hash_threads = settings.hash_threads or pipeline.default_hash_threads()
+        self._hashing = ThreadPoolExecutor(self.hash_threads, thread_name_prefix="kvfsm-mooncake-mac")
         self._scratch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         """Per payload size, memory a write-back reads a value already in the store into, to verify it."""
 
@@ -254,17 +256,8 @@ class MooncakeClient:
         return faults
 
     # -- operations -----------------------------------------------------------------------------------------------
-    def _chunks(self, payloads: Sequence[np.ndarray], growing: bool = False) -> list[range]:
-        """The batch's indices cut into runs of about `pipeline_bytes`, at least one block each; `growing`: each
-        run twice the one before (a write-back: the first put waits only for a small chunk's MACs, and a batch
-        costs few puts, each of which asks the master twice)."""
-        chunks, start, size, limit = [], 0, 0, self.settings.pipeline_bytes
-        for i, payload in enumerate(payloads):
-            size += payload.nbytes
-            if size >= limit:
-                chunks.append(range(start, i + 1))
-                start, size, limit = i + 1, 0, 2 * limit if growing else limit
-        return chunks + ([range(start, len(payloads))] if start < len(payloads) else [])
+    def _least(self, payloads: Sequence[np.ndarray]) -> int:
+        return pipeline.round_values([p.nbytes for p in payloads], self.hash_threads, self.settings.pipeline_bytes)
 
     def write_back(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
                    units: Sequence[np.ndarray] = (), carried: Sequence[int | None] = ()
@@ -289,23 +282,32 @@ class MooncakeClient:
                 return put(sealed)
 
         def put(sealed: list[Future[int]]) -> list[KeyResult]:
-            results: list[KeyResult] = []
-            present = dict(enumerate(self._store.batch_is_exist(keys)))  # asked while the first chunk is sealed
-            unasked = {i: self._unanswered(keys[i]) for i, answer in present.items() if answer < 0}
-            for chunk in self._chunks(payloads, growing=True):
-                tags = [sealed[i].result() for i in chunk]  # the chunk's trailers are sealed: only now may it go
-                fresh = [i for i in chunk if present[i] == 0]
-                codes = dict(zip(fresh, self._store.batch_put_from_multi_buffers(
-                    [keys[i] for i in fresh], [[address(payloads[i]), address(trailers[i])] for i in fresh],
-                    [[payloads[i].nbytes, value.TRAILER_BYTES] for i in fresh]) if fresh else []))
-                faults = dict(zip(fresh, self._faults([keys[i] for i in fresh], list(codes.values()),
-                                                      "write-back of")))
-                for i, tag in zip(chunk, tags):
-                    results.append(unasked[i] if i in unasked else self._verify_present(keys[i], payloads[i].nbytes)
-                                   if i not in codes else faults[i] if faults[i] is not None else tag)
-            return results
+            present = self._store.batch_is_exist(keys)  # asked while the first round is sealed
+            buffers = [[address(payloads[i]), address(trailers[i])] for i in range(len(keys))]
+            codes: dict[int, int] = {}
+            start, least = 0, self._least(payloads)
+            while start < len(keys):
+                run = pipeline.sealed_run(sealed, start, least)  # its trailers are sealed: only now may it go
+                fresh = [i for i in run if present[i] == 0]
+                if fresh:
+                    codes.update(zip(fresh, self._store.batch_put_from_multi_buffers(
+                        [keys[i] for i in fresh], [buffers[i] for i in fresh],
+                        [[payloads[i].nbytes, value.TRAILER_BYTES] for i in fresh])))
+                start = run.stop
+            return [self._written(i, keys[i], present[i], codes.get(i), sealed[i].result(), payloads[i].nbytes)
+                    for i in range(len(keys))]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
+
+    def _written(self, i: int, key: str, present: int, code: int | None, tag: int, nbytes: int) -> KeyResult:
+        """One key's answer to a write-back: its presence unanswered, the value already there once verified, the
+        put's fault, or the value's own checksum."""
+        if present < 0:
+            return self._unanswered(key)
+        if code is None:
+            return self._verify_present(key, nbytes)
+        [fault] = self._faults([key], [code], "write-back of")
+        return fault if fault is not None else tag
 
     def _unanswered(self, key: str) -> TierFault:
         """A key whose presence the store did not answer is not put (a stalled master would make the put wait out
@@ -349,14 +351,14 @@ class MooncakeClient:
             self._ensure_registered(list(units) + payloads + trailers)
             checked: list[Future[KeyResult]] = []
             with _settling(checked):
-                for chunk in self._chunks(payloads):
-                    names = [keys[i] for i in chunk]
+                for run in pipeline.fetch_runs(len(keys), self._least(payloads), self.hash_threads):
+                    names = [keys[i] for i in run]
                     codes = self._store.batch_get_into_multi_buffers(
-                        names, [[address(payloads[i]), address(trailers[i])] for i in chunk],
-                        [[payloads[i].nbytes, value.TRAILER_BYTES] for i in chunk])
+                        names, [[address(payloads[i]), address(trailers[i])] for i in run],
+                        [[payloads[i].nbytes, value.TRAILER_BYTES] for i in run])
                     faults = self._faults(names, codes, "fetch of")
                     checked += [self._hashing.submit(verify, i, code, fault)
-                                for i, code, fault in zip(chunk, codes, faults)]
+                                for i, code, fault in zip(run, codes, faults)]
                 return [future.result() for future in checked]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))

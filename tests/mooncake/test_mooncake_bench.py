@@ -12,14 +12,15 @@ pytest.importorskip("mooncake.store")
 
 from kvfsm.bench.__main__ import app  # noqa: E402
 
-WAYS = {"baseline put", "baseline get", "zero-copy put", "zero-copy get", "tier write-back", "tier fetch"}
+WAYS = {"baseline put", "baseline get", "zero-copy put", "zero-copy get", "tier write-back", "tier fetch",
+        "MACs alone"}
 
 
-def test_the_mooncake_part_reports_every_way_for_both_placements(tmp_path: Path) -> None:
-    run = CliRunner().invoke(app, ["mooncake", "--out", str(tmp_path), "--quick"])
+def test_the_mooncake_part_reports_every_way_for_both_placements_with_the_mac_threads_asked(tmp_path: Path) -> None:
+    run = CliRunner().invoke(app, ["mooncake", "--out", str(tmp_path), "--quick", "--hash-threads", "3"])
     assert run.exit_code == 0, run.output
     rows = json.loads((tmp_path / "bench.json").read_text())["mooncake"]
-    assert [row["segment"] for row in rows] == ["segment host", "own"]
+    assert [(row["segment"], row["hash_threads"]) for row in rows] == [("segment host", 3), ("own", 3)]
     for row in rows:
         assert set(row["gbps"]) == WAYS and all(v > 0 for v in row["gbps"].values())
         assert row["fetch_share_of_baseline"] > 0 and row["write_back_share_of_baseline"] > 0

@@ -1,0 +1,63 @@
+"""How a batch is cut into Mooncake calls (`kvfsm.mooncake.pipeline`): what each put and get carries."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfsm.mooncake.pipeline import (
+    CHECK_OVER_GET, HASH_THREADS_RANGE, default_hash_threads, fetch_runs, round_values, sealed_run,
+)
+
+
+def done(value: int = 0) -> Future[int]:
+    future: Future[int] = Future()
+    future.set_result(value)
+    return future
+
+
+@given(count=st.integers(1, 300), last=st.integers(1, 40), threads=st.integers(1, 16))
+def test_fetch_runs_get_every_value_once_in_order_and_end_with_one_round(count: int, last: int,
+                                                                        threads: int) -> None:
+    runs = fetch_runs(count, last, threads)
+    assert [i for run in runs for i in run] == list(range(count))
+    assert len(runs[-1]) == min(count, last) or len(runs) == 1
+    shrink = max(1, threads // CHECK_OVER_GET)
+    for earlier, later in zip(runs, runs[1:]):
+        assert len(earlier) < (shrink + 1) * len(later), "a run whose checks would outlast the next run's get"
+
+
+def test_fast_mac_threads_leave_a_fetch_two_gets_where_slow_ones_keep_even_runs() -> None:
+    assert [len(run) for run in fetch_runs(32, 8, 8)] == [24, 8]
+    assert [len(run) for run in fetch_runs(32, 4, 2)] == [4] * 8
+
+
+def test_a_run_waits_for_one_round_of_seals_and_takes_every_value_sealed_without_a_gap() -> None:
+    pending: Future[int] = Future()
+    sealed = [done(), done(), done(), pending, done()]
+    assert sealed_run(sealed, 0, 2) == range(0, 3)
+    pending.set_result(0)
+    assert sealed_run(sealed, 3, 2) == range(3, 5)
+
+
+def test_a_failed_seal_raises_before_its_run_is_put_and_no_run_carries_it() -> None:
+    failed: Future[int] = Future()
+    failed.set_exception(ValueError("seal failed"))
+    with pytest.raises(ValueError):
+        sealed_run([done(), failed], 0, 2)
+    assert sealed_run([done(), failed, done()], 0, 1) == range(0, 1)
+
+
+def test_a_call_carries_one_value_per_mac_thread_and_at_least_pipeline_bytes() -> None:
+    assert round_values([2 << 20] * 32, 8, 8 << 20) == 8
+    assert round_values([2 << 20] * 32, 2, 8 << 20) == 4
+    assert round_values([64 << 10] * 32, 2, 1 << 20) == 16
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 2), (6, 3), (12, 6), (32, 8), (128, 8)])
+def test_the_default_mac_threads_are_half_the_cores_within_bounds(cores: int, threads: int) -> None:
+    assert default_hash_threads(cores) == threads
+    assert HASH_THREADS_RANGE[0] <= default_hash_threads() <= HASH_THREADS_RANGE[1]
