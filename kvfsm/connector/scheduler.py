@@ -262,7 +262,7 @@ class SchedulerConnector(LedgerTables):
         for reason, skipped in verdict.skipped.items():
             self.ledger.fire_request(record, "skip-store", hashes=skipped, reason=reason)
             self.stats.record_skipped(reason, len(skipped))
-        admitted = self.store_bound.admit(record, verdict.admitted, self.manager.catalogue)
+        admitted = self.store_bound.admit(record, verdict.admitted, self.manager.catalogue, verdict.readmitted)
         if not admitted:
             return None
         plan = self.manager.prepare_store(admitted, self._next_job)
