@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.machines import IllegalTrigger, default_machines
 from kvfsm.mooncake import available as mooncake_available
+from kvfsm.testing import policy_controls, tier_mutants, tier_soak
 from kvfsm.testing.coverage import declared_edges
 from kvfsm.testing.interleavings import EXERCISED, EXTERNAL, STEP_DRIVEN, interleavings_for
-from kvfsm.testing.mutants import MUTANTS
+from kvfsm.testing.mutants import MUTANTS, TP_CONTROLS, TP_MUTANTS, TP_WORKER_CONTROLS
 
 
 def test_every_spec_trigger_has_a_driver() -> None:
@@ -109,3 +112,20 @@ def test_mutant_is_caught(mutant: str) -> None:
     first_line = str(caught.value).splitlines()[0]
     print(f"\n{mutant} ({MUTANTS[mutant].breaks}): caught after {machine.examples} examples: {first_line}")
 
+
+CONTROL_REGISTRIES = {
+    "MUTANTS": MUTANTS, "TP_MUTANTS": TP_MUTANTS, "TP_CONTROLS": TP_CONTROLS, "TP_WORKER_CONTROLS": TP_WORKER_CONTROLS,
+    "TIER_RANK_CONTROLS": tier_mutants.TIER_RANK_CONTROLS, "MULTI_TIER_CONTROLS": tier_mutants.MULTI_TIER_CONTROLS,
+    "REPLICATED_TIER_CONTROLS": tier_mutants.REPLICATED_TIER_CONTROLS, "ROOM_CONTROLS": tier_mutants.ROOM_CONTROLS,
+    "DISK_FILE_MUTANTS": {name: apply for name, _, apply in tier_mutants.DISK_FILE_MUTANTS},
+    "policy CONTROLS": policy_controls.CONTROLS, "soak CONTROLS": tier_soak.CONTROLS,
+}
+"""Every registry of controls in `kvfsm.testing`: each control in one is kvfsm with one rule removed."""
+
+
+def test_every_control_of_every_registry_is_named_in_the_docs() -> None:
+    """A reader looking for what breaks a rule finds each control by name (in backticks) in docs/."""
+    docs = " ".join(page.read_text() for page in (Path(__file__).parent.parent / "docs").glob("*.md"))
+    unnamed = {f"{registry}: {name}" for registry, controls in CONTROL_REGISTRIES.items() for name in controls
+               if f"`{name}`" not in docs}
+    assert unnamed == set()
