@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cache
 
 import kvfsm.invariants  # noqa: F401  (registers the invariant predicates)
+import kvfsm.fence_invariants  # noqa: F401  (registers the GPU blocks' fence invariant predicates)
 import kvfsm.records  # noqa: F401  (registers the guards and effects)
 import kvfsm.tier_invariants  # noqa: F401  (registers the lower tiers' invariant predicates)
 import kvfsm.rank_invariants  # noqa: F401  (registers the tensor-parallel ranks' invariant predicates)

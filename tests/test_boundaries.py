@@ -9,17 +9,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import pydantic
 import pytest
 import torch
-import typer
-from typer.testing import CliRunner
-
-from kvfsm import demo, render
-from kvfsm.bench import __main__ as bench
 
 from kvfsm.config import OffloadConfig, PoolTooSmall
 from kvfsm.connector import Connector, SchedulerConnector, WorkerConnector
@@ -375,28 +369,3 @@ def test_an_order_reusing_a_job_id_in_flight_is_refused_by_the_worker() -> None:
     with pytest.raises(ReusedJobId, match=r"job ids \[7\] are already in flight"):
         worker.bind_connector_metadata(ConnectorMetadata(step=2, loads=(load,)))
     assert snapshot(worker) == before
-
-
-# --- the command lines ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("app", "args", "option"), [
-    (demo.app, ["--gpu-blocks", "0"], "--gpu-blocks"),
-    (demo.app, ["--block-size-factor", "-1"], "--block-size-factor"),
-    (demo.app, ["--turns", "0"], "--turns"),
-    (demo.app, ["--eviction", "fifo"], "--eviction"),
-    (render.app, ["--spec", "no-such-folder", "--out", "x"], "--spec"),
-    (bench.app, ["--out", __file__], "--out"),
-])
-def test_an_illegal_command_line_option_is_refused_naming_it(app: typer.Typer, args: list[str], option: str) -> None:
-    """typer refuses the value (exit 2) and names the option, before any work starts."""
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 2, result.output
-    assert option in result.output
-
-
-def test_render_docs_outside_a_checkout_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(render.cli, "DOCS_DIR", tmp_path / "site-packages" / "docs")
-    result = CliRunner().invoke(render.app, ["--docs"])
-    assert result.exit_code == 2 and "--docs" in result.output and "source checkout" in result.output
-    assert not (tmp_path / "site-packages").exists()

@@ -122,6 +122,31 @@ def test_every_control_the_help_says_the_default_workload_shows_fails_it(mutant:
     assert "FAIL" in outcome.output
 
 
+# --- every command: a value typer refuses, named ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("app", "args", "option"), [
+    (demo.app, ["--gpu-blocks", "0"], "--gpu-blocks"),
+    (demo.app, ["--block-size-factor", "-1"], "--block-size-factor"),
+    (demo.app, ["--turns", "0"], "--turns"),
+    (demo.app, ["--eviction", "fifo"], "--eviction"),
+    (render.app, ["--spec", "no-such-folder", "--out", "x"], "--spec"),
+    (bench.app, ["--out", __file__], "--out"),
+])
+def test_an_illegal_command_line_option_is_refused_naming_it(app: typer.Typer, args: list[str], option: str) -> None:
+    """typer refuses the value (exit 2) and names the option, before any work starts."""
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert option in result.output
+
+
+def test_render_docs_outside_a_checkout_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(render.cli, "DOCS_DIR", tmp_path / "site-packages" / "docs")
+    result = CliRunner().invoke(render.app, ["--docs"])
+    assert result.exit_code == 2 and "--docs" in result.output and "source checkout" in result.output
+    assert not (tmp_path / "site-packages").exists()
+
+
 # --- render and bench: the folder they write into is checked before the work ------------------------------------
 
 

@@ -205,6 +205,44 @@ def test_control_a_bound_per_store_is_caught_by_stores_bounded() -> None:
     assert any(line.startswith("stores-bounded") for line in found), found
 
 
+def offered_again(report_lag: int, reset: bool) -> tuple[list[str], Harness]:
+    """A two-block prompt under a bound of one (its first block stored, its second shed), preempted in its first
+    step and recomputed, its blocks offered again: with a cache reset between, while the first block's store from
+    before is still in flight (`report_lag` 1); without, once it ended. The violations at every step, and the
+    (closed) harness."""
+    h = Harness(SimDevice(), num_gpu_blocks=6, cpu_blocks=2, report_lag=report_lag, store_bound=1)
+    try:
+        h.add_request((11, 12, 13, 14), 2)
+        h.engine.step()
+        found = h.violations()
+        h.engine.preempt(h.engine.running[0].request_id)
+        for stream in ("compute", "store"):  # the step's forward, then the store's copy, land
+            while stream in h.device.runnable():
+                h.device.run_one(stream)
+        h.engine.step()
+        if reset:
+            h.connector.reset_cache()
+        while h.engine.has_work:
+            h.engine.step()
+            found += h.violations()
+            h.settle()
+        return found + h.final_violations(), h
+    finally:
+        h.close()
+
+
+def test_a_block_admitted_before_a_preemption_is_not_shed_when_offered_again() -> None:
+    """Its store from the first offer may still be in flight: shed now, the request's skip would contradict it
+    (`skipped-not-stored`); it is left unstored for want of room instead."""
+    found, h = offered_again(report_lag=1, reset=True)
+    assert found == [] and list(h.connector.scheduler.stats.store_shed.values()) == [1]
+
+
+def test_a_shed_block_stays_shed_when_its_preempted_request_offers_it_again_with_room() -> None:
+    found, h = offered_again(report_lag=0, reset=False)
+    assert found == [] and list(h.connector.scheduler.stats.store_shed.values()) == [1]
+
+
 def test_a_saturated_tier_sheds_its_write_backs_by_the_spec() -> None:
     """A disk tier whose queue holds one block: the write-backs beyond it are shed as tier jobs created -> shed,
     every check holds (eager-every-tier counts them offered), and the shed blocks are counted under the tier."""

@@ -57,7 +57,7 @@ def _trial(mutant: str | None, workload: str, slow: str) -> list[str]:
     harness = Harness(CudaDevice(), num_gpu_blocks=w.num_gpu_blocks, cpu_blocks=w.cpu_blocks,
                       block_size_factor=w.block_size_factor, mutant=mutant,
                       compute_delay_cycles=DELAY if slow == "compute" else 0, per_layer=w.per_layer,
-                      layer_loads=w.layer_loads, layer_stores=w.layer_stores)
+                      layer_loads=w.layer_loads, layer_stores=w.layer_stores, store_bound=w.store_bound)
     if slow == "copies":
         harness.connector.worker._transfers = SlowCopies(harness)  # type: ignore[assignment]
     try:

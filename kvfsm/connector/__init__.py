@@ -15,7 +15,8 @@ from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, SchedulerOutput
 from kvfsm.connector.refusals import NotRegistered, UnknownWorker
-from kvfsm.connector.scheduler import RequestView, SchedulerConnector, StepResult
+from kvfsm.connector.request_view import RequestView
+from kvfsm.connector.scheduler import SchedulerConnector, StepResult
 from kvfsm.connector.validation import check_halves
 from kvfsm.connector.worker import WorkerConnector
 from kvfsm.executor.device import Device

@@ -33,6 +33,9 @@ class Verdict:
 
     admitted: Sequence[int]
     skipped: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    readmitted: int = 0
+    """How many of `admitted`, from the first, an earlier offer of this request admitted (it was preempted and
+    recomputes): a store of one may still be in flight, so back-pressure must not shed it now."""
 
 
 class Admission:
@@ -57,13 +60,14 @@ class Admission:
         admitted stays admitted, one that was skipped stays skipped."""
         first_new = max(record.offered_cpu_blocks - start, 0)
         record.offered_cpu_blocks = max(record.offered_cpu_blocks, start + len(hashes))
-        if self.admits_all:
-            return Verdict(hashes)
         skipped = record.skipped
+        if self.admits_all and not skipped:  # only back-pressure skipped any: none of them to leave out
+            return Verdict(hashes, readmitted=min(first_new, len(hashes)))
         prompt_end = record.prompt_cpu_blocks - start if self.prompt_only else len(hashes)
         admitted: list[int] = []
         past_prompt: list[int] = []
         too_few: list[int] = []
+        readmitted = 0
         warm = self.cold_prefix_only and parent is not None and (parent in held or parent not in skipped)
         counting = self.threshold > 1
         threshold, cold_prefix_only, offers, tracked = self.threshold, self.cold_prefix_only, self.offers, self.tracked
@@ -72,6 +76,7 @@ class Admission:
                 warm = False
             elif index < first_new:
                 admitted.append(block_hash)
+                readmitted += 1
                 warm = cold_prefix_only
             elif index >= prompt_end:
                 past_prompt.append(block_hash)
@@ -90,4 +95,4 @@ class Admission:
                 admitted.append(block_hash)
                 warm = cold_prefix_only
         reasons = ((PROMPT_ONLY, past_prompt), (THRESHOLD, too_few))
-        return Verdict(admitted, {reason: tuple(found) for reason, found in reasons if found})
+        return Verdict(admitted, {reason: tuple(found) for reason, found in reasons if found}, readmitted)

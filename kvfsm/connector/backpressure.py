@@ -44,21 +44,25 @@ class StoreBound:
         assert self.bound is not None
         return self.bound - self.ledger.store_blocks_in_flight
 
-    def admit(self, record: RequestRecord, admitted: Sequence[int], held: Container[int]) -> Sequence[int]:
+    def admit(self, record: RequestRecord, admitted: Sequence[int], held: Container[int],
+              readmitted: int = 0) -> Sequence[int]:
         """The blocks of `admitted` (in order) a store may carry now; those beyond the room left under the bound
-        are shed for `record` (a block the pool already holds costs no store and is never shed)."""
+        are shed for `record` (a block the pool already holds costs no store and is never shed). The first
+        `readmitted` were admitted at an earlier offer of this request (it was preempted and recomputes): one beyond
+        the room is not stored now but never shed, since a store of it from that offer may still be in flight and a
+        skip is final for the request (`skipped-not-stored`)."""
         if self.bound is None:
             return admitted
         room = self.room()
         kept: list[int] = []
         shed: list[int] = []
-        for block_hash in admitted:
+        for index, block_hash in enumerate(admitted):
             if block_hash in held:
                 kept.append(block_hash)
             elif room > 0:
                 kept.append(block_hash)
                 room -= 1
-            else:
+            elif index >= readmitted:
                 shed.append(block_hash)
         if shed:
             self.ledger.fire_request(record, "skip-store", hashes=tuple(shed), reason=SHED)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from itertools import chain
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
@@ -38,6 +38,7 @@ from kvfsm.connector.metadata import (
 )
 from kvfsm.connector.ranks import every_rank_verdict, rank_reports
 from kvfsm.connector.refusals import StaleMatch
+from kvfsm.connector.request_view import RequestView
 from kvfsm.connector.stats import ConnectorStats
 from kvfsm.connector.tier_planner import TierPlanner
 from kvfsm.connector.validation import (
@@ -58,21 +59,6 @@ from kvfsm.states import RequestState, TransferJobState
 from kvfsm.tiers.base import LowerTier
 
 __all__ = ["RequestView", "SchedulerConnector", "StepResult", "UnknownRequest"]
-
-
-class RequestView(Protocol):
-    """What the connector reads of an engine's request."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def block_hashes(self) -> Sequence[int]:
-        """Hash chain over the request's full GPU blocks (block i's hash covers tokens [0, (i+1)·block_size))."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the request holds; at its first lookup, its prompt (what `prompt-only` admission stores)."""
 
 
 class SchedulerConnector(LedgerTables):
@@ -274,7 +260,7 @@ class SchedulerConnector(LedgerTables):
         for reason, skipped in verdict.skipped.items():
             self.ledger.fire_request(record, "skip-store", hashes=skipped, reason=reason)
             self.stats.record_skipped(reason, len(skipped))
-        admitted = self.store_bound.admit(record, verdict.admitted, self.manager.catalogue)
+        admitted = self.store_bound.admit(record, verdict.admitted, self.manager.catalogue, verdict.readmitted)
         if not admitted:
             return None
         plan = self.manager.prepare_store(admitted, self._next_job)

@@ -60,7 +60,8 @@ class _Replay:
                                disk_slots=workload.disk_slots, writeback_bound_blocks=workload.writeback_bound_blocks,
                                mooncake_master=shared_master() if workload.mooncake else None,
                                staging_blocks=workload.staging_blocks, store_threshold=workload.store_threshold,
-                               eviction=workload.eviction,
+                               eviction=workload.eviction, store_bound=workload.store_bound,
+                               writeback_queue_blocks=workload.writeback_queue_blocks,
                                shape=TP_SHAPE if workload.ranks > 1 else SHAPE)
         self.host_index = 0
 
@@ -133,11 +134,15 @@ def _visit(workload: Workload, mutant: str | None, path: tuple[Choice, ...],
 
 
 def fits(workload: Workload, mutant: str) -> bool:
-    """Whether the mutant's bug can show in this workload's engine (a per-layer bug needs per-layer hooks)."""
+    """Whether the mutant's bug can show in this workload's engine (a per-layer bug needs per-layer hooks, a bug of
+    a bound needs that bound set, one of a busy pool a pool small enough to fill)."""
     needs = (MUTANTS | TP_MUTANTS)[mutant]
     return ((needs.per_layer is None or needs.per_layer == workload.per_layer)
             and (not needs.layer_loads or workload.layer_loads) and (not needs.layer_stores or workload.layer_stores)
-            and (needs.store_threshold == 1 or needs.store_threshold == workload.store_threshold))
+            and (needs.store_threshold == 1 or needs.store_threshold == workload.store_threshold)
+            and (needs.store_bound is None or workload.store_bound is not None)
+            and (needs.queue_bound is None or workload.writeback_queue_blocks is not None)
+            and (needs.max_cpu_blocks is None or workload.cpu_blocks <= needs.max_cpu_blocks))
 
 
 def explore(workload: Workload, mutant: str | None = None, max_states: int = 5000) -> Exploration:

@@ -51,6 +51,10 @@ class Workload:
     """Times a block must be offered before it is stored (admission's threshold rule; 1 stores every block)."""
     eviction: str = "lru"
     """The CPU pool's eviction policy (`OffloadConfig.eviction`): the policy conformance suite explores with its own."""
+    store_bound: int | None = None
+    """CPU blocks of stores in flight beyond which new ones are shed (`store_max_blocks_in_flight`; None: no bound)."""
+    writeback_queue_blocks: int | None = None
+    """The disk tier's bound on its stored blocks waiting for write-back (`writeback_max_queued_blocks`)."""
 
     @property
     def tier(self) -> str | None:
@@ -152,6 +156,10 @@ SMALL_WORKLOADS: dict[str, Workload] = {
         actions=(add(_P + (1,), 1), step, add(_Q + (5, 6, 7, 8, 9, 10), 2), step, step),
         num_gpu_blocks=6, cpu_blocks=8,
     ),
+    "store-bound": Workload(
+        actions=(add(_P + (1,), 1), add(_Q + (5,), 1), step),
+        num_gpu_blocks=6, cpu_blocks=4, store_bound=1, max_extra_steps=6,
+    ),
 }
 """Small workloads that between them reach every hazard: a stored prefix reloaded by two requests at once after
 the GPU forgot it; three requests sharing a prefix with a forced preemption; a running request that preempts
@@ -162,7 +170,8 @@ when another request is handed its blocks and rewrites them (vLLM 29870); a relo
 layer was sent, recomputed while that layer may still be copying; and a request preempted under memory pressure whose store, flushed as a
 pipeline of one-block chunks, fails after its first chunk was sent; and a prefix offered once (skipped under a
 store threshold of two), then again (stored); and a request that ends in the step that orders its store, whose
-blocks the next step hands to another request at once (`lazy-fence`)."""
+blocks the next step hands to another request at once (`lazy-fence`); and two requests whose stores start in one
+step under a bound of one block in flight, the rest shed (`stores-bounded`)."""
 
 TP_WORKLOADS: dict[str, Workload] = {
     "tp-preempt-mid-copy": Workload(
@@ -220,12 +229,18 @@ TIER_WORKLOADS: dict[str, Workload] = {
                  step, step, step, forget_gpu_prefixes, add(_A + (2,), 1), step, tier_fault("stall"), step),
         num_gpu_blocks=4, cpu_blocks=1, disk_slots=2, writeback_bound_blocks=1, max_extra_steps=6,
     ),
+    "disk-queue-bound": Workload(
+        actions=(add(_A + (1,), 1), add(_B + (5,), 1), step),
+        num_gpu_blocks=4, cpu_blocks=2, disk_slots=2, writeback_bound_blocks=1, writeback_queue_blocks=1,
+        max_extra_steps=6,
+    ),
 }
 """A two-block prefix stored at once (two write-back candidates against a one-block bound) whose cache is reset while
 its write-back may still run, then looked up again (the disk still writing its key); a one-block prefix written
 back to disk, pushed out of a one-slot CPU pool by another, and fetched back when it returns; the same with its
-key evicted between the lookup and the fetch; and with the disk hanging past the fetch's deadline. The cheapest
-first: a mutant's search stops at the first workload that shows it."""
+key evicted between the lookup and the fetch; and with the disk hanging past the fetch's deadline (in a one-slot
+pool: a lookup may meet that slot busy, `fetch-waits-for-room`); and two stores ending in either order while the
+disk's write-back queue holds one block (`writeback-queue-bounded`). The cheapest first: a mutant's search stops at the first workload that shows it."""
 
 MOONCAKE_WORKLOADS: dict[str, Workload] = {
     "mooncake-reset": Workload(

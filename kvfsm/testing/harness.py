@@ -33,7 +33,7 @@ from kvfsm.states import CpuBlockState
 from kvfsm.states import TierEntryState as Entry
 from kvfsm.testing.copy_faults import FaultInjector
 from kvfsm.testing.mooncake_store import MooncakeFaults, tier_of
-from kvfsm.testing.mutants import BOUND_MUTANTS, MUTANTS, TP_MUTANTS
+from kvfsm.testing.mutants import MUTANTS, TP_MUTANTS
 from kvfsm.testing.tier_faults import TierFaults
 from kvfsm.tiers.disk import DiskTier
 from kvfsm.tiers.io import ManualIo
@@ -124,7 +124,7 @@ class Harness:
         self.mooncake_faults = MooncakeFaults(self.mooncake)
         self.tier_faults = TierFaults(self.disk)
         if mutant is not None:
-            (MUTANTS | TP_MUTANTS | BOUND_MUTANTS)[mutant].apply(self.engine, self.connector)
+            (MUTANTS | TP_MUTANTS)[mutant].apply(self.engine, self.connector)
         self.world = EngineWorld(self.engine, self.connector)
         self.rank_worlds = [EngineWorld(self.engine, self.connector, d) for d in self.devices[1:]]
         """The other ranks' device logs, for the invariants that read one."""

@@ -152,6 +152,10 @@ PROMPTS = st.tuples(
 FETCH_FAULTS = ("evict-before-fetch", "read-io-error", "corrupt-block", "stall")
 """Faults `return_from_disk` may put under the fetch it causes (`kvfsm.testing.tier_faults.FAULTS`)."""
 
+BOUNDS = st.sampled_from([None, None, 1, 2])
+"""A back-pressure bound (stores in flight, a tier's write-back queue), in blocks: half the time none, else one
+small enough that a step's stores reach it."""
+
 HOLDS = st.sampled_from([frozenset(), frozenset({"store"}), frozenset({"load"}), frozenset({"store", "load"})])
 """Streams stalled while the device advances: copy engines lagging behind compute, one or both."""
 
@@ -171,20 +175,24 @@ class OffloadInterleavings(RuleBasedStateMachine):
         type(self).examples += 1
         self.harness: Harness | None = None
 
-    @initialize(gpu_blocks=st.integers(6, 12), cpu_blocks=st.integers(2, 6), factor=st.sampled_from([1, 2]),
+    @initialize(gpu_blocks=st.integers(6, 12), cpu_blocks=st.integers(1, 6), factor=st.sampled_from([1, 2]),
                 prompts=st.lists(PROMPTS, min_size=1, max_size=3), per_layer=st.booleans(),
                 layer_loads=st.booleans(), layer_stores=st.booleans(), data=st.data(),
-                report_lag=st.sampled_from([0, 1, 2]), staging_blocks=st.sampled_from([None, 1, 2]))
+                report_lag=st.sampled_from([0, 1, 2]), staging_blocks=st.sampled_from([None, 1, 2]),
+                store_bound=BOUNDS)
     def setup(self, gpu_blocks: int, cpu_blocks: int, factor: int, prompts: list[tuple[tuple[int, ...], int]],
               per_layer: bool, layer_loads: bool, layer_stores: bool, data: st.DataObject,
-              report_lag: int, staging_blocks: int | None) -> None:
+              report_lag: int, staging_blocks: int | None, store_bound: int | None) -> None:
         """The engine computes whole forwards or layer by layer (calling the per-layer hooks, with or without
         loads computed in their own step and per-layer stores), unless the mutant under test needs one of them;
         with no lower tier, a disk tier or a Mooncake tier below the CPU pool (that tier, for a mutant of its
         rule). `report_lag` 1 or 2 delivers transfer reports that many steps late, as vLLM's async scheduling
         does, with or without a lower tier. A lower tier is warmed first: every prefix written back and pushed out
         of CPU, so lookups fetch from it and the GPU blocks freed meanwhile hold poison. `staging_blocks` 1 or 2
-        sends a step's stores as a pipeline of one- or two-block chunks, so a store can fail part-way through."""
+        sends a step's stores as a pipeline of one- or two-block chunks, so a store can fail part-way through.
+        Back-pressure is drawn too: `store_bound` CPU blocks of stores in flight (None: unbounded), and an eager
+        disk's write-back queue bound; a pool of one or two slots fills with jobs in flight, so lookups meet a tier's
+        hit with no room for its fetch."""
         needs = MUTANTS[self.mutant] if self.mutant is not None else None
         if needs is not None and needs.per_layer is not None:
             per_layer = needs.per_layer
@@ -193,9 +201,17 @@ class OffloadInterleavings(RuleBasedStateMachine):
         fails_part_way = needs.fails_part_way if needs is not None else None
         if fails_part_way is not None:
             staging_blocks = 1
+        if needs is not None and needs.store_bound is not None:
+            store_bound = needs.store_bound
+        if needs is not None and needs.max_cpu_blocks is not None:
+            cpu_blocks = min(cpu_blocks, needs.max_cpu_blocks)
         shares = [tier for tier in self.lower_tiers for _ in range(1 if tier == "mooncake" else 2)]
         tier = data.draw(st.sampled_from(shares), label="lower tier")
-        writeback = data.draw(st.sampled_from(["eager", "on-evict"]), label="write-back") if tier != "none" else "eager"
+        queue_bound = needs.queue_bound if needs is not None else None
+        writeback = "eager" if tier == "none" or queue_bound is not None else data.draw(
+            st.sampled_from(["eager", "on-evict"]), label="write-back")
+        if tier == "disk" and writeback == "eager" and queue_bound is None:
+            queue_bound = data.draw(BOUNDS, label="write-back queue bound")
         self.harness = Harness(SimDevice(), num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                                block_size_factor=factor, mutant=self.mutant, per_layer=per_layer,
                                layer_loads=layer_loads, layer_stores=layer_stores,
@@ -203,6 +219,7 @@ class OffloadInterleavings(RuleBasedStateMachine):
                                report_lag=report_lag,
                                staging_blocks=staging_blocks,
                                store_threshold=needs.store_threshold if needs is not None else 1,
+                               store_bound=store_bound, writeback_queue_blocks=queue_bound,
                                mooncake_master=shared_master() if tier == "mooncake" else None)
         if tier != "none":  # warm the tier: each prefix stored, written back, and pushed out of CPU by the next
             for prefix in PREFIXES:

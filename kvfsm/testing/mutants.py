@@ -19,7 +19,7 @@ from kvfsm.states import CpuBlockState, TransferJobState
 from kvfsm.records import RequestRecord, TransferJob
 from kvfsm.testing.copy_faults import Direction
 from kvfsm.testing.mooncake_store import MOONCAKE_MUTANTS
-from kvfsm.testing.tier_mutants import TIER_MUTANTS
+from kvfsm.testing.tier_mutants import TIER_MUTANTS, busy_pool_is_miss
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,15 @@ class Mutant:
     fails_part_way: Direction | None = None
     """The copies whose failure part-way through their pipeline the bug needs: the interleavings' hunt for it makes
     every such copy fail after its first piece, stores sent in one-block chunks."""
+    store_bound: int | None = None
+    """The bound on stores in flight (`store_max_blocks_in_flight`) the bug needs: without a bound it is kvfsm, so its
+    interleavings always set this one, and the explorer searches only the workloads that set one."""
+    queue_bound: int | None = None
+    """The bound on an eager tier's write-back queue (`writeback_max_queued_blocks`) the bug needs: its interleavings
+    set this one on an eager tier, and the explorer searches only the workloads that set one."""
+    max_cpu_blocks: int | None = None
+    """The largest CPU pool the bug shows in: one it shows only when every slot is busy, which a roomy pool hardly
+    is. Its interleavings draw pools no larger, and the explorer searches only such workloads."""
 
 
 def _no_compute_barrier(engine: Engine, connector: Connector) -> None:
@@ -231,6 +240,28 @@ def inline_under_async_scheduling(scheduler: SchedulerConnector) -> None:
     scheduler.inline_loads = scheduler.config.layer_loads
 
 
+def bound_per_store(scheduler: SchedulerConnector) -> None:
+    """Each store is held to `store_max_blocks_in_flight` alone, as if no other store were in flight: every store
+    fits, and together they pile up past the bound on the copy stream."""
+    bound = scheduler.store_bound
+    bound.room = lambda: bound.bound  # type: ignore[method-assign,assignment,return-value]
+
+
+def queue_bound_per_batch(scheduler: SchedulerConnector) -> None:
+    """Each completed store's blocks are held to the tier's `writeback_max_queued_blocks` alone, not with the blocks
+    already queued: a tier that falls behind queues every store's worth, store after store."""
+    planner = scheduler.tiers
+    assert planner is not None
+    planner._queue_room = lambda tier, arriving: min(  # type: ignore[method-assign]
+        arriving, planner.queue_bounds.get(tier, arriving))
+
+
+def _busy_pool_is_miss(engine: Engine, connector: Connector) -> None:
+    planner = connector.scheduler.tiers
+    assert planner is not None, "busy-pool-is-miss needs a lower tier"
+    busy_pool_is_miss(planner)
+
+
 MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (
@@ -260,6 +291,12 @@ MUTANTS: dict[str, Mutant] = {
                _flush_first_segment, per_layer=True, layer_stores=True),
         *(Mutant(name, breaks, apply, tier="disk") for name, breaks, apply in TIER_MUTANTS),
         *(Mutant(name, breaks, apply, tier="mooncake") for name, breaks, apply in MOONCAKE_MUTANTS),
+        Mutant("bound-per-store", "stores-bounded (stores in flight past the bound: loads starve behind them)",
+               lambda engine, connector: bound_per_store(connector.scheduler), store_bound=1),
+        Mutant("queue-bound-per-batch", "writeback-queue-bounded (a saturated tier's queue grows store by store)",
+               lambda engine, connector: queue_bound_per_batch(connector.scheduler), tier="disk", queue_bound=1),
+        Mutant("busy-pool-is-miss", "fetch-waits-for-room (a prefix the disk holds recomputed because the CPU pool "
+               "was busy for a step)", _busy_pool_is_miss, tier="disk", max_cpu_blocks=2),
     )
 }
 
@@ -321,33 +358,3 @@ def restore_without_state(scheduler: SchedulerConnector) -> None:
         return True
 
     scheduler.match_together = apart  # type: ignore[method-assign]
-
-
-def bound_per_store(scheduler: SchedulerConnector) -> None:
-    """Each store is held to `store_max_blocks_in_flight` alone, as if no other store were in flight: every store
-    fits, and together they pile up past the bound on the copy stream."""
-    bound = scheduler.store_bound
-    bound.room = lambda: bound.bound  # type: ignore[method-assign,assignment,return-value]
-
-
-def queue_bound_per_batch(scheduler: SchedulerConnector) -> None:
-    """Each completed store's blocks are held to the tier's `writeback_max_queued_blocks` alone, not with the blocks
-    already queued: a tier that falls behind queues every store's worth, store after store."""
-    planner = scheduler.tiers
-    assert planner is not None
-    planner._queue_room = lambda tier, arriving: min(  # type: ignore[method-assign]
-        arriving, planner.queue_bounds.get(tier, arriving))
-
-
-BOUND_MUTANTS: dict[str, Mutant] = {
-    m.name: m
-    for m in (
-        Mutant("bound-per-store", "stores-bounded (stores in flight past the bound: loads starve behind them)",
-               lambda engine, connector: bound_per_store(connector.scheduler)),
-        Mutant("queue-bound-per-batch", "writeback-queue-bounded (a saturated tier's queue grows store by store)",
-               lambda engine, connector: queue_bound_per_batch(connector.scheduler), tier="disk"),
-    )
-}
-"""Controls of back-pressure: they differ from kvfsm only with a bound configured (`store_max_blocks_in_flight`, a
-tier's `writeback_max_queued_blocks`), which the shared interleavings and workloads do not set, so each is caught
-by its own scenario (tests/test_connector_backpressure.py, tests/test_tier_planner.py)."""

@@ -200,14 +200,14 @@ MULTI_TIER_CONTROLS: dict[str, Callable[[TierPlanner], None]] = {"one-eager-queu
 def busy_pool_is_miss(planner: TierPlanner) -> None:
     """A lower tier's hit that finds every CPU slot a fetch could claim busy is answered as a miss: nothing fetched,
     nothing waited for, the prefix the tier holds recomputed. It shows only at a lookup that meets a pool full of
-    jobs in flight, which the one-tier interleavings' roomy pools hardly reach, so it is not among `TIER_MUTANTS`;
-    `tests/test_tier_room.py` stages that lookup."""
+    jobs in flight, so its hunts draw pools of at most two slots (`kvfsm.testing.mutants.MUTANTS`);
+    `tests/test_tier_room.py` stages that lookup on the planner alone."""
     planner._room_blockers = lambda wanted, busy: frozenset()  # type: ignore[method-assign]
 
 
 ROOM_CONTROLS: dict[str, Callable[[TierPlanner], None]] = {"busy-pool-is-miss": busy_pool_is_miss}
 """Controls of the tier planner that differ from kvfsm only at a tier hit met with the CPU pool busy
-(`fetch-waits-for-room`)."""
+(`fetch-waits-for-room`), applied to a planner alone; `MUTANTS` holds each applied to a whole connector."""
 
 
 # --- controls of `disk-block-whole`: one disk tier's block files with one half of the rule removed ---------------
