@@ -10,7 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mutmut.__main__ import copy_also_copy_files, copy_src_dir, create_mutants, setup_source_paths
+from mutmut.__main__ import (
+    copy_also_copy_files,
+    copy_src_dir,
+    create_mutants,
+    setup_source_paths,
+)
 from mutmut.mutation.trampoline import set_mutant_under_test
 
 

@@ -7,7 +7,7 @@
 # changed selection and reset every verdict in mutants/). The mutants are generated here, WORKERS processes at once.
 set -u
 secs=$1; workers=$2; shift 2
-if [ "${1:0:1}" = "@" ]; then mapfile -t names < "${1:1}"; set -- "${names[@]}"; fi
+if [ "${1:-}" != "" ] && [ "${1:0:1}" = "@" ]; then mapfile -t names < "${1:1}"; set -- "${names[@]}"; fi
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
 start=$(date +%s)
 timeout -s KILL "$secs" python3 tools/mutation/run_without_clean_tests.py run --max-children "$workers" "$@" \
