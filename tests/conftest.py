@@ -34,13 +34,19 @@ SLOW_LAST = ("test_exploration.py", "test_interleavings.py")
 """Under mutmut (which stops at the first failure), the whole-system searches run after the focused tests, so a
 mutant a focused test kills costs seconds."""
 
-NOT_UNDER_MUTMUT = ("test_spec_mutants.py", "tests/mooncake/", "test_interleavings.py::test_mutant_is_caught[",
+NOT_UNDER_MUTMUT = ("test_spec_mutants.py", "test_interleavings.py::test_mutant_is_caught[",
                     "test_control_is_caught[", "test_a_long_run_keeps_memory_flat",
-                    "test_the_soak_catches_a_connector", "_even_under_python_O")
+                    "test_the_soak_catches_a_connector", "_even_under_python_O", "test_tier_soak.py",
+                    "test_mooncake_processes.py", "test_mooncake_bench.py",
+                    "test_a_stalled_master_never_stops_the_engine_serving", "test_two_gloo_ranks_",
+                    "test_control_every_rank_writes_is_caught_across_processes",
+                    "test_with_mla_completing_on_the_first_report_is_caught_with_no_skew_and_no_failing_rank")
 """Skipped under mutmut: tests that mutate the spec or the code themselves (the spec battery, the hand-written
-mutants' hunts of up to 1500 examples each, the manager's controls), and those that start processes (Mooncake, the
-`python -O` run) or soak 100k requests. Each costs minutes per surviving mutant on 2 cores; all run in CI on the
-unmutated code."""
+mutants' hunts of up to 1500 examples each, the manager's controls), those that start engine processes (the
+`python -O` run, Mooncake's engines in two processes, the replicated-KV runs on two gloo ranks) or soak (100k requests; the failing tiers' five minutes), the
+Mooncake bench, and the 30 s stalled-master wait. Each costs minutes per surviving mutant; all run in CI on the
+unmutated code. The other Mooncake tests run per mutant (each module starts its own `mooncake_master` on free
+ports, so parallel workers do not share one): they judge `kvfsm/mooncake/` and the Mooncake tier."""
 
 FOCUS = {"kvfsm.connector.validation.": ("test_boundaries.py", "test_boundaries_property.py", "test_boundaries_messages.py",
                                          "test_connector_due.py")}
@@ -56,6 +62,14 @@ def _skipped_under_mutmut(item: pytest.Item, mutant: str) -> bool:
     return focus is not None and item.path.name not in focus
 
 
+def _run_order(item: pytest.Item, mutant: str) -> tuple[bool, bool]:
+    """Under mutmut, the searches last and the tests of a file named after the mutant's module first
+    (`test_tiers_disk.py` for `kvfsm.tiers.disk`, `test_executor_rows.py` for `kvfsm.executor.rows`): they kill most
+    of its mutants in their first tests, where the engine-wide tests of a Mooncake tier take seconds each."""
+    module = mutant.split(".x")[0].rpartition(".")[2]
+    return item.path.name in SLOW_LAST, module not in item.path.stem
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mutant = os.environ.get("MUTANT_UNDER_TEST")
     if mutant is not None:
@@ -63,7 +77,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if _skipped_under_mutmut(item, mutant):
                 item.add_marker(skip_here)
-        items.sort(key=lambda item: item.path.name in SLOW_LAST)
+        items.sort(key=lambda item: _run_order(item, mutant))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run through the device tool)")

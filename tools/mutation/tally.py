@@ -1,11 +1,14 @@
 """The mutation score: mutmut's verdicts (`mutants/**/*.meta`) joined with the answers in `docs/mutants.md`.
 
-Each surviving mutant (and each with no CPU test) must have a line in `docs/mutants.md`:
+A mutant that `judge_on_gpu.sh` or `judge_with_vllm.sh` (tests mutmut does not select: the `gpu` and `vllm` ones)
+reports `KILLED` or `TIMEOUT` in a verdicts file passed with `--judged` counts as killed. Each other surviving mutant
+(and each with no CPU test) must have a line in `docs/mutants.md`:
 `equivalent` (no behaviour can differ: left out of the score), `killed outside mutmut's selection` or `killed on
 the GPU` (a test mutmut does not select fails on it: counted as killed), or `left` (not killed). A survivor with
 no line counts as not killed. Timeouts and crashes (segfault) count as killed: the tests failed.
 
-Usage: `python tools/mutation/tally.py [--counts-only] [--unanswered]` from the repository root, after a run.
+Usage: `python tools/mutation/tally.py [--counts-only] [--unanswered] [--scope PREFIX...] [--judged FILE...]` from
+the repository root, after a run; `--scope kvfsm.tiers kvfsm.mooncake` counts only the mutants of those modules.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from mutmut.__main__ import status_by_exit_code
 ANSWER = re.compile(r"^- `(?P<name>kvfsm\.[^`]+)` — (?P<verdict>equivalent|killed outside mutmut's selection|"
                     r"killed on the GPU|left)")
 COUNTED_KILLED = ("killed outside mutmut's selection", "killed on the GPU")
+JUDGED = re.compile(r"^(?P<verdict>KILLED|TIMEOUT|SURVIVED) +(?P<name>kvfsm\.\S+)")
+"""A line of `judge_on_gpu.sh` or `judge_with_vllm.sh`'s output."""
 
 
 def verdicts(root: Path) -> dict[str, str]:
@@ -29,6 +34,16 @@ def verdicts(root: Path) -> dict[str, str]:
     for meta in (root / "mutants").glob("**/*.meta"):
         for name, code in json.loads(meta.read_text()).get("exit_code_by_key", {}).items():
             found[name] = "not checked" if code is None else status_by_exit_code.get(code, "not checked")
+    return found
+
+
+def judged_elsewhere(files: list[Path]) -> dict[str, str]:
+    """mutant name -> 'killed' or 'survived' by the tests a judge script ran (the last line of a name wins)."""
+    found = {}
+    for path in files:
+        for line in path.read_text().splitlines():
+            if m := JUDGED.match(line):
+                found[m["name"]] = "survived" if m["verdict"] == "SURVIVED" else "killed"
     return found
 
 
@@ -41,9 +56,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts-only", action="store_true", help="mutmut's own counts, per module")
     parser.add_argument("--unanswered", action="store_true", help="list survivors with no line in the doc")
+    parser.add_argument("--scope", nargs="+", default=[], metavar="PREFIX",
+                        help="count only mutants whose module starts with one of these (kvfsm.tiers ...)")
+    parser.add_argument("--judged", nargs="+", default=[], type=Path, metavar="FILE",
+                        help="verdicts of judge_on_gpu.sh / judge_with_vllm.sh for mutants mutmut did not kill")
     args = parser.parse_args()
     root = Path.cwd()
-    found = verdicts(root)
+    found = {name: status for name, status in verdicts(root).items()
+             if not args.scope or name.startswith(tuple(args.scope))}
+    elsewhere = judged_elsewhere(args.judged)
     per_module: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for name, status in found.items():
         per_module[name.split(".x")[0]][status] += 1
@@ -58,6 +79,9 @@ def main() -> None:
     for name, status in found.items():
         if status in ("killed", "timeout", "segfault"):
             score["killed"] += 1
+        elif elsewhere.get(name) == "killed":
+            score["killed"] += 1
+            score["killed by a judge script"] += 1
         elif status == "not checked":
             score["not run"] += 1
         elif given.get(name) == "equivalent":
@@ -71,8 +95,8 @@ def main() -> None:
                 unanswered.append(name)
     judged = score["killed"] + score["not killed"]
     print(dict(score))
-    print(f"killed {score['killed']} of {judged} non-equivalent judged mutants: {score['killed'] / judged:.1%}")
-    stale = sorted(set(given) - set(found))
+    print(f"killed {score['killed']} of {judged} non-equivalent judged mutants: {score['killed'] / max(judged, 1):.1%}")
+    stale = sorted(name for name in set(given) - set(found) if not args.scope or name.startswith(tuple(args.scope)))
     if stale:
         print(f"{len(stale)} lines of docs/mutants.md name no current mutant (renumbered?): {stale[:5]} ...")
     if args.unanswered:

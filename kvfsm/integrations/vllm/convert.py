@@ -168,14 +168,13 @@ class BlockTables:
         return map(self._tables.__getitem__, req_ids)
 
 
-def scheduler_output(output: VllmSchedulerOutput, tables: BlockTables,
-                     before: dict[str, int] | None = None) -> SchedulerOutput:
+def scheduler_output(output: VllmSchedulerOutput, tables: BlockTables, before: dict[str, int]) -> SchedulerOutput:
     """The requests computed this step (each group's blocks, computed tokens after the step) and the preempted ones,
-    from tables already updated with this step (`BlockTables.update`).
+    from tables already updated with this step (`BlockTables.update`) and each request's computed tokens before it
+    (`computed_before` of the same output, which the caller also needs).
 
     Built from vLLM's own typed scheduler output: constructed without re-validating, column by column at C speed
     (no object per request: building a record per running request per step was the adapter's largest cost)."""
-    before = computed_before(output) if before is None else before
     req_ids = tuple(output.num_scheduled_tokens)
     computed = tuple(map(operator.add, map(before.__getitem__, req_ids), output.num_scheduled_tokens.values()))
     preempted = sorted(output.preempted_req_ids or ())
