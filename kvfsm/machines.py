@@ -194,19 +194,26 @@ class CompiledLifecycle(LifecycleMachine):
     def fire_many(self, models: Iterable[Stateful], trigger: str, **context: Any) -> None:
         """Fire `trigger` on each model in order, with the outcome of calling `fire` on each.
 
-        A batch of blocks (a store's slots, a load's slots) pays per block only a lookup by its state and an
-        assignment: consecutive models that leave their states by the same unguarded branch form a run, and that
-        branch's effects run once over the run (written over batches, they equal a call per model in order: see
-        `kvfsm.registry.of_batch`). A guarded model ends the run before its guards are asked, so a guard reads what
-        every model before it left. A refusal is re-raised by `fire` itself, so it carries the same exception and
-        message; the models before it have moved, with their effects, those after it have not. With an observer
-        attached every model goes through `fire`, which reports each transition after its effects.
+        A batch of blocks (a store's slots, a load's slots) pays per block only a comparison of its state with the
+        first block's and an assignment (`_move_leading_run`), or past that run a lookup by its state: consecutive
+        models that leave their states by the same unguarded branch form a run, and that branch's effects run once
+        over the run (written over batches, they equal a call per model in order: see `kvfsm.registry.of_batch`).
+        A guarded model ends the run before its guards are asked, so a guard reads what every model before it left.
+        A refusal is re-raised by `fire` itself, so it carries the same exception and message; the models before it
+        have moved, with their effects, those after it have not. With an observer attached every model goes through
+        `fire`, which reports each transition after its effects.
         """
         moves = self._moves.get(trigger)
         if moves is None or self.observers:  # a trigger the lifecycle lacks (`fire` raises), or a trace to report
             for model in models:
                 self.fire(model, trigger, **context)
             return
+        models = models if type(models) is list else list(models)
+        moved = self._move_leading_run(models, moves, context)
+        if moved == len(models):
+            return
+        if moved:
+            models = models[moved:]
         plain = self._plain.get(trigger)
         if plain is not None:
             for model in models:
@@ -217,7 +224,6 @@ class CompiledLifecycle(LifecycleMachine):
             return
         guarded = self._guarded[trigger]
         if not context:
-            models = list(models)
             batch_guarded = self._batch_guarded[trigger]
             if (len(models) > 1 and models[0].state in batch_guarded  # a lone model: its guards in turn, cheaper
                     and self._fire_guarded_batch(models, batch_guarded)):
@@ -252,6 +258,33 @@ class CompiledLifecycle(LifecycleMachine):
         if run:
             for effect in current[1]:  # type: ignore[index]
                 effect(run, **context)
+
+    @staticmethod
+    def _move_leading_run(models: list[Stateful], moves: dict[str, tuple[str, tuple[BatchEffect, ...]]],
+                          context: dict[str, Any]) -> int:
+        """Move the leading models that share the first one's state, when the trigger leaves it by an unguarded
+        branch written for batches, and run that branch's effects once over them; returns how many moved.
+
+        A job's slots or fences are nearly always all in one state: this is the run `fire_many`'s loop would form
+        first, found by comparing each model's state with the first's instead of looking its move up (and collecting
+        the run) model by model."""
+        if not models:
+            return 0
+        state = models[0].state
+        move = moves.get(state)
+        if move is None:
+            return 0
+        dest, effects = move
+        moved = 0
+        for model in models:
+            if model.state != state:  # another state (or a model named twice, already moved): the run ends here
+                break
+            model.state = dest
+            moved += 1
+        run = models if moved == len(models) else models[:moved]
+        for effect in effects:
+            effect(run, **context)
+        return moved
 
     @staticmethod
     def _fire_guarded_batch(models: list[Stateful], batch_guarded: dict[str, tuple[Branch, ...]]) -> bool:
