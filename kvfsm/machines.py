@@ -262,22 +262,15 @@ class CompiledLifecycle(LifecycleMachine):
     @staticmethod
     def _move_leading_run(models: list[Stateful], moves: dict[str, tuple[str, tuple[BatchEffect, ...]]],
                           context: dict[str, Any]) -> int:
-        """Move the leading models that share the first one's state, when the trigger leaves it by an unguarded
-        branch written for batches, and run that branch's effects once over them; returns how many moved.
-
-        A job's slots or fences are nearly always all in one state: this is the run `fire_many`'s loop would form
-        first, found by comparing each model's state with the first's instead of looking its move up (and collecting
-        the run) model by model."""
-        if not models:
-            return 0
-        state = models[0].state
-        move = moves.get(state)
+        """Move the leading models in the first one's state by its unguarded branch, if it has one, and run the
+        branch's effects once over them; returns how many moved. A job's slots or fences nearly always share one
+        state: a comparison per model finds this run, where `fire_many`'s loop looks each model's move up."""
+        move = moves.get(models[0].state) if models else None
         if move is None:
             return 0
-        dest, effects = move
-        moved = 0
+        state, (dest, effects), moved = models[0].state, move, 0
         for model in models:
-            if model.state != state:  # another state (or a model named twice, already moved): the run ends here
+            if model.state != state:  # another state, or a model named twice and moved already: the run ends
                 break
             model.state = dest
             moved += 1
