@@ -296,7 +296,9 @@ class CompiledLifecycle(LifecycleMachine):
         for branch in branches:
             taking = undecided
             for guard in branch.batch_guards:  # type: ignore[union-attr]
-                taking = list(compress(taking, guard(taking)))
+                verdicts = guard(taking)
+                if not all(verdicts):  # a guard that holds for every model (the common case) keeps the batch whole
+                    taking = list(compress(taking, verdicts)) if any(verdicts) else []
             takes.append(taking)
             if len(taking) == len(undecided):
                 undecided = []
