@@ -194,19 +194,26 @@ class CompiledLifecycle(LifecycleMachine):
     def fire_many(self, models: Iterable[Stateful], trigger: str, **context: Any) -> None:
         """Fire `trigger` on each model in order, with the outcome of calling `fire` on each.
 
-        A batch of blocks (a store's slots, a load's slots) pays per block only a lookup by its state and an
-        assignment: consecutive models that leave their states by the same unguarded branch form a run, and that
-        branch's effects run once over the run (written over batches, they equal a call per model in order: see
-        `kvfsm.registry.of_batch`). A guarded model ends the run before its guards are asked, so a guard reads what
-        every model before it left. A refusal is re-raised by `fire` itself, so it carries the same exception and
-        message; the models before it have moved, with their effects, those after it have not. With an observer
-        attached every model goes through `fire`, which reports each transition after its effects.
+        A batch of blocks (a store's slots, a load's slots) pays per block only a comparison of its state with the
+        first block's and an assignment (`_move_leading_run`), or past that run a lookup by its state: consecutive
+        models that leave their states by the same unguarded branch form a run, and that branch's effects run once
+        over the run (written over batches, they equal a call per model in order: see `kvfsm.registry.of_batch`).
+        A guarded model ends the run before its guards are asked, so a guard reads what every model before it left.
+        A refusal is re-raised by `fire` itself, so it carries the same exception and message; the models before it
+        have moved, with their effects, those after it have not. With an observer attached every model goes through
+        `fire`, which reports each transition after its effects.
         """
         moves = self._moves.get(trigger)
         if moves is None or self.observers:  # a trigger the lifecycle lacks (`fire` raises), or a trace to report
             for model in models:
                 self.fire(model, trigger, **context)
             return
+        models = models if type(models) is list else list(models)
+        moved = self._move_leading_run(models, moves, context)
+        if moved == len(models):
+            return
+        if moved:
+            models = models[moved:]
         plain = self._plain.get(trigger)
         if plain is not None:
             for model in models:
@@ -217,7 +224,6 @@ class CompiledLifecycle(LifecycleMachine):
             return
         guarded = self._guarded[trigger]
         if not context:
-            models = list(models)
             batch_guarded = self._batch_guarded[trigger]
             if (len(models) > 1 and models[0].state in batch_guarded  # a lone model: its guards in turn, cheaper
                     and self._fire_guarded_batch(models, batch_guarded)):
@@ -254,6 +260,26 @@ class CompiledLifecycle(LifecycleMachine):
                 effect(run, **context)
 
     @staticmethod
+    def _move_leading_run(models: list[Stateful], moves: dict[str, tuple[str, tuple[BatchEffect, ...]]],
+                          context: dict[str, Any]) -> int:
+        """Move the leading models in the first one's state by its unguarded branch, if it has one, and run the
+        branch's effects once over them; returns how many moved. A job's slots or fences nearly always share one
+        state: a comparison per model finds this run, where `fire_many`'s loop looks each model's move up."""
+        move = moves.get(models[0].state) if models else None
+        if move is None:
+            return 0
+        state, (dest, effects), moved = models[0].state, move, 0
+        for model in models:
+            if model.state != state:  # another state, or a model named twice and moved already: the run ends
+                break
+            model.state = dest
+            moved += 1
+        run = models if moved == len(models) else models[:moved]
+        for effect in effects:
+            effect(run, **context)
+        return moved
+
+    @staticmethod
     def _fire_guarded_batch(models: list[Stateful], batch_guarded: dict[str, tuple[Branch, ...]]) -> bool:
         """Move a batch of distinct models, all in one state that the trigger leaves by guarded branches whose guards
         and effects are written for batches (a job's GPU fences), asking each guard once for the whole batch.
@@ -270,7 +296,9 @@ class CompiledLifecycle(LifecycleMachine):
         for branch in branches:
             taking = undecided
             for guard in branch.batch_guards:  # type: ignore[union-attr]
-                taking = list(compress(taking, guard(taking)))
+                verdicts = guard(taking)
+                if not all(verdicts):  # a guard that holds for every model (the common case) keeps the batch whole
+                    taking = list(compress(taking, verdicts)) if any(verdicts) else []
             takes.append(taking)
             if len(taking) == len(undecided):
                 undecided = []

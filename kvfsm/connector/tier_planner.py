@@ -108,6 +108,7 @@ class TierPlanner:
         self.room_lookups: deque[RoomLookup] = deque(maxlen=manager.capacity)
         """The latest lookups whose tier hit found no CPU slot to claim, and what each waited for: what
         `fetch-waits-for-room` reads (a pool's worth, as the invariants run every step)."""
+        self._totals = self._total_rows()
 
     # --- lookup ----------------------------------------------------------------------------------------------
 
@@ -325,14 +326,20 @@ class TierPlanner:
     def totals(self) -> dict[str, int]:
         """The running totals `kvfsm.connector.metrics.counters` exports for these tiers, every tier and reason
         listed (0 until it counts)."""
-        stats, names = self.stats, [tier.name for tier in self.tiers]
-        moved = {"write-back": stats.blocks_written_back, "fetch": stats.blocks_fetched}
-        totals = {tier_key(f"blocks.{d}", t): blocks[t] for d, blocks in moved.items() for t in names}
-        totals |= {tier_key(f"bytes.{d}", t): blocks[t] * self.block_bytes for d, blocks in moved.items()
-                   for t in names}
-        totals |= {tier_key("hit_blocks", t): stats.hit_blocks[t] for t in names}
-        totals |= {tier_key("loaded_tokens", t): stats.tokens_loaded_from[t] for t in names}
-        return totals | {tier_key("failures", r.value): stats.failures[r.value] for r in TierFailure}
+        stats = self.stats
+        return {key: getattr(stats, counter).get(label, 0) * scale for key, counter, label, scale in self._totals}
+
+    def _total_rows(self) -> tuple[tuple[str, str, str, int], ...]:
+        """Each running total `totals` lists: (its key, the `TierStats` counter, the label counted, a scale), named
+        once at start-up (vLLM asks for the totals every step; naming each key anew was most of what that cost)."""
+        names = [tier.name for tier in self.tiers]
+        moved = {"write-back": "blocks_written_back", "fetch": "blocks_fetched"}
+        return (tuple((tier_key(f"blocks.{d}", t), counter, t, 1) for d, counter in moved.items() for t in names)
+                + tuple((tier_key(f"bytes.{d}", t), counter, t, self.block_bytes) for d, counter in moved.items()
+                        for t in names)
+                + tuple((tier_key("hit_blocks", t), "hit_blocks", t, 1) for t in names)
+                + tuple((tier_key("loaded_tokens", t), "tokens_loaded_from", t, 1) for t in names)
+                + tuple((tier_key("failures", r.value), "failures", r.value, 1) for r in TierFailure))
 
     @property
     def idle(self) -> bool:

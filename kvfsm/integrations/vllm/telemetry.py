@@ -76,8 +76,9 @@ class StatsDelta:
 
     def take(self) -> KvfsmStats | None:
         totals = self._totals()
-        data: dict[str, Any] = {key: value - self._last.get(key, 0) for key, value in totals.items()
-                                if value != self._last.get(key, 0)}  # a tier's first shed is a new key
+        data: dict[str, Any] = {} if totals == self._last else {  # most steps move no counter: one compare in C
+            key: value - self._last.get(key, 0) for key, value in totals.items()
+            if value != self._last.get(key, 0)}  # a tier's first shed is a new key
         self._last = totals
         for direction, histogram in self._source.transfer_times.items():
             counts, sums = self._last_times[direction]
