@@ -22,15 +22,19 @@ from kvfsm.executor.rows import FIRST_BATCH, RowCopies, RowCopyError
 SRC_ACCESS_ORDER_STREAM, SRC_ACCESS_ORDER_ANY = 1, 3
 """`CUmemcpySrcAccessOrder`: the source is read when the stream reaches the copy, or whenever the driver likes."""
 INVALID_VALUE = 1  # CUresult CUDA_ERROR_INVALID_VALUE
+LOCATION_DEVICE, LOCATION_HOST = 1, 2  # CUmemLocationType
+PREFER_OVERLAP_WITH_COMPUTE = 1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
 ROW = 64
 
 
 @dataclass
 class FakeDriver:
-    """The driver calls `RawRows` makes, answering `result`; `batches` keeps each batch's attributes."""
+    """The driver calls `RawRows` makes, answering `result`; `batches` keeps each batch's attributes, `calls` the
+    rest of each batch call (addresses, sizes, count, attribute index and count, stream)."""
 
     result: int = 0
     batches: list[rows._MemcpyAttributes] = field(default_factory=list)
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
 
     def cuMemcpy2DAsync_v2(self, copy: Any, stream: Any) -> int:  # noqa: N802 (the driver's name)
         return self.result
@@ -38,6 +42,8 @@ class FakeDriver:
     def batch(self, dsts: Any, srcs: Any, sizes: Any, count: int, attributes: Any, attribute_index: Any,
               num_attributes: int, stream: Any) -> int:
         self.batches.append(rows._MemcpyAttributes.from_buffer_copy(attributes._obj))
+        self.calls.append((list(dsts), list(srcs), list(sizes), count, attribute_index._obj.value, num_attributes,
+                           stream.value))
         return self.result
 
 
@@ -65,10 +71,10 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
     return fake
 
 
-def copy_rows(count: int, to_device: bool) -> None:
-    """`count` one-row copies in one direction, held and sent as batches."""
+def copy_rows(count: int, to_device: bool, device: int = 0) -> None:
+    """`count` one-row copies in one direction between the host and GPU `device`, held and sent as batches."""
     dst, src = (GPU, HOST) if to_device else (HOST, GPU)
-    with RowCopies(torch.device("cuda", 0), batched=True) as copies:
+    with RowCopies(torch.device("cuda", device), batched=True) as copies:
         for i in range(count):
             copies.copy(dst, i * ROW, ROW, src, i * ROW, ROW, ROW, 1)
 
@@ -79,7 +85,8 @@ def copy_rows(count: int, to_device: bool) -> None:
 def test_a_batch_the_driver_refused_is_not_issued_again_on_exit(driver: FakeDriver) -> None:
     """The first batch fills, is refused and raises; leaving the context sends nothing more."""
     driver.result = INVALID_VALUE
-    with pytest.raises(RowCopyError):
+    with pytest.raises(RowCopyError, match=f"cuMemcpyBatchAsync of {FIRST_BATCH} copies \\({FIRST_BATCH * ROW} "
+                                           f"bytes\\) failed with CUresult {INVALID_VALUE}"):
         copy_rows(FIRST_BATCH, to_device=True)
     assert len(driver.batches) == 1
 
@@ -108,6 +115,27 @@ def test_a_batch_the_real_driver_refused_is_not_issued_again_on_exit(monkeypatch
     torch.cuda.synchronize()
     assert sent == [FIRST_BATCH]
     assert not gpu.any()
+
+
+# what a batch asks of the driver ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("to_device", [False, True], ids=["store", "load"])
+def test_a_batch_names_its_copies_where_each_side_lives_and_the_copy_engines(driver: FakeDriver,
+                                                                            to_device: bool) -> None:
+    """The driver takes a batch's copies from three arrays and one set of attributes for all of them, on kvfsm's
+    stream; it picks the copy path from the locations the attributes name (the host, and the GPU the copies
+    touch: GPU 1 here) and leaves the SMs to compute only when the flag asks it to."""
+    copy_rows(FIRST_BATCH, to_device, device=1)
+    dst, src = (GPU, HOST) if to_device else (HOST, GPU)
+    offsets = [i * ROW for i in range(FIRST_BATCH)]
+    assert driver.calls == [([dst.address + o for o in offsets], [src.address + o for o in offsets],
+                             [ROW] * FIRST_BATCH, FIRST_BATCH, 0, 1, 7)]
+    (batch,) = driver.batches
+    host, gpu = (LOCATION_HOST, 0), (LOCATION_DEVICE, 1)
+    assert ((batch.srcLocHint.type, batch.srcLocHint.id), (batch.dstLocHint.type, batch.dstLocHint.id)) == \
+        ((host, gpu) if to_device else (gpu, host))
+    assert batch.flags == PREFER_OVERLAP_WITH_COMPUTE
 
 
 # the source's access order -------------------------------------------------------------------------------------

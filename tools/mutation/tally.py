@@ -60,10 +60,15 @@ def main() -> None:
                         help="count only mutants whose module starts with one of these (kvfsm.tiers ...)")
     parser.add_argument("--judged", nargs="+", default=[], type=Path, metavar="FILE",
                         help="verdicts of judge_on_gpu.sh / judge_with_vllm.sh for mutants mutmut did not kill")
+    parser.add_argument("--names", metavar="STATUS",
+                        help="print only the names with this status ('not checked': a next run's @file)")
     args = parser.parse_args()
     root = Path.cwd()
     found = {name: status for name, status in verdicts(root).items()
              if not args.scope or name.startswith(tuple(args.scope))}
+    if args.names:
+        print("\n".join(sorted(name for name, status in found.items() if status == args.names)))
+        return
     elsewhere = judged_elsewhere(args.judged)
     per_module: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for name, status in found.items():
