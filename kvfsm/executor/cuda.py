@@ -83,10 +83,7 @@ class CudaDevice:
 
     def enqueue(self, stream: StreamName, actor: Actor, label: str, fn: Callable[[], None],
                 touches: Iterable[Touch] = ()) -> None:
-        """`fn` runs with this device current: the copies it issues straight to the driver go to the thread's
-        current context, and a caller driving two devices from one thread (ranks in one process) may be on the
-        other one."""
-        with torch.cuda.device(self._device), torch.cuda.stream(self.streams[stream]):
+        with torch.cuda.stream(self.streams[stream]):
             fn()
 
     def pin_host(self, nbytes: int) -> torch.Tensor:
