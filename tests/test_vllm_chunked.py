@@ -120,10 +120,9 @@ LONG = PREFIX + list(range(700, 700 + 3 * BLOCK_SIZE))
 3, so the chunked group never stored block 4."""
 
 
-def test_a_chunk_missing_at_the_full_hit_falls_back_to_the_longest_whole_chunk(byte_rig) -> None:
+def loads_the_shorter_chunk_hit(d: Driver, worker: HybridWorker) -> None:
     """A five-block reader's chunk (blocks 3, 4) lacks block 4: the hit ends at block 4, whose chunk (block 3) is
     held, and both groups load the writers' bytes up to there (`longest-window-hit`)."""
-    d, worker = byte_rig
     store_prefix(d)
     store_prefix(d, LONG + [1, 2, 3], "long")
     worker.caches[FULL].zero_()
@@ -131,9 +130,20 @@ def test_a_chunk_missing_at_the_full_hit_falls_back_to_the_longest_whole_chunk(b
     d.run()
     full, local = ([worker.block_tokens(b) for order in loads_of(d, tracked) for b in order.gpu_blocks]
                    for tracked in ("reader", "reader@g1"))
-    assert full == [prefix_block(i, 0) for i in range(4)]
+    assert full == [prefix_block(i, 0) for i in range(4)], f"loaded {len(full)} full blocks, not the shorter hit's 4"
     assert local == [prefix_block(3, 1)]
     assert d.cpu_pool_drained()
+
+
+def test_a_chunk_missing_at_the_full_hit_falls_back_to_the_longest_whole_chunk(byte_rig) -> None:
+    loads_the_shorter_chunk_hit(*byte_rig)
+
+
+def test_control_without_the_shorter_hit_nothing_is_loaded(byte_rig) -> None:
+    d, worker = byte_rig
+    WINDOW_HIT_MUTANTS["no-shorter-window-hit"](d.connector.scheduler_side.window_hits)
+    with pytest.raises(AssertionError, match="loaded 0 full blocks"):
+        loads_the_shorter_chunk_hit(d, worker)
 
 
 def test_a_hit_ending_at_a_chunks_boundary_needs_none_of_its_blocks() -> None:
