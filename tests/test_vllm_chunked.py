@@ -109,7 +109,7 @@ which lacks the block vLLM attends to."""
 
 
 @pytest.mark.parametrize("control", CONTROLS, ids=lambda control: control.__name__)
-def test_control_a_chunk_kept_one_block_short_is_caught(control, byte_rig, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_control_a_chunk_kept_one_block_short_is_caught(control, byte_rig, monkeypatch) -> None:  # type: ignore
     control(byte_rig[0], monkeypatch)
     with pytest.raises(AssertionError, match=CONTROLS[control]):
         reloads_only_its_chunk(*byte_rig)
