@@ -75,8 +75,8 @@ class Group:
 
     @property
     def trailing(self) -> bool:
-        """Whether vLLM keeps only the blocks at the end of the request's tokens (a window, a state, a chunk): such a group is
-        stored and reloaded only there and slides while it runs."""
+        """Whether vLLM keeps only the blocks at the end of the request's tokens (a window, a state, a chunk): such a
+        group is stored and reloaded only there and slides while it runs."""
         return self.window is not None or self.state or self.chunk is not None
 
     def request_id(self, req_id: str) -> str:
