@@ -237,9 +237,10 @@ class HybridWorker(AdapterWorker):
     hybrid allocator shares it. Its forward writes each position's token id (mod 251), plus 256 in the sliding group,
     into that group's block: a reloaded block's bytes say which prefix and which group they came from."""
 
-    def __init__(self, config) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config, second: object | None = None) -> None:  # type: ignore[no-untyped-def]
+        """`second`: the second group's spec (`hybrid_cache`'s), a sliding window unless told."""
         blocks = config.cache_config.num_gpu_blocks
-        self.connector = KvfsmConnector(config, KVConnectorRole.WORKER, hybrid_cache(blocks))
+        self.connector = KvfsmConnector(config, KVConnectorRole.WORKER, hybrid_cache(blocks, second))
         shared = torch.zeros(2, blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
         self.caches = {FULL: shared, SLIDING: shared}
         self.connector.register_kv_caches(self.caches)
@@ -264,9 +265,8 @@ def reloaded_bytes(d: Driver, worker: HybridWorker) -> tuple[list[list[int]], li
     worker.caches[FULL].zero_()  # whatever the reader finds now came from the CPU pool
     d.add("reader", PREFIX + [9])
     d.run()
-    (full,) = loads_of(d, "reader")
-    (window,) = loads_of(d, "reader@g1")
-    return [worker.block_tokens(b) for b in full.gpu_blocks], [worker.block_tokens(b) for b in window.gpu_blocks]
+    full, window = ([b for order in loads_of(d, tracked) for b in order.gpu_blocks] for tracked in ("reader", "reader@g1"))
+    return [worker.block_tokens(b) for b in full], [worker.block_tokens(b) for b in window]
 
 
 def prefix_block(i: int, group: int) -> list[int]:

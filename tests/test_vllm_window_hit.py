@@ -4,8 +4,9 @@ group holds its whole window, up to where the full-attention group's hit ends (`
 Under vLLM's real Scheduler, the hybrid allocator on: a prompt whose window at the full hit's end the CPU pool lacks,
 but an earlier one it holds, loads that shorter hit byte-exact in both groups and recomputes less than the whole
 prompt. Each half of the rule has a mutant (`kvfsm.testing.window_mutants`) this scenario catches. The search itself is
-checked against the rule's definition on generated pools, and its work against its bound: each block read at most
-once per group (a control shows the naive search, every candidate end's window read again, past that bound).
+checked against the rule's definition on generated pools (sliding windows, or chunked local attention's chunks), and
+its work against its bound: each block read at most once per group (a control shows the naive search, every candidate
+end's window read again, past that bound).
 """
 
 from __future__ import annotations
@@ -108,12 +109,14 @@ class Pool:
         return Lookup(hits, ())
 
 
-def searcher(held: set[tuple[int, int]], windows: Sequence[int], factor: int) -> tuple[WindowHits, Pool]:
+def searcher(held: set[tuple[int, int]], windows: Sequence[int], factor: int,
+             chunked: bool = False) -> tuple[WindowHits, Pool]:
     """The search over a pool holding `held` (group rank, GPU block of a CPU block's key), sliding groups of these
-    windows (tokens), CPU blocks of `factor` GPU blocks."""
+    windows (tokens; chunked local attention groups of these chunks if `chunked`), CPU blocks of `factor` GPU
+    blocks."""
     pool = Pool(held)
     kvfsm = SimpleNamespace(config=SimpleNamespace(gpu_block_size=BLOCK_SIZE, block_size_factor=factor), manager=pool)
-    groups = [Group(i + 1, i + 1, w) for i, w in enumerate(windows)]
+    groups = [Group(i + 1, i + 1, None, chunk=w) if chunked else Group(i + 1, i + 1, w) for i, w in enumerate(windows)]
     return WindowHits(kvfsm, groups, codec=None), pool  # type: ignore[arg-type]
 
 
@@ -144,13 +147,15 @@ def pools(draw: st.DrawFn) -> tuple:
     return blocks, first, end, windows, factor, held
 
 
-@given(pools())
-def test_the_search_finds_the_longest_end_whose_windows_are_whole_reading_each_block_once(pool_case: tuple) -> None:
+@given(pools(), st.booleans())
+def test_the_search_finds_the_longest_end_whose_windows_are_whole_reading_each_block_once(pool_case: tuple,
+                                                                                           chunked: bool) -> None:
+    """Sliding windows, or chunked local attention's chunks (a window from the start of its end's chunk)."""
     blocks, first, end, windows, factor, held = pool_case
-    hits, pool = searcher(held, windows, factor)
+    hits, pool = searcher(held, windows, factor, chunked)
     found = hits.longest_end(views(windows, blocks), first, end)
     assert pool.reads <= 2 * len(windows) * (end - first + 1)
-    oracle, oracle_pool = searcher(held, windows, factor)
+    oracle, oracle_pool = searcher(held, windows, factor, chunked)
     assert found == naive_end(oracle, oracle_pool, views(windows, blocks), first, end)
 
 

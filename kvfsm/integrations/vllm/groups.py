@@ -23,7 +23,14 @@ fences of a block whichever group reads or writes it.
   vLLM takes back behind the running state are told to kvfsm as a window's are (`slide`). Any other cache mode keeps no
   state at a block's end ("none": prefix caching off), a state block whose table moves (speculative blocks) or a CPU
   block of several GPU blocks (`block_size_factor`) would hold states vLLM never kept: refused by name.
-- Any other kind (chunked local attention, cross-attention, attention sinks) is refused at start-up by name.
+- A chunked local attention group (vLLM's `ChunkedLocalAttentionSpec`) reads only the tokens of its own chunk
+  (`attention_chunk_size` tokens, chunks laid end to end from the first token): a window whose first kept block for a
+  request with E tokens computed is the first of E's chunk, as vLLM's chunked-local manager frees every block of the
+  chunks before. It is served as a sliding window is (`store_from`, `window_hit`, `slide`, `window-fence`) with that
+  `first_kept`; a hit ending at a chunk's boundary needs none of its blocks. A chunk that is not a whole number of
+  blocks (a block split between two chunks, its first kept while the second's tokens are read) is refused by name:
+  kvfsm's scenarios prove the arithmetic on whole-block chunks only.
+- Any other kind (cross-attention, attention sinks) is refused at start-up by name.
 """
 
 from __future__ import annotations
@@ -31,7 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from kvfsm.integrations.vllm.config import UnsupportedKVCache
 
@@ -57,12 +70,14 @@ class Group:
     """The sliding window in tokens; None for full attention and for a state."""
     state: bool = False
     """A state-space group's: each block the state after its last token, only the running state's kept."""
+    chunk: int | None = None
+    """Chunked local attention's chunk in tokens (a whole number of blocks); None for any other kind."""
 
     @property
     def trailing(self) -> bool:
-        """Whether vLLM keeps only the blocks at the end of the request's tokens (a window, a state): such a group is
-        stored and reloaded only there and slides while it runs."""
-        return self.window is not None or self.state
+        """Whether vLLM keeps only the blocks at the end of the request's tokens (a window, a state, a chunk): such a
+        group is stored and reloaded only there and slides while it runs."""
+        return self.window is not None or self.state or self.chunk is not None
 
     def request_id(self, req_id: str) -> str:
         """The id kvfsm's scheduler tracks this group of the request under."""
@@ -71,39 +86,49 @@ class Group:
     def first_kept(self, tokens: int, block_size: int) -> int:
         """The first block of a request with `tokens` computed that vLLM still holds for this group (its window's
         first; 0 for full attention): vLLM's sliding-window manager skips every token the window no longer reads, its
-        Mamba manager every token before the last (whose block holds the state the request runs on)."""
+        Mamba manager every token before the last (whose block holds the state the request runs on), its chunked-local
+        manager every chunk before the one the next token is in."""
         if self.state:
             return max(0, tokens - 1) // block_size
+        if self.chunk is not None:
+            return tokens // self.chunk * self.chunk // block_size
         return 0 if self.window is None else max(0, tokens - self.window + 1) // block_size
 
 
 def offloaded_groups(kv_cache_config: "KVCacheConfig", block_size: int, block_size_factor: int = 1,
                      ) -> tuple[Group, ...]:
     """The groups of vLLM's configuration, the first full-attention group first; refuses by name what kvfsm cannot
-    serve (a state group outside "align" mode, or under a `block_size_factor`; another kind; no full-attention group;
-    groups of another block size or page)."""
+    serve (a state group outside "align" mode, or under a `block_size_factor`; a chunk not a whole number of blocks;
+    another kind; no full-attention group; groups of another block size or page)."""
     groups = kv_cache_config.kv_cache_groups
     kinds = ", ".join(f"{i}: {type(g.kv_cache_spec).__name__}" for i, g in enumerate(groups))
     windows: list[int | None] = []
     states: list[bool] = []
+    chunks: list[int | None] = []
     for i, group in enumerate(groups):
         spec = group.kv_cache_spec
         states.append(isinstance(spec, MambaSpec))
+        chunks.append(spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None)
         if isinstance(spec, SlidingWindowSpec):  # the trailing tokens vLLM retains beyond the window are kept too
             windows.append(spec.sliding_window + spec.extra_retained_tokens)
-        elif type(spec) in _FULL or isinstance(spec, MambaSpec):
+        elif type(spec) in _FULL or isinstance(spec, (MambaSpec, ChunkedLocalAttentionSpec)):
             if isinstance(spec, MambaSpec):
                 _check_state(i, spec, block_size_factor, kinds)
+            if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:
+                raise UnsupportedKVCache(
+                    f"KV-cache group {i} is a ChunkedLocalAttentionSpec of {spec.attention_chunk_size}-token chunks "
+                    f"in {spec.block_size}-token blocks ({kinds}): kvfsm offloads chunks of whole blocks only; use "
+                    "a block size that divides the chunk")
             windows.append(None)
         else:
             raise UnsupportedKVCache(
-                f"kvfsm offloads full-attention (and MLA), sliding-window and state-space (Mamba, align mode) KV-cache "
-                f"groups; group {i} is a {type(spec).__name__} ({kinds}). Serve this model without kvfsm, or with "
-                "vLLM's own OffloadingConnector")
+                f"kvfsm offloads full-attention (and MLA), sliding-window, chunked local attention and state-space "
+                f"(Mamba, align mode) KV-cache groups; group {i} is a {type(spec).__name__} ({kinds}). Serve this "
+                "model without kvfsm, or with vLLM's own OffloadingConnector")
         if spec.block_size != block_size:
             raise UnsupportedKVCache(f"KV-cache group {i} ({type(spec).__name__}) pages {spec.block_size} tokens a "
                                      f"block, the engine hashes {block_size}: kvfsm needs one block size ({kinds})")
-    full = [i for i, window in enumerate(windows) if window is None and not states[i]]
+    full = [i for i, group in enumerate(groups) if type(group.kv_cache_spec) in _FULL]
     if not full:
         raise UnsupportedKVCache(f"kvfsm needs a full-attention KV-cache group to look a prefix up by; this "
                                  f"configuration has none ({kinds})")
@@ -112,7 +137,7 @@ def offloaded_groups(kv_cache_config: "KVCacheConfig", block_size: int, block_si
         raise UnsupportedKVCache(f"KV-cache groups of different bytes per block ({sorted(sizes)}; {kinds}): kvfsm's "
                                  "CPU pool has one block size")
     order = full + [i for i in range(len(groups)) if i not in full]
-    return tuple(Group(index, rank, windows[index], states[index]) for rank, index in enumerate(order))
+    return tuple(Group(index, rank, windows[index], states[index], chunks[index]) for rank, index in enumerate(order))
 
 
 def _check_state(index: int, spec: MambaSpec, block_size_factor: int, kinds: str) -> None:
