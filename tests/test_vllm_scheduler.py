@@ -85,6 +85,7 @@ def readers_hash_conversions(d: Driver, monkeypatch) -> int:
 def test_a_deferred_request_converts_each_block_hash_once_over_its_lookups(make_driver, monkeypatch) -> None:
     d = make_driver(FakeWorker(load_steps=3))
     assert readers_hash_conversions(d, monkeypatch) == 5 * len(PREFIX) // BLOCK_SIZE  # each request's blocks once
+    assert d.connector.scheduler_side._views == {}  # each kept until its request finished
 
 
 def test_control_a_view_made_anew_per_lookup_converts_a_deferred_prompt_again(make_driver, monkeypatch) -> None:
