@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 from kvfsm.executor.access import Access, Actor, Mode, Space
 from kvfsm.records import FLUSHABLE_JOB_STATES, CpuBlock, GpuBlock, RequestRecord, TransferJob
@@ -28,9 +28,10 @@ from kvfsm.states import TransferJobState as J
 from kvfsm.tier_records import TierEntry, TierJob
 
 
-@dataclass(frozen=True, slots=True)
-class Deferral:
-    """A request deferred at `step` because these jobs were in flight on blocks it needs."""
+class Deferral(NamedTuple):
+    """A request deferred at `step` because these jobs were in flight on blocks it needs. A named tuple, not a frozen
+    dataclass: one is made per deferred lookup, and a tuple is built in C where a frozen dataclass's `__init__` sets
+    each field through `object.__setattr__`."""
 
     step: int
     blockers: frozenset[int]

@@ -18,7 +18,7 @@ from kvfsm.integrations.vllm import InvalidExtraConfig  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.rig import FakeWorker, vllm_config  # noqa: E402
 from vllm_harness import Driver, HeldBlockReleased  # noqa: E402
-from vllm_support import PREFIX, hide_preemptions, loads_of, make_driver, model, store_prefix  # noqa: E402,F401
+from vllm_support import BLOCK_SIZE, PREFIX, hide_preemptions, loads_of, make_driver, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
@@ -68,6 +68,32 @@ def test_shared_prefix_loads_once_and_every_reader_starts_the_step_after_the_loa
     assert {d.first_token[req] for req in steps} == {load.due + 1}
     assert set(steps.values()) == {4}, steps  # load ordered in the readers' first step, lands in their third
     assert d.cpu_pool_drained()
+
+
+def readers_hash_conversions(d: Driver, monkeypatch) -> int:
+    """Block hashes converted in a run of a writer, then four readers deferred behind one load (three lookups each
+    before their own)."""
+    codec = d.connector.scheduler_side.codec
+    converted = []
+    to_int = codec.to_int
+    monkeypatch.setattr(codec, "to_int", lambda h: converted.append(h) or to_int(h))
+    shared_prefix_run(d, readers=4)
+    assert d.connector.scheduler_side.kvfsm.stats.deferrals == 3 * 3
+    return len(converted)
+
+
+def test_a_deferred_request_converts_each_block_hash_once_over_its_lookups(make_driver, monkeypatch) -> None:
+    d = make_driver(FakeWorker(load_steps=3))
+    assert readers_hash_conversions(d, monkeypatch) == 5 * len(PREFIX) // BLOCK_SIZE  # each request's blocks once
+    assert d.connector.scheduler_side._views == {}  # each kept until its request finished
+
+
+def test_control_a_view_made_anew_per_lookup_converts_a_deferred_prompt_again(make_driver, monkeypatch) -> None:
+    d = make_driver(FakeWorker(load_steps=3))
+    side = d.connector.scheduler_side
+    keep = side._views_of
+    monkeypatch.setattr(side, "_views_of", lambda request: (side._views.clear(), keep(request))[1])
+    assert readers_hash_conversions(d, monkeypatch) > 5 * len(PREFIX) // BLOCK_SIZE
 
 
 def test_control_without_finished_recving_the_loader_never_starts(make_driver, monkeypatch) -> None:

@@ -117,7 +117,7 @@ def searcher(held: set[tuple[int, int]], windows: Sequence[int], factor: int,
     pool = Pool(held)
     kvfsm = SimpleNamespace(config=SimpleNamespace(gpu_block_size=BLOCK_SIZE, block_size_factor=factor), manager=pool)
     groups = [Group(i + 1, i + 1, None, chunk=w) if chunked else Group(i + 1, i + 1, w) for i, w in enumerate(windows)]
-    return WindowHits(kvfsm, groups, codec=None), pool  # type: ignore[arg-type]
+    return WindowHits(kvfsm, groups), pool
 
 
 def views(windows: Sequence[int], blocks: int) -> list[SimpleNamespace]:

@@ -20,7 +20,7 @@ bounded number of batched transitions.
 from __future__ import annotations
 
 import time
-from itertools import chain
+from itertools import chain, islice
 from typing import Sequence
 
 from kvfsm.bindings import default_spec
@@ -118,7 +118,9 @@ class SchedulerConnector(LedgerTables):
         block_size, k = self.config.gpu_block_size, self.config.block_size_factor
         first_gpu = num_computed_tokens // block_size
         first_cpu = first_gpu // k
-        lookup = self.manager.lookup(self._cpu_hashes(request)[first_cpu:], every_busy=False)
+        # Read in place from `first_cpu` on (no copy of the prompt's hashes): a deferred lookup stops at the first
+        # busy block, so a long prompt looked up again each step costs its hits, not its length.
+        lookup = self.manager.lookup(islice(request.block_hashes, first_cpu * k + k - 1, None, k), every_busy=False)
         self.stats.lookups += 1
         computable = (request.num_tokens - 1) // block_size  # the last token is always computed, for its logits
         if lookup.busy:

@@ -72,6 +72,8 @@ class WorkerHalf(Protocol):
 
 def _int(call: str, name: str, value: object) -> int:
     """`value` as an int, refusing booleans and anything without `__index__` (a float token count, say)."""
+    if type(value) is int:  # the engines' own counts: one comparison (a bool's type is bool)
+        return value
     if isinstance(value, bool):
         raise WrongType(f"{call}: {name} must be an int, got the bool {value!r}")
     try:

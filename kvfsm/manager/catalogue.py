@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import filterfalse
 from operator import attrgetter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from kvfsm.bindings import default_spec
 from kvfsm.machines import LifecycleMachine, MachineSet
@@ -73,9 +73,9 @@ class DuplicateHashes(ManagerError, ValueError):
     """One call named the same prefix hash twice; a hash chain never repeats, so the caller is confused."""
 
 
-@dataclass(frozen=True, slots=True)
-class Lookup:
-    """`hits`: leading blocks that are ready; `busy`: slots of the leading catalogued run someone is moving."""
+class Lookup(NamedTuple):
+    """`hits`: leading blocks that are ready; `busy`: slots of the leading catalogued run someone is moving. A named
+    tuple: one is made per lookup, a deferred request's every step (see `kvfsm.invariants.Deferral`)."""
 
     hits: int
     busy: tuple[int, ...]
@@ -129,7 +129,7 @@ class OffloadingManager:
 
     # lookups and loads -------------------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[int], every_busy: bool = True) -> Lookup:
+    def lookup(self, hashes: Iterable[int], every_busy: bool = True) -> Lookup:
         """Leading ready hits and the busy slots after them; `every_busy=False` stops at the first busy slot.
 
         A scheduler that only needs to know whether to defer (and whom it waits for) asks for the first: a request

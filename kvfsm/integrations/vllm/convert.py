@@ -51,12 +51,17 @@ class HashCodec:
 
 
 class RequestView:
-    """A vLLM `Request` as kvfsm's `RequestView`; hashes are converted once each, as vLLM appends them."""
+    """A vLLM `Request` as kvfsm's `RequestView`; hashes are converted once each, as vLLM appends them (the adapter
+    keeps one view per request across its lookups, `SchedulerSide._views_of`)."""
 
     def __init__(self, request: "Request", codec: HashCodec) -> None:
         self._request = request
         self._codec = codec
         self._hashes: list[int] = []
+
+    def wraps(self, request: "Request") -> bool:
+        """Whether this is the view of `request` (the same object: vLLM appends to a request's hashes, never rewrites)."""
+        return self._request is request
 
     @property
     def request_id(self) -> str:

@@ -95,30 +95,42 @@ class SchedulerSide:
         self.stats = StatsDelta(self.kvfsm.stats, self.kvfsm.manager.usage,
                                 self.kvfsm.tiers.totals if self.kvfsm.tiers is not None else dict)
         self._matched: dict[str, tuple[RequestView | GroupView, ...]] = {}
+        self._views: dict[str, tuple[RequestView, tuple[GroupView, ...]]] = {}
+        """Each unfinished looked-up request's views (`_views_of`)."""
         self._waiting: dict[str, set[str]] = {}
         """Per request, the groups whose load (or, once it ended, whose draining) vLLM still waits for."""
         self.block_tables = BlockTables(self.groups)
-        self.window_hits = WindowHits(self.kvfsm, self.windows, self.codec)
+        self.window_hits = WindowHits(self.kvfsm, self.windows)
         """The hit offered a request with sliding-window groups (`longest-window-hit`)."""
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         record = self.kvfsm.requests.get(request.request_id)
         if record is not None and record.state == RequestState.RUNNING:
             return 0, False
-        view = RequestView(request, self.codec)
+        view, windows = self._views_of(request)
         match = self.kvfsm.get_num_new_matched_tokens(view, num_computed_tokens)
         if match is None:
             self._matched.pop(request.request_id, None)
             return None, False
-        views: tuple[RequestView | GroupView, ...] = (view,)
         if self.windows:
-            match = self.window_hits.match(view, num_computed_tokens, match)
+            match = self.window_hits.match(view, windows, num_computed_tokens, match)
             if match is None:
                 self._matched.pop(request.request_id, None)
                 return None, False
-            views += tuple(GroupView(view, g, self.codec) for g in self.windows)
-        self._matched[request.request_id] = views
+        self._matched[request.request_id] = (view, *windows)
         return match
+
+    def _views_of(self, request: "Request") -> tuple[RequestView, tuple[GroupView, ...]]:
+        """The request's view and its window groups' views, kept from its first lookup to its finish: a request looked
+        up again (deferred, or waiting for room) converts only the block hashes vLLM appended since, where a view made
+        anew converts its whole prompt's each time. Kept per `Request` object, so a request id reused by another
+        request gets views of its own."""
+        views = self._views.get(request.request_id)
+        if views is None or not views[0].wraps(request):
+            view = RequestView(request, self.codec)
+            views = (view, tuple(GroupView(view, g, self.codec) for g in self.windows))
+            self._views[request.request_id] = views
+        return views
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         views = self._matched.pop(request.request_id, None)
@@ -204,6 +216,7 @@ class SchedulerSide:
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         """Every group of the request ends; vLLM keeps all its blocks while any group's load still writes them."""
         self._matched.pop(request.request_id, None)
+        self._views.pop(request.request_id, None)
         aborted = request.status not in _NORMAL_FINISH
         held = {g.request_id(request.request_id) for g in self.groups
                 if self.kvfsm.request_finished(g.request_id(request.request_id), aborted=aborted)}

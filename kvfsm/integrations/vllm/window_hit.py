@@ -31,22 +31,22 @@ from kvfsm.integrations.vllm.groups import Group, GroupView
 
 if TYPE_CHECKING:
     from kvfsm.connector.scheduler import SchedulerConnector
-    from kvfsm.integrations.vllm.convert import HashCodec, RequestView
+    from kvfsm.integrations.vllm.convert import RequestView
 
 
 class WindowHits:
     """`longest-window-hit` for one scheduler side: its sliding-window groups, looked up in its kvfsm scheduler."""
 
-    def __init__(self, kvfsm: "SchedulerConnector", windows: Sequence[Group], codec: "HashCodec") -> None:
-        self.kvfsm, self.windows, self.codec = kvfsm, tuple(windows), codec
+    def __init__(self, kvfsm: "SchedulerConnector", windows: Sequence[Group]) -> None:
+        self.kvfsm, self.windows = kvfsm, tuple(windows)
         self.block_size = kvfsm.config.gpu_block_size
 
-    def match(self, view: "RequestView", computed: int, match: tuple[int, bool]) -> tuple[int, bool] | None:
+    def match(self, view: "RequestView", views: Sequence[GroupView], computed: int,
+              match: tuple[int, bool]) -> tuple[int, bool] | None:
         """The full-attention group's hit (`match`, already looked up) cut to the longest end at which every sliding
         group holds its whole window, each window looked up as its own request's hit; None defers (a window block is
-        busy, or a lower tier's copy is being fetched)."""
+        busy, or a lower tier's copy is being fetched). `views`: the request's view of each window group, in order."""
         first, end = computed // self.block_size, (computed + match[0]) // self.block_size
-        views = tuple(GroupView(view, group, self.codec) for group in self.windows)
         whole = self._look_up(views, first, end)
         if whole is None:
             return None
