@@ -1,0 +1,67 @@
+"""A disk tier's submits, key by key: a key held already is skipped and the rest still written, a key without room
+fails `full` and so do the ones after it, a carried checksum is what the file is stored with, a job id in flight is
+refused, and a block found at open is not served before a lookup adopts it."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvfsm.tiers.base import TierFailure, TierMisuse
+from test_tiers_disk import BLOCK, _block, _tier
+from test_tiers_disk_shared import _tier as _shared_tier
+from test_tiers_disk_shared import _write
+
+
+def _written(tier, job: int, keys: list[int], **options: object):  # type: ignore[no-untyped-def]
+    tier.submit_write(job, keys, [_block(k) for k in keys], **options)
+    tier._io.run_all()
+    (done,) = tier.poll()
+    return done
+
+
+def test_a_write_skips_a_key_held_already_and_writes_the_ones_after_it(tmp_path: Path) -> None:
+    tier = _tier(tmp_path, slots=4)
+    assert _written(tier, 1, [1]).ok
+    assert _written(tier, 2, [1, 2]).ok and tier.lookup([1, 2]) == 2
+    tier.close()
+
+
+def test_every_key_of_a_write_without_room_fails_full(tmp_path: Path) -> None:
+    tier = _tier(tmp_path, slots=1)
+    assert dict(_written(tier, 1, [1, 2, 3]).failed) == {2: TierFailure.full, 3: TierFailure.full}
+    tier.close()
+
+
+def test_a_block_is_stored_with_the_checksum_the_engine_carried(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    carried = zlib.crc32(_block(5)) ^ 1  # the CPU copy changed since it was first stored
+    assert _written(tier, 1, [5], checksums=[carried]).ok
+    tier.submit_read(2, [5], [memoryview(np.zeros(BLOCK, dtype=np.uint8))])
+    tier._io.run_all()
+    (done,) = tier.poll()
+    assert dict(done.failed) == {5: TierFailure.corrupt}
+    tier.close()
+
+
+def test_a_job_id_in_flight_is_refused_for_a_write_and_a_read(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.submit_write(1, [5], [_block(5)])
+    with pytest.raises(TierMisuse, match="already in flight"):
+        tier.submit_write(1, [6], [_block(6)])
+    with pytest.raises(TierMisuse, match="already in flight"):
+        tier.submit_read(1, [6], [memoryview(np.zeros(BLOCK, dtype=np.uint8))])
+    tier.close()
+
+
+def test_a_block_found_at_open_has_no_stored_bytes_until_a_lookup_adopts_it(tmp_path: Path) -> None:
+    first = _shared_tier(tmp_path)
+    _write(first, [9])
+    first.close()
+    again = _shared_tier(tmp_path)
+    assert again.stored_bytes(9) is None
+    assert again.lookup([9]) == 1 and again.stored_bytes(9) is not None
+    again.close()
