@@ -1,6 +1,7 @@
 """A disk tier's submits, key by key: a key held already is skipped and the rest still written, a key without room
 fails `full` and so do the ones after it, a carried checksum is what the file is stored with, a job id in flight is
-refused, and a block found at open is not served before a lookup adopts it."""
+refused, a block found at open is not served before a lookup adopts it, and a full tier makes room for a block another
+engine wrote by evicting its least recent key."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_a_block_is_stored_with_the_checksum_the_engine_carried(tmp_path: Path) 
 def test_a_job_id_in_flight_is_refused_for_a_write_and_a_read(tmp_path: Path) -> None:
     tier = _tier(tmp_path)
     tier.submit_write(1, [5], [_block(5)])
-    with pytest.raises(TierMisuse, match="already in flight"):
+    with pytest.raises(TierMisuse, match="^disk tier 'disk': job 1 is already in flight$"):
         tier.submit_write(1, [6], [_block(6)])
     with pytest.raises(TierMisuse, match="already in flight"):
         tier.submit_read(1, [6], [memoryview(np.zeros(BLOCK, dtype=np.uint8))])
@@ -65,3 +66,12 @@ def test_a_block_found_at_open_has_no_stored_bytes_until_a_lookup_adopts_it(tmp_
     assert again.stored_bytes(9) is None
     assert again.lookup([9]) == 1 and again.stored_bytes(9) is not None
     again.close()
+
+
+def test_a_full_tier_adopts_a_block_another_engine_wrote_by_evicting_its_least_recent(tmp_path: Path) -> None:
+    full, other = _shared_tier(tmp_path, slots=1), _shared_tier(tmp_path)
+    _write(full, [1])
+    _write(other, [2])
+    assert full.lookup([2]) == 1 and full.lookup([1]) == 0
+    full.close()
+    other.close()
