@@ -1,7 +1,7 @@
 """A disk tier's submits, key by key: a key held already is skipped and the rest still written, a key without room
 fails `full` and so do the ones after it, a carried checksum is what the file is stored with, a job id in flight is
 refused, a block found at open is not served before a lookup adopts it, and a full tier makes room for a block another
-engine wrote by evicting its least recent key."""
+engine wrote by evicting its least recent key; a dormant block written again counts once."""
 
 from __future__ import annotations
 
@@ -75,3 +75,14 @@ def test_a_full_tier_adopts_a_block_another_engine_wrote_by_evicting_its_least_r
     assert full.lookup([2]) == 1 and full.lookup([1]) == 0
     full.close()
     other.close()
+
+
+def test_a_block_found_at_open_and_written_again_is_no_longer_the_first_to_go(tmp_path: Path) -> None:
+    first = _shared_tier(tmp_path, slots=2)
+    _write(first, [1])
+    first.close()
+    again = _shared_tier(tmp_path, slots=2)
+    _write(again, [1])
+    _write(again, [2], job=2)
+    assert again.lookup([1, 2]) == 2 and again.stored_bytes(1) is not None
+    again.close()
