@@ -1,7 +1,7 @@
 """A disk tier's submits, key by key: a key held already is skipped and the rest still written, a key without room
 fails `full` and so do the ones after it, a carried checksum is what the file is stored with, a job id in flight is
 refused, a block found at open is not served before a lookup adopts it, and a full tier makes room for a block another
-engine wrote by evicting its least recent key; a dormant block written again counts once."""
+engine wrote by evicting its least recent key; a dormant block written again counts once, and a lookup of a key being written here evicts nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from kvfsm.tiers.base import TierFailure, TierMisuse
 from test_tiers_disk import BLOCK, _block, _tier
 from test_tiers_disk_shared import _tier as _shared_tier
-from test_tiers_disk_shared import _write
+from test_tiers_disk_shared import _settle, _write
 
 
 def _written(tier, job: int, keys: list[int], **options: object):  # type: ignore[no-untyped-def]
@@ -86,3 +86,14 @@ def test_a_block_found_at_open_and_written_again_is_no_longer_the_first_to_go(tm
     _write(again, [2], job=2)
     assert again.lookup([1, 2]) == 2 and again.stored_bytes(1) is not None
     again.close()
+
+
+def test_a_lookup_of_a_key_this_tier_is_writing_evicts_nothing_though_another_engine_wrote_it(tmp_path: Path) -> None:
+    writing, other = _shared_tier(tmp_path, slots=2), _shared_tier(tmp_path)
+    _write(writing, [5])
+    writing.submit_write(2, [4], [memoryview(np.zeros(writing.block_bytes, dtype=np.uint8))])
+    _write(other, [4])
+    assert writing.lookup([4]) == 0 and writing.lookup([5]) == 1
+    _settle(writing)
+    writing.close()
+    other.close()
