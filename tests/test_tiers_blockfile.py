@@ -9,22 +9,15 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
-from test_tiers_disk_shared import BLOCK, MODEL
 
 from kvfsm.tiers import blockfile
-from kvfsm.tiers.blockfile import (
-    MAGIC,
-    RECORD,
-    TEMPORARY,
-    BlockFiles,
-    CorruptBlock,
-    DiskIo,
-)
+from kvfsm.tiers.blockfile import MAGIC, RECORD, TEMPORARY, BlockFiles, CorruptBlock, DiskIo
+from test_tiers_disk_shared import BLOCK, MODEL
 
 KEY = 0x2A
 

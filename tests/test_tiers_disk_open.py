@@ -13,11 +13,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_tiers_disk_shared import BLOCK, _tier, _write
 
 from kvfsm.machines import default_machines
 from kvfsm.tiers.disk import DiskTier, DiskTierError
 from kvfsm.tiers.io import ManualIo
+from test_tiers_disk_shared import BLOCK, _tier, _write
 
 SLOTS = 8
 HELD = 3
@@ -39,7 +39,7 @@ def _free_bytes(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
 
 def test_the_room_check_counts_the_blocks_the_directory_already_holds(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _, file_bytes = _with_blocks(tmp_path)
+    directory, file_bytes = _with_blocks(tmp_path)
     _free_bytes(monkeypatch, (SLOTS - HELD) * file_bytes)  # exactly the room the blocks not held yet need
     again = _tier(tmp_path, SLOTS)
     assert len(again.found.keys) == HELD

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_tiers_disk import BLOCK, _block, _tier
-from test_tiers_disk_shared import _settle, _write
-from test_tiers_disk_shared import _tier as _shared_tier
 
 from kvfsm.tiers.base import TierFailure, TierMisuse
+from test_tiers_disk import BLOCK, _block, _tier
+from test_tiers_disk_shared import _tier as _shared_tier
+from test_tiers_disk_shared import _settle, _write
 
 
 def _written(tier, job: int, keys: list[int], **options: object):  # type: ignore[no-untyped-def]
