@@ -39,7 +39,7 @@ def _free_bytes(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
 
 def test_the_room_check_counts_the_blocks_the_directory_already_holds(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    directory, file_bytes = _with_blocks(tmp_path)
+    _, file_bytes = _with_blocks(tmp_path)
     _free_bytes(monkeypatch, (SLOTS - HELD) * file_bytes)  # exactly the room the blocks not held yet need
     again = _tier(tmp_path, SLOTS)
     assert len(again.found.keys) == HELD
