@@ -102,7 +102,8 @@ class WorkerStores:
         except Exception as err:  # noqa: BLE001 (every transfer failure must end as a failed job)
             self._records.fail(job, "store", err)
             return
-        self._count((job_id,), (segments.nbytes(segment),))
+        if self.sent is not None:  # kept for checks only: an engine's store path computes nothing for it
+            self._count(self.sent, (job_id,), (segments.nbytes(segment),))
         self._records.events.record_segment("store", (job_id,))
 
     def after_forward(self, orders: Sequence[StoreOrder]) -> None:
@@ -170,18 +171,19 @@ class WorkerStores:
                     if self._records.events.end(job.job_id) is None:
                         self._records.fail(job, "store", err)
                 return
-            self._count([job.job_id for job in jobs], chunks.part_bytes(chunk))
+            if self.sent is not None:  # kept for checks only: each chunk's share per job costs O(jobs) to work out
+                self._count(self.sent, [job.job_id for job in jobs], chunks.part_bytes(chunk))
             if chunk in ending:
                 self._records.record_end(ending[chunk], "store")
 
         return [(chunks.nbytes(chunk), partial(send, chunk)) for chunk in range(chunks.count)]
 
-    def _count(self, job_ids: Sequence[int], nbytes: Sequence[int]) -> None:
-        """Add what one enqueued copy moved of each of these jobs to `sent`, if it is kept."""
-        if self.sent is not None:
-            for job_id, moved in zip(job_ids, nbytes):
-                if moved:
-                    self.sent[job_id] = self.sent.get(job_id, 0) + moved
+    @staticmethod
+    def _count(sent: dict[int, int], job_ids: Sequence[int], nbytes: Sequence[int]) -> None:
+        """Add what one enqueued copy moved of each of these jobs to `sent`."""
+        for job_id, moved in zip(job_ids, nbytes):
+            if moved:
+                sent[job_id] = sent.get(job_id, 0) + moved
 
     def _wait_for_compute(self, compute_done: Event) -> None:
         """store-after-compute: the store stream waits on the event recorded after the forward that wrote it."""
