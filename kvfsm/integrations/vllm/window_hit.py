@@ -96,8 +96,8 @@ class WindowHits:
         return min(stop, max(start, (first_cpu + hits) * k))
 
     def _look_up(self, views: Sequence[GroupView], first: int, end: int) -> bool | None:
-        """Each group's window ending at block `end` looked up as its request's hit and offered up to `end`: whether
-        every window is whole; None when a lookup deferred."""
+        """Each group's window ending at block `end` looked up as its request's hit: whether every window is whole;
+        None when a lookup deferred. `match` cuts every group's offer at the end it settles on (`match_together`)."""
         whole = True
         for view, group in zip(views, self.windows):
             start = self.window_start(group, first, end)
@@ -105,5 +105,4 @@ class WindowHits:
             if found is None:
                 return None
             whole = whole and start + found[0] // self.block_size >= end
-            self.kvfsm.limit_match(view.request_id, end)
         return whole
