@@ -13,10 +13,10 @@ copies end in the step that queued them, so the ranks report each job together a
 tells a scheduler half that ends a job on its first report from kvfsm's. `--mla` serves replicated KV: every rank
 holds every head's KV in MLA-shaped caches, the ranks share one host pool in `/dev/shm`, each store is copied by
 one rank and every rank loads from the shared slot; the run then also fails unless the host pool bytes of all
-ranks together are exactly one copy, and unless each store crossed PCIe once, from its writer rank: each rank's worker
-counts the bytes its store copies sent, by job, and rank 0 checks them (`replicated-single-writer`, which on
-`SimDevice` also reads every rank's device log; a GPU keeps none). `--disk DIR` (with `--mla`) adds a disk tier below the shared pool: rank 0 alone
-opens it, writes each block back from the shared pool and fetches it into the shared pool, the other ranks reporting
+ranks together are exactly one copy, and unless each store crossed PCIe once, from its writer rank: each rank's
+worker counts the bytes its store copies sent, by job, and rank 0 checks them (`replicated-single-writer`, which on
+`SimDevice` also reads every rank's device log; a GPU keeps none). `--disk DIR` (with `--mla`) adds a disk tier
+below the shared pool: rank 0 alone opens it, writes each block back from the shared pool and fetches it into the shared pool, the other ranks reporting
 each tier job having moved nothing (`replicated-one-tier-move`); `--checksum` checks every rank's loads against the
 checksums the ranks share.
 """
