@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
@@ -80,6 +81,8 @@ class Harness:
         self.shape = shape
         cpu_block_bytes = block_size_factor * shape.gpu_block_bytes
         self.disk_dir = Path(tempfile.mkdtemp(prefix="kvfsm-disk-")) if disk_slots and not shared_disk else None
+        # Removed by `close`, or else when the harness is collected or the process exits: many tests never close.
+        self._remove_disk_dir = weakref.finalize(self, shutil.rmtree, self.disk_dir, True) if self.disk_dir else None
         names = dict(model_id="kvfsm-toy", kv_dtype=str(shape.dtype))
         tiers: tuple[LowerTierConfig, ...] = (DiskTierConfig(
             path=shared_disk or self.disk_dir, capacity_bytes=disk_slots * cpu_block_bytes, writeback=writeback,
@@ -280,5 +283,5 @@ class Harness:
         self.trace.close()
         for worker in self.connector.workers:
             worker.shutdown()
-        if self.disk_dir is not None:
-            shutil.rmtree(self.disk_dir, ignore_errors=True)
+        if self._remove_disk_dir is not None:
+            self._remove_disk_dir()
