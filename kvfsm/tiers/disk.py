@@ -40,7 +40,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from kvfsm.io_executor import IoExecutor
 from kvfsm.machines import MachineSet
@@ -79,7 +79,7 @@ class DiskTier:
 
     def __init__(self, name: str, path: Path, capacity_bytes: int, block_bytes: int, io: IoExecutor,
                  worker: int = 0, disk_io: DiskIo | None = None, keep_lookups: bool = False,
-                 io_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic, *,
+                 io_timeout_s: float = 30.0, *,
                  machines: MachineSet, namespace: KvNamespace | None = None, lookup_timeout_s: float = 0.05) -> None:
         """`machines`: the connector's machine set, which fires this tier's `tier-entry` transitions. `namespace`:
         what the blocks are the KV of, which makes the tier shared (its directory is the namespace's, kept across
@@ -95,7 +95,7 @@ class DiskTier:
         self.directory = Path(path) / (namespace_name(namespace) if namespace else f"private-{name}-{worker}")
         self.files = BlockFiles(self.directory, namespace or PRIVATE, block_bytes, disk_io or DiskIo())
         self._io = io
-        self._jobs = TierJobs(f"disk tier {name!r}", self.entries, block_bytes, _reason, clock=clock)
+        self._jobs = TierJobs(f"disk tier {name!r}", self.entries, block_bytes, _reason)
         self.io_timeout_s = io_timeout_s
         self._lookups = BoundedCall(f"disk tier {name!r} lookup", lookup_timeout_s) if self.shared else None
         """Runs a shared tier's lookup `stat`s, so a hung disk holds up its thread and not the caller's."""
