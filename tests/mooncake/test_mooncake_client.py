@@ -148,6 +148,7 @@ def test_a_killed_master_is_store_unavailable_and_a_restarted_one_serves_again(f
     fresh_mooncake.kill_master()
     [result] = faults(write(client, source, [request.node.name], [0]))
     assert isinstance(result, StoreUnavailable), result
+    assert str(result) == f"write-back of {request.node.name}: the store did not say whether it holds the key"
     [refused] = faults(write(client, source, [request.node.name], [0]))
     assert isinstance(refused, StoreUnavailable)
     fresh_mooncake.restart_master()

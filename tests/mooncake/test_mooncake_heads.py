@@ -24,13 +24,13 @@ from kvfsm.engine.model import ModelShape  # noqa: E402
 from kvfsm.engine.oracle import BlockOracle  # noqa: E402
 from kvfsm.engine.ranks import Rank  # noqa: E402
 from kvfsm.executor import SimDevice  # noqa: E402
-from kvfsm.executor.layouts import register_kv_caches  # noqa: E402
+from kvfsm.executor.layouts import allocate_kv_caches, register_kv_caches  # noqa: E402
 from kvfsm.executor.pool import HostPool  # noqa: E402
 from kvfsm.machines import MachineSet  # noqa: E402
-from kvfsm.mooncake.heads import HeadsDoNotSplit  # noqa: E402
+from kvfsm.mooncake.heads import HeadsDoNotSplit, HeadSplit  # noqa: E402
 from kvfsm.testing.harness import TP_SHAPE, Harness  # noqa: E402
 from kvfsm.tiers.base import TierCompletion, TierFailure, TierSite  # noqa: E402
-from kvfsm.tiers.mooncake import MooncakeTier, open_mooncake  # noqa: E402
+from kvfsm.tiers.mooncake import MooncakeTier, head_layout_of, open_mooncake  # noqa: E402
 from test_mooncake_tier import from_store, serve  # noqa: E402
 
 SHAPE = ModelShape(num_layers=2, num_heads=4, head_dim=4, block_size=2, vocab=997)
@@ -202,3 +202,12 @@ def test_an_engine_storing_one_value_per_head_serves_and_reloads_with_every_chec
         loaded = from_store(harness)
         harness.close()
     assert loaded > 0, "the second engine recomputed what the first stored"
+
+
+def test_the_per_head_layout_names_each_groups_layout_and_each_layers_pieces_in_a_fixed_form() -> None:
+    """The layout is part of every per-head value's key: engines share values only if their groups' layouts,
+    layers, head width and KV heads agree, and the same caches give the same words in another process or a later
+    kvfsm (a change of the form bumps the key scheme)."""
+    caches, groups = allocate_kv_caches("kv-first", 2, 2, 2, 2, 2, torch.float16, "cpu", num_groups=2)
+    layout = head_layout_of(register_kv_caches(caches, "kv-first", groups), HeadSplit(2, 0, 2, 4, 64))
+    assert layout == "per-head;group0=kv-first,group1=kv-first;layer0:2,layer1:2;head_bytes=4;kv_heads=2"

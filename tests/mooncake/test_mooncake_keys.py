@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, strategies as st
 from pydantic import ValidationError
 
-from kvfsm.mooncake.keys import KvNamespace, head_key, object_key
+from kvfsm.mooncake.keys import KvNamespace, head_key, namespace_name, object_key
 
 BASE = KvNamespace(model_id="org/model@abc", dtype="bfloat16", layout="kv-first", block_tokens=16,
                    tp_rank=0, tp_world_size=2)
@@ -74,3 +74,11 @@ def test_a_head_key_is_never_a_block_key() -> None:
     blocks = {object_key(BASE.model_copy(update={"tp_rank": r, "tp_world_size": 4}), 7, salt)
               for r in range(4) for salt in (None, "s")}
     assert not blocks & {head_key(BASE, 7, head, salt) for head in range(4) for salt in (None, "s")}
+
+
+def test_the_keys_of_scheme_kvfsm2_never_change() -> None:
+    """Stored values and shared disk directories outlive the process that named them: another process, or a later
+    kvfsm, finds them only by the same names. A change of any key bumps `KEY_PREFIX` (and this test)."""
+    assert object_key(BASE, 7) == "kvfsm2-e5ad19804514c8390d31776a44fddfae8fb36931"
+    assert head_key(BASE, 7, 3) == "kvfsm2-89801e7a35c10cc63164b4f6a1542cb5ec6d3858"
+    assert namespace_name(BASE) == "kvfsm2-0644c3645991f163d6c0d3400abeba9ad047fec0"
