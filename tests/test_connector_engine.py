@@ -132,19 +132,25 @@ def test_a_request_looked_up_while_its_blocker_is_in_flight_is_answered_from_its
     """standing-deferral: the second lookup of the deferred request finds the load it waits on still in flight and
     answers "not yet" with no lookup and no transition, its deferral kept; the third, after the load ended, is real."""
     h = harness(k=2)
-    scheduler = h.connector.scheduler
-    lookups, fire = [], scheduler.ledger.fire_request
+    scheduler, ledger = h.connector.scheduler, h.connector.scheduler.ledger
+    lookups, standing, fire, stands = [], [], ledger.fire_request, ledger.stands
 
-    def noted(record, trigger, **context):  # type: ignore[no-untyped-def]
+    def fired(record, trigger, **context):  # type: ignore[no-untyped-def]
         if (record.req_id, trigger) == ("long", "lookup"):
             lookups.append((scheduler.step, scheduler.deferrals.get("long")))
         return fire(record, trigger, **context)
 
-    scheduler.ledger.fire_request = noted  # type: ignore[method-assign]
+    def answered(record, step):  # type: ignore[no-untyped-def]
+        stood = stands(record, step)
+        if stood:
+            standing.append((record.req_id, step, record.standing, scheduler.deferrals[record.req_id]))
+        return stood
+
+    ledger.fire_request, ledger.stands = fired, answered  # type: ignore[method-assign]
     assert run_shared_prefix(h) == {"short": 3, "long": 5}
-    (first, none), (third, deferral) = lookups
-    assert none is None and third == first + 2 and deferral is not None and deferral.step == first + 1
-    assert scheduler.requests["long"].standing == first + 1
+    (first, none), (third, kept) = lookups
+    assert none is None and third == first + 2 and kept is not None and kept.step == first + 1
+    assert standing == [("long", first + 1, first + 1, kept)]  # the deferral the first lookup made, unchanged
     assert scheduler.stats.deferrals == 2 and finish(h) == []
 
 
