@@ -112,8 +112,8 @@ class SchedulerConnector(LedgerTables):
 
         A request is deferred while any block it would load is being stored or loaded by someone else: once that
         load lands, the engine's GPU prefix cache serves those blocks and this request loads only the rest. Asked
-        again while every job its deferral waits on is still in flight, it is answered from that deferral without a
-        lookup (`standing-deferral`): the answer is "not yet" either way, and one of those jobs' end is what re-examines it.
+        again while every job its deferral waits on is in flight, it is answered from that deferral without a lookup
+        (`standing-deferral`): "not yet" either way, and one of those jobs' end is what re-examines it.
         """
         check_lookup(self, request, num_computed_tokens)
         record = self._track(request)
@@ -121,7 +121,6 @@ class SchedulerConnector(LedgerTables):
         if self.ledger.stands(record, self.step):  # every job it waits on still in flight: not yet, as it was
             self.stats.deferrals += 1
             return None
-        record.standing = None  # a real lookup: what a standing deferral answered before is behind it
         block_size, k = self.config.gpu_block_size, self.config.block_size_factor
         first_gpu = num_computed_tokens // block_size
         first_cpu = first_gpu // k
