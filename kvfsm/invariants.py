@@ -320,6 +320,25 @@ def no_convoy(world: World) -> list[str]:
     return found
 
 
+@REGISTRY.invariant("standing-deferral")
+def standing_deferral(world: World) -> list[str]:
+    found = []
+    for req_id, deferral in world.deferrals.items():
+        request = world.requests.get(req_id)
+        if request is None or request.state != R.DEFERRED or request.standing is None:
+            continue
+        if not deferral.blockers:
+            found.append(f"request {req_id} was answered at step {request.standing} from a deferral that waits on "
+                         "nothing")
+        blockers = [world.jobs.get(j) or world.tier_jobs[j] for j in deferral.blockers]
+        # A job that ended by the step of the lookup ended before it (a job ends as a step's output is read, the
+        # next step's lookups come after): the request had to be looked up again then, not kept waiting.
+        found += [f"request {req_id} was answered at step {request.standing} from its standing deferral, but job "
+                  f"{job.job_id} it waits on ended at step {job.finished_step}"
+                  for job in blockers if job.finished_step is not None and job.finished_step <= request.standing]
+    return found
+
+
 @REGISTRY.invariant("preempt-flushes")
 def preempt_flushes(world: World) -> list[str]:
     return [

@@ -107,6 +107,9 @@ class RequestRecord:
     (`state-at-prefix-end`). None for any other request."""
     restored: tuple[int, int, int] = (0, 0, 0)
     """(step, first GPU block, end) of what its last allocation loaded; first == end when it loaded nothing."""
+    standing: int | None = None
+    """The step whose lookup its standing deferral last answered without a lookup (`standing-deferral`); None since
+    its last real lookup if none did."""
 
     @property
     def jobs_in_flight(self) -> list[TransferJob]:

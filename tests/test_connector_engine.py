@@ -128,6 +128,37 @@ def test_a_request_deferred_after_its_blocker_finished_is_caught() -> None:
         run_shared_prefix(harness(k=2, control=one_step_late))
 
 
+def test_a_request_looked_up_while_its_blocker_is_in_flight_is_answered_from_its_standing_deferral() -> None:
+    """standing-deferral: the second lookup of the deferred request finds the load it waits on still in flight and
+    answers "not yet" with no lookup and no transition, its deferral kept; the third, after the load ended, is real."""
+    h = harness(k=2)
+    scheduler, ledger = h.connector.scheduler, h.connector.scheduler.ledger
+    lookups, standing, fire, stands = [], [], ledger.fire_request, ledger.stands
+
+    def fired(record, trigger, **context):  # type: ignore[no-untyped-def]
+        if (record.req_id, trigger) == ("long", "lookup"):
+            lookups.append((scheduler.step, scheduler.deferrals.get("long")))
+        return fire(record, trigger, **context)
+
+    def answered(record, step):  # type: ignore[no-untyped-def]
+        stood = stands(record, step)
+        if stood:
+            standing.append((record.req_id, step, record.standing, scheduler.deferrals[record.req_id]))
+        return stood
+
+    ledger.fire_request, ledger.stands = fired, answered  # type: ignore[method-assign]
+    assert run_shared_prefix(h) == {"short": 3, "long": 5}
+    (first, none), (third, kept) = lookups
+    assert none is None and third == first + 2 and kept is not None and kept.step == first + 1
+    assert standing == [("long", first + 1, first + 1, kept)]  # the deferral the first lookup made, unchanged
+    assert scheduler.stats.deferrals == 2 and finish(h) == []
+
+
+def test_a_deferral_never_looked_at_again_is_caught() -> None:
+    with pytest.raises(AssertionError, match="standing-deferral"):
+        run_shared_prefix(harness(k=2, control=mutant("deferral-never-re-examined")))
+
+
 # preemption ------------------------------------------------------------------------------------------------
 
 

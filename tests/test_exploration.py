@@ -35,6 +35,7 @@ SHOWN_BY = {
     "store-event-before-write": "preempt-per-layer-store", "unbounded-write-back": "disk-reset",
     "unpinned-tier-read": "disk", "unpinned-write-back": "disk-reset", "wait-on-wrong-layer": "reload-per-layer",
     "bound-per-store": "store-bound", "queue-bound-per-batch": "disk-queue-bound", "busy-pool-is-miss": "disk",
+    "deferral-never-re-examined": "reload",
 }
 """The workload whose schedules last showed each mutant (2026-11-27). It is searched first and the rest follow, so
 whether a mutant is caught does not depend on this table; a mutant caught only by the last of several workloads no

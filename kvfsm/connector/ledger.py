@@ -196,6 +196,27 @@ class Ledger:
                 if not blocks.isdisjoint(job.gpu_blocks):
                     self.fire_job(job, "flush", step=step)
 
+    def stands(self, record: RequestRecord, step: int) -> bool:
+        """`standing-deferral`: whether the deferred request's deferral still answers its lookup, because every job it
+        waits on is still in flight. If so the answer is noted (`RequestRecord.standing`, what the invariant reads)
+        and nothing else happens: no lookup, no transition (the request machine would take deferred -> deferred, a
+        self-loop), no new deferral. If not, a real lookup follows and the note is cleared."""
+        record.standing = step if self._deferral_stands(record) else None
+        return record.standing is not None
+
+    def _deferral_stands(self, record: RequestRecord) -> bool:
+        """None of the deferral's jobs has a finish step (a job forgotten as it ended has ended). A deferral with no
+        blockers never stands: nothing would end it."""
+        deferral = self.deferrals.get(record.req_id)
+        if deferral is None or record.state != RequestState.DEFERRED or not deferral.blockers:
+            return False
+        jobs, tier_jobs = self.jobs, self.tier_jobs
+        for job_id in deferral.blockers:
+            job = jobs.get(job_id) or tier_jobs.get(job_id)
+            if job is None or job.finished_step is not None:
+                return False
+        return True
+
     def blockers(self, busy_slots: Iterable[int]) -> frozenset[int]:
         """The jobs a deferred lookup waits for: the store or fetch writing, the load or write-back reading, each
         busy CPU slot it met."""

@@ -111,17 +111,22 @@ class SchedulerConnector(LedgerTables):
         """Tokens loadable from CPU beyond the GPU prefix, and that the load is async; None defers the request.
 
         A request is deferred while any block it would load is being stored or loaded by someone else: once that
-        load lands, the engine's GPU prefix cache serves those blocks and this request loads only the rest.
+        load lands, the engine's GPU prefix cache serves those blocks and this request loads only the rest. Asked
+        again while every job its deferral waits on is in flight, it is answered from that deferral without a lookup
+        (`standing-deferral`): "not yet" either way, and one of those jobs' end is what re-examines it.
         """
         check_lookup(self, request, num_computed_tokens)
         record = self._track(request)
+        self.stats.lookups += 1
+        if self.ledger.stands(record, self.step):  # every job it waits on still in flight: not yet, as it was
+            self.stats.deferrals += 1
+            return None
         block_size, k = self.config.gpu_block_size, self.config.block_size_factor
         first_gpu = num_computed_tokens // block_size
         first_cpu = first_gpu // k
         # Read in place from `first_cpu` on (no copy of the prompt's hashes): a deferred lookup stops at the first
         # busy block, so a long prompt looked up again each step costs its hits, not its length.
         lookup = self.manager.lookup(islice(request.block_hashes, first_cpu * k + k - 1, None, k), every_busy=False)
-        self.stats.lookups += 1
         computable = (request.num_tokens - 1) // block_size  # the last token is always computed, for its logits
         if lookup.busy:
             return self._defer(record, self.ledger.blockers(lookup.busy))

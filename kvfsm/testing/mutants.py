@@ -15,7 +15,7 @@ from kvfsm.connector.admission import Verdict
 from kvfsm.engine.engine import Engine
 from kvfsm.executor.device import StreamName
 from kvfsm.manager.catalogue import Lookup
-from kvfsm.states import CpuBlockState, TransferJobState
+from kvfsm.states import CpuBlockState, RequestState, TransferJobState
 from kvfsm.records import RequestRecord, TransferJob
 from kvfsm.testing.copy_faults import Direction
 from kvfsm.testing.mooncake_store import MOONCAKE_MUTANTS
@@ -256,6 +256,20 @@ def queue_bound_per_batch(scheduler: SchedulerConnector) -> None:
         arriving, planner.queue_bounds.get(tier, arriving))
 
 
+def _deferral_never_re_examined(engine: Engine, connector: Connector) -> None:
+    """A standing deferral answers every later lookup of its request, whether the jobs it waits on ended or not: the
+    request waits on nothing, never looked up again."""
+    ledger = connector.scheduler.ledger
+
+    def stands(record: RequestRecord, step: int) -> bool:
+        if record.req_id not in ledger.deferrals or record.state != RequestState.DEFERRED:
+            return False
+        record.standing = step
+        return True
+
+    ledger.stands = stands  # type: ignore[method-assign]
+
+
 def _busy_pool_is_miss(engine: Engine, connector: Connector) -> None:
     planner = connector.scheduler.tiers
     assert planner is not None, "busy-pool-is-miss needs a lower tier"
@@ -295,6 +309,8 @@ MUTANTS: dict[str, Mutant] = {
                lambda engine, connector: bound_per_store(connector.scheduler), store_bound=1),
         Mutant("queue-bound-per-batch", "writeback-queue-bounded (a saturated tier's queue grows store by store)",
                lambda engine, connector: queue_bound_per_batch(connector.scheduler), tier="disk", queue_bound=1),
+        Mutant("deferral-never-re-examined", "standing-deferral (a deferred request kept waiting after the job it "
+               "waited on ended: it starves)", _deferral_never_re_examined),
         Mutant("busy-pool-is-miss", "fetch-waits-for-room (a prefix the disk holds recomputed because the CPU pool "
                "was busy for a step)", _busy_pool_is_miss, tier="disk", max_cpu_blocks=2),
     )
