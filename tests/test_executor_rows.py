@@ -232,3 +232,9 @@ def test_a_full_batch_goes_out_at_once_and_each_next_batch_is_twice_as_large(dri
             if i == FIRST_BATCH - 1:
                 assert [call[3] for call in driver.calls] == [FIRST_BATCH], "a full batch waited for more copies"
     assert [call[3] for call in driver.calls] == [FIRST_BATCH, 2 * FIRST_BATCH, 1]
+
+
+def test_a_2d_copy_the_driver_refused_raises_with_its_rows_and_code(driver: FakeDriver) -> None:
+    driver.result = INVALID_VALUE
+    with pytest.raises(RowCopyError, match=f"cuMemcpy2DAsync of 2 rows x {ROW} bytes failed with CUresult 1$"):
+        RowCopies(torch.device("cuda", 0)).copy(GPU, 0, ROW, HOST, 0, ROW, ROW, 2)
