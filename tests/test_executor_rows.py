@@ -35,8 +35,15 @@ class FakeDriver:
     result: int = 0
     batches: list[rows._MemcpyAttributes] = field(default_factory=list)
     calls: list[tuple[Any, ...]] = field(default_factory=list)
+    copies: list[tuple[Any, ...]] = field(default_factory=list)
+    """Each 2-D copy: (source, destination) as (memory type, host address, device address, pitch), the width,
+    the height and the stream."""
 
     def cuMemcpy2DAsync_v2(self, copy: Any, stream: Any) -> int:  # noqa: N802 (the driver's name)
+        c = copy._obj
+        self.copies.append(((c.srcMemoryType, c.srcHost, c.srcDevice, c.srcPitch),
+                            (c.dstMemoryType, c.dstHost, c.dstDevice, c.dstPitch), c.WidthInBytes, c.Height,
+                            stream.value))
         return self.result
 
     def batch(self, dsts: Any, srcs: Any, sizes: Any, count: int, attributes: Any, attribute_index: Any,
@@ -172,3 +179,62 @@ def test_the_batch_attributes_are_laid_out_as_the_drivers_cumemcpyattributes() -
     layout = {name: getattr(rows._MemcpyAttributes, name).offset for name, _ in rows._MemcpyAttributes._fields_}
     assert layout == {"srcAccessOrder": 0, "srcLocHint": 4, "dstLocHint": 12, "flags": 20}
     assert ctypes.sizeof(rows._MemcpyAttributes) == 24
+
+
+# what is held for a batch and what goes to the driver at once ---------------------------------------------------
+
+MEMORY_HOST, MEMORY_DEVICE = 1, 2  # CUmemorytype
+
+
+def test_a_copy_of_several_rows_goes_to_the_driver_at_once_as_one_2d_copy(driver: FakeDriver) -> None:
+    """Only one-row copies between host and GPU are held for a batch; a copy of several rows is issued at once,
+    each side where it lives, its offsets added to the buffers' addresses."""
+    with RowCopies(torch.device("cuda", 0), batched=True) as copies:
+        copies.copy(GPU, 3 * ROW, 2 * ROW, HOST, ROW, 4 * ROW, ROW, 2)
+        assert driver.copies == [((MEMORY_HOST, HOST.address + ROW, 0, 4 * ROW),
+                                  (MEMORY_DEVICE, None, GPU.address + 3 * ROW, 2 * ROW), ROW, 2, 7)]
+    assert not driver.batches
+
+
+def test_unbatched_copies_go_to_the_driver_one_by_one(driver: FakeDriver) -> None:
+    with RowCopies(torch.device("cuda", 0)) as copies:
+        copies.copy(HOST, 0, ROW, GPU, ROW, ROW, ROW, 1)
+        assert driver.copies == [((MEMORY_DEVICE, None, GPU.address + ROW, ROW), (MEMORY_HOST, HOST.address, 0, ROW),
+                                  ROW, 1, 7)]
+    assert not driver.batches
+
+
+def test_the_legacy_default_stream_gets_no_batches(driver: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    copy_rows(FIRST_BATCH, to_device=True)
+    assert len(driver.copies) == FIRST_BATCH and not driver.batches
+
+
+def test_copies_go_on_the_current_stream_of_their_gpu(driver: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=8 + device.index))
+    with RowCopies(torch.device("cuda", 1)) as copies:
+        copies.copy(GPU, 0, ROW, HOST, 0, ROW, ROW, 2)
+    assert [copy[-1] for copy in driver.copies] == [9]
+
+
+def test_a_batch_on_the_current_gpu_names_that_gpu(driver: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    with RowCopies(torch.device("cuda"), batched=True) as copies:
+        copies.copy(GPU, 0, ROW, HOST, 0, ROW, ROW, 1)
+    (batch,) = driver.batches
+    assert (batch.dstLocHint.type, batch.dstLocHint.id) == (LOCATION_DEVICE, 3)
+
+
+def test_a_full_batch_goes_out_at_once_and_each_next_batch_is_twice_as_large(driver: FakeDriver) -> None:
+    with RowCopies(torch.device("cuda", 0), batched=True) as copies:
+        for i in range(FIRST_BATCH + 2 * FIRST_BATCH + 1):
+            copies.copy(GPU, i * ROW, ROW, HOST, i * ROW, ROW, ROW, 1)
+            if i == FIRST_BATCH - 1:
+                assert [call[3] for call in driver.calls] == [FIRST_BATCH], "a full batch waited for more copies"
+    assert [call[3] for call in driver.calls] == [FIRST_BATCH, 2 * FIRST_BATCH, 1]
+
+
+def test_a_2d_copy_the_driver_refused_raises_with_its_rows_and_code(driver: FakeDriver) -> None:
+    driver.result = INVALID_VALUE
+    with pytest.raises(RowCopyError, match=f"cuMemcpy2DAsync of 2 rows x {ROW} bytes failed with CUresult 1$"):
+        RowCopies(torch.device("cuda", 0)).copy(GPU, 0, ROW, HOST, 0, ROW, ROW, 2)

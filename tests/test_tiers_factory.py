@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfsm.config import DiskTierConfig, OffloadConfig
+from kvfsm.config import DiskTierConfig, MooncakeTierConfig, OffloadConfig
 from kvfsm.executor import SimDevice
 from kvfsm.executor.layouts import allocate_kv_caches, register_kv_caches
 from kvfsm.executor.pool import HostPool
@@ -16,6 +16,7 @@ from kvfsm.machines import default_machines
 from kvfsm.tiers import factory
 from kvfsm.tiers.base import TierSite
 from kvfsm.tiers.disk import DiskTier
+from kvfsm.tiers.io import ManualIo
 
 WORKER = 1
 
@@ -50,3 +51,25 @@ def test_a_shared_disk_tier_waits_its_configured_bound_for_a_lookup(tmp_path: Pa
         assert tier._lookups is not None and tier._lookups.timeout_s == 0.25
     finally:
         tier.close()
+
+
+def test_a_disk_tier_waits_its_configured_io_deadline(tmp_path: Path) -> None:
+    tier = opened(DiskTierConfig(path=tmp_path, capacity_bytes=1 << 20, io_timeout_s=7.5))
+    try:
+        assert tier.io_timeout_s == 7.5
+    finally:
+        tier.close()
+
+
+def test_a_mooncake_tier_gets_the_io_made_for_its_config_and_the_lookup_history_flag(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvfsm.tiers.mooncake as mooncake
+
+    config = MooncakeTierConfig(master="localhost:1", model_id="m", kv_dtype="float16")
+    io = ManualIo()
+    asked: list[object] = []
+    monkeypatch.setattr(mooncake, "open_mooncake", lambda *args: asked.append(args) or "tier")
+    offload = OffloadConfig(cpu_blocks=1, gpu_block_size=2, lower_tiers=(config,))
+    site = TierSite(offload, 1, 0, None, None)  # type: ignore[arg-type]  # the stand-in opener reads neither
+    assert factory.open_tiers(site, {config: io}.get, True, default_machines()) == ("tier",)
+    assert [(c, i, keep) for c, _, i, keep, _ in asked] == [(config, io, True)]  # type: ignore[misc]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from kvfsm.tiers.io import io_threads
+from kvfsm.tiers.io import ManualIo, io_threads
 
 
 def test_a_tiers_io_runs_on_its_count_of_threads_named_after_it() -> None:
@@ -20,3 +20,18 @@ def test_a_tiers_io_runs_on_its_count_of_threads_named_after_it() -> None:
     finally:
         release.set()
         pool.shutdown(wait=True)
+
+
+def test_manual_io_numbers_each_submission_from_0_and_drops_the_number_of_one_run() -> None:
+    io = ManualIo()
+    for _ in range(3):
+        io.submit(lambda: None)
+    io.run_one(1)
+    assert io.numbers == [0, 2]
+
+
+def test_manual_io_runs_what_is_queued_when_shut_down() -> None:
+    io = ManualIo()
+    done = io.submit(lambda: "ran")
+    io.shutdown()
+    assert done.result(0) == "ran"
