@@ -65,44 +65,48 @@ def prepare(tests: list[str]) -> None:
 
 def run_child(mutant: str, args: list[str], timeout_s: float, plugins: list[object] = ()) -> tuple[str, int, str]:
     """pytest over `args` in a forked child with `mutant` under test: ('done', exit code, output) or ('timeout', ...)."""
-    out = tempfile.TemporaryFile(mode="w+")
-    pid = os.fork()
-    if pid == 0:  # the child: its own process group, so a timeout also ends what its tests started
-        os.setpgid(0, 0)
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-        from mutmut.mutation import trampoline
-        trampoline.set_mutant_under_test(mutant)
-        import pytest
-        code = 1
-        try:
-            code = int(pytest.main(args, plugins=list(plugins)))
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            status = None
-            break
-        time.sleep(0.05)
-    out.seek(0)
-    text = out.read()
+    with tempfile.TemporaryFile(mode="w+") as out:
+        pid = os.fork()
+        if pid == 0:  # the child: its own process group, so a timeout also ends what its tests started
+            os.setpgid(0, 0)
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            from mutmut.mutation import trampoline
+            trampoline.set_mutant_under_test(mutant)
+            import pytest
+            code = 1
+            try:
+                code = int(pytest.main(args, plugins=list(plugins)))
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        status = wait_or_kill(pid, timeout_s)
+        out.seek(0)
+        text = out.read()
     if status is None:
         return "timeout", -1, text
     return "done", os.waitstatus_to_exitcode(status), text
 
 
+def wait_or_kill(pid: int, timeout_s: float) -> int | None:
+    """The child's wait status, or None once it ran `timeout_s` and was killed with its process group."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.05)
+    os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
 class Reach:
     """A pytest plugin for the stats run: which functions each test reaches (through the trampolines), and its time."""
 
-    def __init__(self) -> None:
+    def __init__(self, tests: list[str]) -> None:
+        self.tests = sorted(tests)
         self.hits: set[str] = set()
         self.tests_by_function: dict[str, list[str]] = collections.defaultdict(list)
         self.duration: dict[str, float] = collections.defaultdict(float)
@@ -120,18 +124,15 @@ class Reach:
             self.tests_by_function[function].append(item.nodeid)  # type: ignore[attr-defined]
 
     def pytest_sessionfinish(self, session: object, exitstatus: int) -> None:
-        STATS.write_text(json.dumps({"tests": sorted(self.tests), "duration": self.duration,
+        STATS.write_text(json.dumps({"tests": self.tests, "duration": self.duration,
                                      "tests_by_function": self.tests_by_function}, indent=1))
-
-    tests: list[str] = []
 
 
 def stats(tests: list[str]) -> dict:
     """The clean run's reach, run now unless `mutants/vllm-stats.json` holds it for these tests."""
     if STATS.exists() and (known := json.loads(STATS.read_text()))["tests"] == sorted(tests):
         return known
-    Reach.tests = tests
-    state, code, text = run_child("stats", PYTEST_ARGS + tests, CLEAN_TIMEOUT_S, [Reach()])
+    state, code, text = run_child("stats", PYTEST_ARGS + tests, CLEAN_TIMEOUT_S, [Reach(tests)])
     if state != "done" or code != 0:
         sys.exit(f"the tests fail unmutated ({state}, exit code {code}):\n{text[-4000:]}")
     return json.loads(STATS.read_text())
