@@ -104,6 +104,20 @@ def test_a_prefix_reloads_every_full_block_and_only_the_windows_blocks(hybrid) -
     assert d.cpu_pool_drained()
 
 
+def test_vllm_hears_a_load_landed_only_once_every_groups_load_landed(hybrid) -> None:
+    """The groups of a request load as jobs of their own; vLLM schedules the request once its load is reported, so
+    the report waits for the last group's: the first group's alone would have it compute on a window still landing."""
+    worker = FakeWorker(load_steps_of={"reader@g1": 4})
+    d = hybrid(worker)
+    store_prefix(d)
+    d.add("reader", PREFIX + [9])
+    d.run()
+    (window,) = [job for job in worker.loads if job.req_id == "reader@g1"]
+    (full,) = [job for job in worker.loads if job.req_id == "reader"]
+    assert full.due < window.due < d.first_token["reader"]
+    assert d.cpu_pool_drained()
+
+
 def test_a_prefix_whose_window_was_not_stored_loads_nothing(hybrid) -> None:
     """Only the window at the end of the writer's prompt was stored: a shorter prompt's hit would need the window
     ending a block earlier, which CPU lacks, so the full group's hit is not offered alone (vLLM would compute on a

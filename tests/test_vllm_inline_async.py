@@ -91,6 +91,18 @@ def test_pipeline_parallelism_schedules_ahead_too(model) -> None:
     assert config.async_scheduling and not config.inline_loads
 
 
+def test_the_layer_loads_fallback_warning_says_why_and_how_to_get_layer_loads(make_driver, caplog) -> None:
+    """The start-up log is the user's only sign that the `layer_loads` they set is not served: it names the setting,
+    the cause, where the fallback is counted, and what serves per-layer loads."""
+    with caplog.at_level(logging.WARNING, logger="kvfsm.integrations.vllm.scheduler_side"):
+        make_driver(async_scheduling=True, **INLINE)
+    assert [r.getMessage() for r in caplog.records if r.name.endswith("scheduler_side")] == [
+        "kvfsm: layer_loads is set but vLLM schedules each step before it read the previous one's output (async "
+        "scheduling, or pipeline parallelism), so a failed load's step could not be taken back; CPU hits load "
+        "asynchronously instead (kvfsm_loads_total{mode=\"async\"}). Per-layer loads need --no-async-scheduling and no "
+        "pipeline parallelism."]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_layer_loads_falling_back_is_logged_once_and_counted(make_driver, caplog, async_scheduling: bool) -> None:
     with caplog.at_level(logging.WARNING, logger="kvfsm.integrations.vllm.scheduler_side"):

@@ -304,6 +304,12 @@ def test_a_state_kvfsm_cannot_keep_whole_is_refused_by_name(state: MambaSpec, fa
         groups.offloaded_groups(mamba_cache(48, state), BLOCK_SIZE, factor)
 
 
+def test_the_scheduler_refuses_a_state_under_a_block_size_factor_by_name(model) -> None:
+    config = vllm_config(model, {"cpu_blocks": 32, "block_size_factor": 2}, 48)
+    with pytest.raises(UnsupportedKVCache, match="block_size_factor is 2"):
+        KvfsmConnector(config, KVConnectorRole.SCHEDULER, mamba_cache(48))
+
+
 def test_the_state_group_follows_the_full_attention_group() -> None:
     full, state = groups.offloaded_groups(mamba_cache(48), BLOCK_SIZE)
     assert (full.index, full.state, state.index, state.state) == (0, False, 1, True)

@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvfsm.integrations.vllm import InvalidExtraConfig  # noqa: E402
@@ -212,3 +213,9 @@ def test_control_block_tables_that_miss_a_steps_new_blocks_are_caught(make_drive
     d.add("writer", PREFIX + [1, 2, 3], max_tokens=40)
     with pytest.raises(AssertionError, match="the adapter has writer's blocks as"):
         d.run()
+
+
+def test_worker_metadata_of_another_connector_is_refused_naming_its_type(make_driver) -> None:
+    d = make_driver()
+    with pytest.raises(TypeError, match="expected kvfsm worker metadata, got object"):
+        d.connector.scheduler_side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=object()))

@@ -312,3 +312,18 @@ def test_a_bad_tier_is_refused_at_start_up_naming_the_key(model, tier: dict[str,
     config = vllm_config(model, {"cpu_blocks": 8, "lower_tiers": [tier]}, 64)
     with pytest.raises(InvalidExtraConfig, match=named):
         KvfsmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(64))
+
+
+def test_the_schedulers_tier_index_holds_cpu_blocks_and_moves_on_the_connectors_machines(model, tmp_path: Path) -> None:
+    """The index is the planner's `LowerTier`: its blocks are CPU blocks (`block_size_factor` GPU blocks each), and
+    its entries move on the connector's machines, so a trace or check of the connector sees each tier transition."""
+    config = vllm_config(model, {"cpu_blocks": 8, "block_size_factor": 2, "lower_tiers": [disk_tier(tmp_path)]}, 64)
+    connector = KvfsmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(64))
+    side = connector.scheduler_side
+    (index,) = side.tier_index.tiers
+    assert index.block_bytes == 2 * BLOCK_BYTES
+    seen: list[str] = []
+    side.kvfsm.machines.observe(lambda lifecycle, model, source, trigger, dest: seen.append(f"{lifecycle}.{trigger}"))
+    index.entries.adopt(7)
+    assert seen == ["tier-entry.adopt"]
+    connector.shutdown()

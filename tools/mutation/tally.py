@@ -1,6 +1,6 @@
 """The mutation score: mutmut's verdicts (`mutants/**/*.meta`) joined with the answers in `docs/mutants.md`.
 
-A mutant that `judge_on_gpu.sh` or `judge_with_vllm.sh` (tests mutmut does not select: the `gpu` and `vllm` ones)
+A mutant that `judge_on_gpu.sh` or `judge_with_vllm.py` (tests mutmut does not select: the `gpu` and `vllm` ones)
 reports `KILLED` or `TIMEOUT` in a verdicts file passed with `--judged` counts as killed. Each other surviving mutant
 (and each with no CPU test) must have a line in `docs/mutants.md`:
 `equivalent` (no behaviour can differ: left out of the score), `killed outside mutmut's selection` or `killed on
@@ -24,8 +24,8 @@ from mutmut.__main__ import status_by_exit_code
 ANSWER = re.compile(r"^- `(?P<name>kvfsm\.[^`]+)` — (?P<verdict>equivalent|killed outside mutmut's selection|"
                     r"killed on the GPU|left)")
 COUNTED_KILLED = ("killed outside mutmut's selection", "killed on the GPU")
-JUDGED = re.compile(r"^(?P<verdict>KILLED|TIMEOUT|SURVIVED) +(?P<name>kvfsm\.\S+)")
-"""A line of `judge_on_gpu.sh` or `judge_with_vllm.sh`'s output."""
+JUDGED = re.compile(r"^(?P<verdict>KILLED|TIMEOUT|SURVIVED|NO TESTS) +(?P<name>kvfsm\.\S+)")
+"""A line of `judge_on_gpu.sh` or `judge_with_vllm.py`'s output."""
 
 
 def verdicts(root: Path) -> dict[str, str]:
@@ -38,12 +38,13 @@ def verdicts(root: Path) -> dict[str, str]:
 
 
 def judged_elsewhere(files: list[Path]) -> dict[str, str]:
-    """mutant name -> 'killed' or 'survived' by the tests a judge script ran (the last line of a name wins)."""
+    """mutant name -> 'killed' or 'survived' by the tests a judge script ran (the last line of a name wins; a mutant
+    no test of the script's reaches survived them)."""
     found = {}
     for path in files:
         for line in path.read_text().splitlines():
             if m := JUDGED.match(line):
-                found[m["name"]] = "survived" if m["verdict"] == "SURVIVED" else "killed"
+                found[m["name"]] = "survived" if m["verdict"] in ("SURVIVED", "NO TESTS") else "killed"
     return found
 
 
@@ -59,7 +60,7 @@ def main() -> None:
     parser.add_argument("--scope", nargs="+", default=[], metavar="PREFIX",
                         help="count only mutants whose module starts with one of these (kvfsm.tiers ...)")
     parser.add_argument("--judged", nargs="+", default=[], type=Path, metavar="FILE",
-                        help="verdicts of judge_on_gpu.sh / judge_with_vllm.sh for mutants mutmut did not kill")
+                        help="verdicts of judge_on_gpu.sh / judge_with_vllm.py for mutants mutmut did not kill")
     parser.add_argument("--names", metavar="STATUS",
                         help="print only the names with this status ('not checked': a next run's @file)")
     args = parser.parse_args()
@@ -87,7 +88,7 @@ def main() -> None:
         elif elsewhere.get(name) == "killed":
             score["killed"] += 1
             score["killed by a judge script"] += 1
-        elif status == "not checked":
+        elif status == "not checked" and name not in elsewhere:
             score["not run"] += 1
         elif given.get(name) == "equivalent":
             score["equivalent"] += 1

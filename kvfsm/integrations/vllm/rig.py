@@ -152,10 +152,12 @@ class FakeJob:
 
 @dataclass
 class FakeWorker:
-    """Completes kvfsm jobs `load_steps` / `store_steps` steps after their order; fails loads of `fail_loads`."""
+    """Completes kvfsm jobs `load_steps` / `store_steps` steps after their order (a tracked request's loads in
+    `load_steps_of` its own); fails loads of `fail_loads`."""
 
     rank: int = 0
     load_steps: int = 1
+    load_steps_of: dict[str, int] = field(default_factory=dict)
     store_steps: int = 1
     fail_loads: set[str] = field(default_factory=set)
     report_invalid_blocks: bool = True
@@ -170,7 +172,8 @@ class FakeWorker:
             if job_id in self.pending:
                 self.pending[job_id].due = step
         for load in orders.loads:
-            job = FakeJob(load.job_id, load.req_id, "load", load.gpu_blocks, step + self.load_steps - 1,
+            steps = self.load_steps_of.get(load.req_id, self.load_steps)
+            job = FakeJob(load.job_id, load.req_id, "load", load.gpu_blocks, step + steps - 1,
                        ok=load.req_id not in self.fail_loads)
             self.pending[job.job_id] = job
             self.loads.append(job)
