@@ -39,6 +39,11 @@ SESSION_11_DRAW = (": the draws of recent commits made one; this one, reshuffled
 
 NOT_GENERATED = {
     ("request", "loading", "job-done", "loading"): "needs a flushed store reported while its request loads",
+    ("request", "matched", "job-done", "matched"):
+        "needs a request looked up again (matched) while one of its own stores is still in flight, then that store "
+        "reported: the draws before standing-deferral made one; this one, reshuffled when a deferral began to stand "
+        "until one of its jobs ends, does not; a run of tests/test_tensor_parallel.py's generated interleavings "
+        "took it (not every draw does)",
     ("request", "returned", "job-done", "returned"):
         "needs one of an ended request's stores reported while another is still in flight (as draining's job-done "
         "did before lazy-fence: met by some draws, not by this one); tests/test_connector_scheduler_lifetime.py's "
