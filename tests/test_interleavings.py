@@ -104,13 +104,18 @@ def test_generated_interleavings_take_every_declared_transition() -> None:
 MUTANT_BUDGET = 1500
 """Examples a mutant may survive; kvfsm's own run uses the profile's count. No shrinking: finding is enough."""
 
+RARE_MUTANT_BUDGETS = {"partial-load-report": 5000}
+"""Mutants whose catch needs a rare draw, with their own budget: `partial-load-report` shows only when compute is
+drawn between a load's first and last layer landing (caught after 542 to 1,500+ examples; the draw changes with the
+suite's order, as string hashing does per process). The hunt ends at the first catch; the explorer catches it too."""
+
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_mutant_is_caught(mutant: str) -> None:
     if MUTANTS[mutant].tier == "mooncake" and not mooncake_available():
         pytest.skip("Mooncake is not installed")
     machine = interleavings_for(mutant)
-    hunt = settings(settings(), max_examples=MUTANT_BUDGET, phases=[Phase.generate], report_multiple_bugs=False,
+    hunt = settings(settings(), max_examples=RARE_MUTANT_BUDGETS.get(mutant, MUTANT_BUDGET), phases=[Phase.generate], report_multiple_bugs=False,
                     print_blob=False, database=None)
     with pytest.raises((AssertionError, IllegalTrigger)) as caught:
         run_state_machine_as_test(machine, settings=hunt)
