@@ -115,8 +115,8 @@ def test_mutant_is_caught(mutant: str) -> None:
     if MUTANTS[mutant].tier == "mooncake" and not mooncake_available():
         pytest.skip("Mooncake is not installed")
     machine = interleavings_for(mutant)
-    hunt = settings(settings(), max_examples=RARE_MUTANT_BUDGETS.get(mutant, MUTANT_BUDGET), phases=[Phase.generate], report_multiple_bugs=False,
-                    print_blob=False, database=None)
+    hunt = settings(settings(), max_examples=RARE_MUTANT_BUDGETS.get(mutant, MUTANT_BUDGET), phases=[Phase.generate],
+                    report_multiple_bugs=False, print_blob=False, database=None)
     with pytest.raises((AssertionError, IllegalTrigger)) as caught:
         run_state_machine_as_test(machine, settings=hunt)
     first_line = str(caught.value).splitlines()[0]
