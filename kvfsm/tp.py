@@ -16,9 +16,9 @@ one rank and every rank loads from the shared slot; the run then also fails unle
 ranks together are exactly one copy, and unless each store crossed PCIe once, from its writer rank: each rank's
 worker counts the bytes its store copies sent, by job, and rank 0 checks them (`replicated-single-writer`, which on
 `SimDevice` also reads every rank's device log; a GPU keeps none). `--disk DIR` (with `--mla`) adds a disk tier
-below the shared pool: rank 0 alone opens it, writes each block back from the shared pool and fetches it into the shared pool, the other ranks reporting
-each tier job having moved nothing (`replicated-one-tier-move`); `--checksum` checks every rank's loads against the
-checksums the ranks share.
+below the shared pool: rank 0 alone opens it, writes each block back from the shared pool and fetches it into the
+shared pool, the other ranks reporting each tier job having moved nothing (`replicated-one-tier-move`); `--checksum`
+checks every rank's loads against the checksums the ranks share.
 """
 
 from __future__ import annotations
