@@ -223,6 +223,10 @@ class SchedulerConnector(LedgerTables):
         due = check_step(self, output)
         self.step += 1
         ledger = self.ledger
+        if not (output.req_ids or output.preempted or self._new_loads or self._prepared or ledger.flushed
+                or ledger.fences.allocated):  # idle: nothing to fence, flush, submit, load or store; only the step
+            return ConnectorMetadata(step=self.step,  # and the tiers' orders, if any (validating these is cheapest)
+                                     tier_orders=self.tiers.orders(self.step) if self.tiers is not None else ())
         for req_id in output.preempted:
             ledger.fire_request(self._get(req_id), "preempt")
         ledger.fence_handed_out(chain.from_iterable(output.block_ids), self.step)
@@ -295,7 +299,8 @@ class SchedulerConnector(LedgerTables):
         reported; a job fails if any rank failed it."""
         check_reports(self, output)
         self.outputs += 1
-        self._load_errors = set()
+        if self._load_errors:
+            self._load_errors = set()
         for rank, job, ok in rank_reports(output, self.ledger.jobs):
             job.reports[rank] = ok
             verdict = self._verdict(job)
@@ -343,15 +348,6 @@ class SchedulerConnector(LedgerTables):
         read are freed-while-read until a step hands them out (`window-fence`)."""
         check_slide(self, request_id, block_ids)
         self.ledger.fire_request(self._get(request_id), "slide", blocks=tuple(block_ids))
-
-    def tracks(self, request_id: str) -> bool:
-        """Whether the request is still known (a returned one until its last store ends): its id may not return."""
-        return request_id in self.ledger.tracked
-
-    @property
-    def stores_of_ended_requests(self) -> bool:
-        """An ended request's stores are in flight: an engine with nothing else to do steps until they end."""
-        return any(record.state == RequestState.RETURNED for record in self.ledger.tracked.values())
 
     def reset_cache(self) -> None:
         """Forget every CPU block; stores in flight are flushed and their late completions free, never publish."""

@@ -171,6 +171,8 @@ class ReportedTier:
             self.shown.discard(key)
 
     def take_discards(self) -> tuple[int, ...]:
+        if not self._discards:
+            return ()
         discards, self._discards = tuple(self._discards), []
         return discards
 
