@@ -222,11 +222,9 @@ class SchedulerConnector(LedgerTables):
         """This step's loads, the stores to prepare after its forward pass, and the stores to flush first."""
         due = check_step(self, output)
         self.step += 1
+        if self._nothing_to_order(output):  # only the step, and the tiers' orders if any (validated: cheapest)
+            return ConnectorMetadata(step=self.step, tier_orders=self.tiers.orders(self.step) if self.tiers else ())
         ledger = self.ledger
-        if not (output.req_ids or output.preempted or self._new_loads or self._prepared or ledger.flushed
-                or ledger.fences.allocated):  # idle: nothing to fence, flush, submit, load or store; only the step
-            return ConnectorMetadata(step=self.step,  # and the tiers' orders, if any (validating these is cheapest)
-                                     tier_orders=self.tiers.orders(self.step) if self.tiers is not None else ())
         for req_id in output.preempted:
             ledger.fire_request(self._get(req_id), "preempt")
         ledger.fence_handed_out(chain.from_iterable(output.block_ids), self.step)
@@ -252,6 +250,12 @@ class SchedulerConnector(LedgerTables):
         # process validates on `model_validate_json`.
         return ConnectorMetadata.model_construct(step=self.step, loads=tuple(loads), stores=tuple(stores),
                                                  flush=flush, tier_orders=tier_orders)
+
+    def _nothing_to_order(self, output: SchedulerOutput) -> bool:
+        """An idle step: no request scheduled or preempted, nothing to fence, flush, submit or load."""
+        ledger = self.ledger
+        return not (output.req_ids or output.preempted or self._new_loads or self._prepared or ledger.flushed
+                    or ledger.fences.allocated)
 
     def _order_store(self, record: RequestRecord, block_ids: Sequence[int],
                      num_computed_tokens: int) -> StoreOrder | None:
