@@ -32,8 +32,10 @@ history policy), their ranks' reports are aggregated as a transfer job's are (`k
 job's end does to its CPU slots is declared as couplings in `tier-job.yaml`, which the ledger fires. What this module
 remembers between steps is planning only, each bounded by the CPU pool (per tier) whatever the number of jobs:
 each eager tier's write-back queue, the keys whose write-back failed, the write-backs in flight at a cache reset,
-which fetch brought each CPU slot's block (for the per-tier statistics), and the latest lookups that found no room
-for their fetch (what `fetch-waits-for-room` checks).
+which fetch brought each CPU slot's block (for the per-tier statistics), the latest lookups that found no room
+for their fetch (what `fetch-waits-for-room` checks), and the last write-back plan if it ordered nothing: it stands,
+and is not made again, until the pool or an on-evict tier counts a change (`manager.version`, `plan_version`), so an
+idle step does not re-read the eviction policy's next victims and ask the tier about each.
 """
 
 from __future__ import annotations
