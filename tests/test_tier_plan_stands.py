@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 from hypothesis import given, strategies as st
@@ -63,7 +63,7 @@ class Twins:
 
 
 @pytest.fixture
-def twins(tmp_path: Path):
+def twins(tmp_path: Path) -> Iterator[Callable[..., Twins]]:
     made: list[Twins] = []
 
     def make(bound_blocks: int = 4, control: Callable[[TierPlanner], None] | None = None) -> Twins:
