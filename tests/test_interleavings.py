@@ -13,7 +13,7 @@ from kvfsm.mooncake import available as mooncake_available
 from kvfsm.testing import policy_controls, tier_mutants, tier_soak
 from kvfsm.testing.coverage import declared_edges
 from kvfsm.testing.interleavings import EXERCISED, EXTERNAL, STEP_DRIVEN, interleavings_for
-from kvfsm.testing.mutants import MUTANTS, TP_CONTROLS, TP_MUTANTS, TP_WORKER_CONTROLS
+from kvfsm.testing.mutants import IDLE_CONTROLS, MUTANTS, TP_CONTROLS, TP_MUTANTS, TP_WORKER_CONTROLS
 
 
 def test_every_spec_trigger_has_a_driver() -> None:
@@ -130,6 +130,7 @@ CONTROL_REGISTRIES = {
     "REPLICATED_TIER_CONTROLS": tier_mutants.REPLICATED_TIER_CONTROLS, "ROOM_CONTROLS": tier_mutants.ROOM_CONTROLS,
     "DISK_FILE_MUTANTS": {name: apply for name, _, apply in tier_mutants.DISK_FILE_MUTANTS},
     "policy CONTROLS": policy_controls.CONTROLS, "soak CONTROLS": tier_soak.CONTROLS,
+    "PLAN_CONTROLS": tier_mutants.PLAN_CONTROLS, "IDLE_CONTROLS": IDLE_CONTROLS,
 }
 """Every registry of controls in `kvfsm.testing`: each control in one is kvfsm with one rule removed."""
 

@@ -51,6 +51,10 @@ class StepResult:
     """GPU blocks whose load failed, per request: the engine recomputes them."""
 
 
+NOTHING_ENDED = StepResult(frozenset(), frozenset(), {})  # type: ignore[arg-type]
+"""The result of a step whose reports ended nothing (every idle step's): one shared object, never added to."""
+
+
 class Ledger:
     """Every CPU block, GPU fence, transfer job, tier job and request of one connector, and their machines."""
 
@@ -230,5 +234,10 @@ class Ledger:
         return tuple(job.job_id for job in flushed)
 
     def take_result(self) -> StepResult:
-        result, self.result = self.result, StepResult()
+        """What the reports since the last call did; `NOTHING_ENDED` when they ended nothing (the collector is kept,
+        empty, for the next step)."""
+        result = self.result
+        if not (result.loaded or result.released or result.load_errors):
+            return NOTHING_ENDED
+        self.result = StepResult()
         return result

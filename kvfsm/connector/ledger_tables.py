@@ -11,6 +11,7 @@ from kvfsm.connector.due import StoreDue
 from kvfsm.connector.ledger import Ledger
 from kvfsm.invariants import Deferral
 from kvfsm.records import GpuBlock, RequestRecord, TransferJob
+from kvfsm.states import RequestState
 from kvfsm.tier_records import TierJob
 
 
@@ -58,3 +59,12 @@ class LedgerTables:
     @property
     def reported_failed(self) -> set[int]:
         return self.ledger.reported_failed
+
+    def tracks(self, request_id: str) -> bool:
+        """Whether the request is still known (a returned one until its last store ends): its id may not return."""
+        return request_id in self.ledger.tracked
+
+    @property
+    def stores_of_ended_requests(self) -> bool:
+        """An ended request's stores are in flight: an engine with nothing else to do steps until they end."""
+        return any(record.state == RequestState.RETURNED for record in self.ledger.tracked.values())

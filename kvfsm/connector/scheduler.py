@@ -222,6 +222,8 @@ class SchedulerConnector(LedgerTables):
         """This step's loads, the stores to prepare after its forward pass, and the stores to flush first."""
         due = check_step(self, output)
         self.step += 1
+        if self._nothing_to_order(output):  # only the step, and the tiers' orders if any (validated: cheapest)
+            return ConnectorMetadata(step=self.step, tier_orders=self.tiers.orders(self.step) if self.tiers else ())
         ledger = self.ledger
         for req_id in output.preempted:
             ledger.fire_request(self._get(req_id), "preempt")
@@ -248,6 +250,12 @@ class SchedulerConnector(LedgerTables):
         # process validates on `model_validate_json`.
         return ConnectorMetadata.model_construct(step=self.step, loads=tuple(loads), stores=tuple(stores),
                                                  flush=flush, tier_orders=tier_orders)
+
+    def _nothing_to_order(self, output: SchedulerOutput) -> bool:
+        """An idle step: no request scheduled or preempted, nothing to fence, flush, submit or load."""
+        ledger = self.ledger
+        return not (output.req_ids or output.preempted or self._new_loads or self._prepared or ledger.flushed
+                    or ledger.fences.allocated)
 
     def _order_store(self, record: RequestRecord, block_ids: Sequence[int],
                      num_computed_tokens: int) -> StoreOrder | None:
@@ -295,7 +303,8 @@ class SchedulerConnector(LedgerTables):
         reported; a job fails if any rank failed it."""
         check_reports(self, output)
         self.outputs += 1
-        self._load_errors = set()
+        if self._load_errors:
+            self._load_errors = set()
         for rank, job, ok in rank_reports(output, self.ledger.jobs):
             job.reports[rank] = ok
             verdict = self._verdict(job)
@@ -343,15 +352,6 @@ class SchedulerConnector(LedgerTables):
         read are freed-while-read until a step hands them out (`window-fence`)."""
         check_slide(self, request_id, block_ids)
         self.ledger.fire_request(self._get(request_id), "slide", blocks=tuple(block_ids))
-
-    def tracks(self, request_id: str) -> bool:
-        """Whether the request is still known (a returned one until its last store ends): its id may not return."""
-        return request_id in self.ledger.tracked
-
-    @property
-    def stores_of_ended_requests(self) -> bool:
-        """An ended request's stores are in flight: an engine with nothing else to do steps until they end."""
-        return any(record.state == RequestState.RETURNED for record in self.ledger.tracked.values())
 
     def reset_cache(self) -> None:
         """Forget every CPU block; stores in flight are flushed and their late completions free, never publish."""

@@ -32,8 +32,10 @@ history policy), their ranks' reports are aggregated as a transfer job's are (`k
 job's end does to its CPU slots is declared as couplings in `tier-job.yaml`, which the ledger fires. What this module
 remembers between steps is planning only, each bounded by the CPU pool (per tier) whatever the number of jobs:
 each eager tier's write-back queue, the keys whose write-back failed, the write-backs in flight at a cache reset,
-which fetch brought each CPU slot's block (for the per-tier statistics), and the latest lookups that found no room
-for their fetch (what `fetch-waits-for-room` checks).
+which fetch brought each CPU slot's block (for the per-tier statistics), the latest lookups that found no room
+for their fetch (what `fetch-waits-for-room` checks), and the last write-back plan if it ordered nothing: it stands,
+and is not made again, until the pool or an on-evict tier counts a change (`manager.version`, `plan_version`), so an
+idle step does not re-read the eviction policy's next victims and ask the tier about each.
 """
 
 from __future__ import annotations
@@ -109,6 +111,13 @@ class TierPlanner:
         """The latest lookups whose tier hit found no CPU slot to claim, and what each waited for: what
         `fetch-waits-for-room` reads (a pool's worth, as the invariants run every step)."""
         self._totals = self._total_rows()
+        self._on_evict = tuple(tier for tier in self.tiers if self.policies[tier.name] == "on-evict")
+        self._standing: tuple[tuple[int | None, ...], int] | None = None
+        """What the last write-back plan read, if it ordered nothing: the pool's version and each on-evict tier's,
+        and how many tiers it held back at the byte bound. While those are unchanged that plan stands
+        (`_plan_stands`). The plan's other inputs move with the pool: the bytes in flight and the keys given up on
+        change only as a write-back starts (pinning its slots) or ends (its slots moved by the spec's couplings);
+        a reset forgets the plan."""
 
     # --- lookup ----------------------------------------------------------------------------------------------
 
@@ -189,7 +198,9 @@ class TierPlanner:
         `writeback-queue-bounded` reads them."""
         return {name: (len(queue), self.queue_bounds.get(name)) for name, queue in self._eager.items()}
 
-    def _plan_write_backs(self, step: int) -> None:
+    def _plan_write_backs(self, step: int) -> int:
+        """Order this step's write-backs; how many tiers held candidates back at the byte bound."""
+        held = 0
         budget = self.bound - sum(j.nbytes for j in self.ledger.tier_jobs.values()
                                   if j.kind == "write-back" and j.in_flight)
         room = budget // self.block_bytes
@@ -202,7 +213,7 @@ class TierPlanner:
                         and (tier.name, blocks[s].block_hash) not in self._gave_up]
             picked, left = eligible[:max(room, 0)], eligible[max(room, 0):]
             if left:
-                self.stats.writebacks_held += 1
+                held += 1
                 if queue is not None:
                     queue.extendleft(reversed([blocks[s].block_hash for s in left]))  # type: ignore[misc]
             if not picked:
@@ -211,6 +222,22 @@ class TierPlanner:
             self.manager.pin_for_write_back(picked)
             self._new_job(self._new_job_id(), "write-back", tier.name,
                           tuple(blocks[s].block_hash for s in picked), tuple(picked), step)  # type: ignore[misc]
+        self.stats.writebacks_held += held
+        return held
+
+    def _plan_stands(self) -> bool:
+        """Whether the last write-back plan would be made again as it was (ordering nothing, holding back the same
+        tiers, which are counted again): it ordered nothing, no eager tier has blocks queued, and neither the pool
+        (its blocks' states, its eviction order) nor an on-evict tier's index changed since. An idle step then
+        reads no victims; the plan is made again after any change (`manager.version`, `plan_version`)."""
+        standing = self._standing
+        if standing is None or any(self._eager.values()) or standing[0] != self._versions():
+            return False
+        self.stats.writebacks_held += standing[1]
+        return True
+
+    def _versions(self) -> tuple[int | None, ...]:
+        return (self.manager.version, *(tier.plan_version for tier in self._on_evict))
 
     def _held_by(self, tier: LowerTier, slot: int) -> bool:
         """The tier holds the slot's key already (being written, published, or read)."""
@@ -250,7 +277,14 @@ class TierPlanner:
     def orders(self, step: int) -> tuple[TierOrder, ...]:
         """Plan this step's write-backs, then hand every job created since the last step to the workers."""
         self._step = step
-        self._plan_write_backs(step)
+        if not self._plan_stands():
+            before = len(self._created)
+            held = self._plan_write_backs(step)
+            versions = self._versions()
+            ordered_none = len(self._created) == before and None not in versions
+            self._standing = (versions, held) if ordered_none else None
+        if not self._created:
+            return ()
         created, self._created = self._created, []
         for job in created:
             self.ledger.fire_tier_job(job, "submit")
@@ -322,6 +356,7 @@ class TierPlanner:
         for queue in self._eager.values():
             queue.clear()
         self._gave_up.clear()
+        self._standing = None
 
     def totals(self) -> dict[str, int]:
         """The running totals `kvfsm.connector.metrics.counters` exports for these tiers, every tier and reason

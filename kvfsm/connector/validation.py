@@ -269,6 +269,8 @@ def check_reports(sched: SchedulerHalf, output: ConnectorOutput) -> None:
     completes, so a bad report cannot leave half a step applied."""
     call = "update_connector_output"
     _instance(call, "output", output, ConnectorOutput)
+    if not output.workers:  # nothing reported (an idle step's output)
+        return
     workers = sched.config.num_workers
     seen: set[tuple[int, int]] = set()
     for report in output.workers:

@@ -108,10 +108,18 @@ class OffloadingManager:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot is handed out first
         self._events: list[KVCacheEvent] = []
         self._keep_events = events
+        self.version = 0
+        """Changes with every transition of a block and every call that reorders the policy: a plan read from the
+        pool's states and eviction order (the on-evict write-back look-ahead) still holds while it is unchanged."""
         self._sources = {
             trigger: frozenset(s for s in self._machine.lifecycle.states if self._machine.lifecycle.branches(s, trigger))
             for trigger in self._machine.lifecycle.triggers
         }
+
+    def _fire_many(self, blocks: Sequence[CpuBlock], trigger: str, **context: Any) -> None:
+        """Every block transition of the pool, counted in `version`."""
+        self.version += 1
+        self._machine.fire_many(blocks, trigger, **context)
 
     def fire(self, trigger: str, slots: Sequence[int], **_: Any) -> None:
         """A coupling's entry: a job's transition moves its slots (the ledger calls this; see `spec/`).
@@ -164,17 +172,18 @@ class OffloadingManager:
             block_hash, slot = next((h, s) for h, s in zip(hashes, slots) if s is None or blocks[s].state != READY)
             state = "not catalogued" if slot is None else blocks[slot].state
             raise NotLoadable(f"hash {block_hash:#x} cannot be loaded: {state}")
-        self._machine.fire_many(picked, "pin", job_id=job_id)
+        self._fire_many(picked, "pin", job_id=job_id)
         return slots  # type: ignore[return-value]
 
     def complete_load(self, slots: Sequence[int]) -> None:
         picked = self._picked(slots, "unpin")
-        self._machine.fire_many(picked, "unpin")
+        self._fire_many(picked, "unpin")
         self._free.extend([b.slot for b in picked if b.state == FREE])  # orphaned by a reset while loading
 
     def touch(self, hashes: Sequence[int]) -> None:
         """A hit on `hashes`: refresh their readable blocks in the policy, head of the prefix last."""
         blocks = self.blocks
+        self.version += 1
         self.policy.touch_many([slot for slot in map(self.catalogue.get, reversed(hashes))
                                 if slot is not None and blocks[slot].state in READABLE])
 
@@ -198,7 +207,7 @@ class OffloadingManager:
         free, blocks = self._free, self.blocks
         slots = tuple(free[:-len(new) - 1:-1])  # popped from the stack's top, in order
         del free[len(free) - len(new):]
-        self._machine.fire_many([blocks[s] for s in slots], trigger, hashes=dict(zip(slots, new)), job_id=job_id)
+        self._fire_many([blocks[s] for s in slots], trigger, hashes=dict(zip(slots, new)), job_id=job_id)
         catalogue.update(zip(new, slots))
         return StorePlan(new, slots)
 
@@ -214,7 +223,7 @@ class OffloadingManager:
         self._check_victims(n, victims, evictable)
         picked = [blocks[s] for s in victims]
         hashes = tuple(b.block_hash for b in picked)  # read before `evict` forgets them
-        self._machine.fire_many(picked, "evict")
+        self._fire_many(picked, "evict")
         for slot, block_hash in zip(victims, hashes):
             self.policy.remove(slot)
             del self.catalogue[block_hash]
@@ -232,7 +241,7 @@ class OffloadingManager:
                                   "distinct slots it was offered (ready, unpinned, outside the store planned)")
 
     def mark_submitted(self, slots: Sequence[int]) -> None:
-        self._machine.fire_many(self._picked(slots, "submit"), "submit")
+        self._fire_many(self._picked(slots, "submit"), "submit")
 
     def complete_store(self, slots: Sequence[int], success: bool) -> None:
         """End a store: its blocks become ready, or free and forgotten; orphaned slots go free either way."""
@@ -256,7 +265,7 @@ class OffloadingManager:
     def _abandon(self, slots: Sequence[int], trigger: str) -> None:
         picked = self._picked(slots, trigger)
         dropped = [(b.slot, b.block_hash) for b in picked if b.block_hash is not None]  # orphaned ones name none
-        self._machine.fire_many(picked, trigger)
+        self._fire_many(picked, trigger)
         for slot, block_hash in dropped:
             del self.catalogue[block_hash]  # type: ignore[arg-type]
             if slot in self.policy:
@@ -266,18 +275,18 @@ class OffloadingManager:
 
     def pin_for_write_back(self, slots: Sequence[int]) -> None:
         """Pin ready blocks while a write-back reads them: not evicted, rewritten or loaded until it ends."""
-        self._machine.fire_many(self._picked(slots, "write-back"), "write-back")
+        self._fire_many(self._picked(slots, "write-back"), "write-back")
 
     def complete_write_back(self, slots: Sequence[int]) -> None:
         """A write-back ended (either way): its blocks are ready again; orphaned ones go free."""
         picked = self._picked(slots, "written-back")
-        self._machine.fire_many(picked, "written-back")
+        self._fire_many(picked, "written-back")
         self._free.extend(b.slot for b in picked if b.state == FREE)
 
     def _complete_write(self, slots: Sequence[int], trigger: str) -> None:
         picked = self._picked(slots, trigger)
         hashes = list(map(_HASH, picked))  # read before a failure forgets them
-        self._machine.fire_many(picked, trigger)
+        self._fire_many(picked, trigger)
         stored = [(b.slot, h) for b, h in zip(picked, hashes) if b.state == READY]
         if len(stored) < len(picked):  # some failed, or were orphaned: free
             for block, block_hash in zip(picked, hashes):
@@ -296,7 +305,7 @@ class OffloadingManager:
         announced = tuple(h for h, s in self.catalogue.items() if self.blocks[s].state in READABLE)
         resettable = self._sources["reset"]  # every catalogued state; orphaned blocks already left the catalogue
         held = [b for b in self.blocks if b.state in resettable]
-        self._machine.fire_many(held, "reset")
+        self._fire_many(held, "reset")
         self._free.extend(b.slot for b in held if b.state == FREE)
         self.catalogue.clear()
         self.policy.clear()

@@ -374,3 +374,14 @@ def restore_without_state(scheduler: SchedulerConnector) -> None:
         return True
 
     scheduler.match_together = apart  # type: ignore[method-assign]
+
+
+def idle_with_orders_pending(scheduler: SchedulerConnector) -> None:
+    """A step with no request scheduled or preempted is taken for an idle one even when the step before ordered
+    stores (or a load, or a flush): they are submitted a step late, or never while no request is scheduled, though
+    the workers run them already. A control of the idle step's shortcut (`SchedulerConnector._nothing_to_order`)."""
+    scheduler._nothing_to_order = lambda output: not (output.req_ids or output.preempted)  # type: ignore[method-assign]
+
+
+IDLE_CONTROLS: dict[str, Callable[[SchedulerConnector], None]] = {"idle-with-orders-pending": idle_with_orders_pending}
+"""Controls of the idle step: each takes a step that has something to order for an idle one."""

@@ -252,3 +252,55 @@ DISK_FILE_MUTANTS: tuple[tuple[str, str, Callable[[DiskTier], None]], ...] = (
 )
 """Applied to one tier, not an engine: each shows only with a second engine, a crash or a file changed on disk,
 which `tests/test_tiers_disk_shared.py` stages (one process's generated interleavings never meet them)."""
+
+
+# --- controls of the standing write-back plan: a change the plan reads, left uncounted --------------------------
+
+
+def touch_uncounted(planner: TierPlanner) -> None:
+    """A hit reorders the pool's eviction policy without counting it in the pool's version: the on-evict plan made
+    before the hit stands after it, though the policy's next victims are other blocks."""
+    manager = planner.manager
+    touch = manager.touch
+
+    def quiet_touch(hashes: Sequence[int]) -> None:
+        version = manager.version
+        touch(hashes)
+        manager.version = version
+
+    manager.touch = quiet_touch  # type: ignore[method-assign]
+
+
+def pool_moves_uncounted(planner: TierPlanner) -> None:
+    """A block's transition (a store, an eviction, a write-back's end) is not counted in the pool's version."""
+    manager = planner.manager
+    manager._fire_many = manager._machine.fire_many  # type: ignore[method-assign]
+
+
+def tier_moves_uncounted(planner: TierPlanner) -> None:
+    """A tier entry's transition (a key published, evicted or dropped) is not counted in the tier's version."""
+    for tier in planner.tiers:
+        tier.entries._fire = tier.entries._machine.fire  # type: ignore[method-assign]
+
+
+def reset_keeps_plan(planner: TierPlanner) -> None:
+    """A cache reset keeps the standing plan, though it forgot the keys whose write-back failed (the plan left them
+    out; a fresh one writes them back again)."""
+    reset = planner.reset
+
+    def keep() -> None:
+        standing = planner._standing
+        reset()
+        planner._standing = standing
+
+    planner.reset = keep  # type: ignore[method-assign]
+
+
+PLAN_CONTROLS: dict[str, Callable[[TierPlanner], None]] = {
+    "touch-uncounted": touch_uncounted,
+    "pool-moves-uncounted": pool_moves_uncounted,
+    "tier-moves-uncounted": tier_moves_uncounted,
+    "reset-keeps-plan": reset_keeps_plan,
+}
+"""Controls of the standing write-back plan (`TierPlanner._plan_stands`): each leaves one change the on-evict plan
+reads uncounted, so a plan stands that a fresh one would not make (`tests/test_tier_plan_stands.py`)."""

@@ -141,6 +141,12 @@ class LowerTier(Protocol):
     entries: TierEntries
     """The `tier-entry` records of the keys this process writes, reads or saw published."""
 
+    @property
+    def plan_version(self) -> int | None:
+        """A count that changes whenever `lookup` or `entries` may answer differently, so a plan read from them (the
+        on-evict write-back look-ahead) still holds while it is unchanged; None when lookups also ask a store other
+        engines write (a shared tier), whose changes this process cannot count."""
+
     def lookup(self, keys: Sequence[int]) -> int:
         """How many leading `keys` are published now. Never counts a key whose write has not completed. Called on
         the scheduler's thread once per lookup: it answers from a local index or one batched query, never waits on

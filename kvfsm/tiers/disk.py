@@ -132,6 +132,10 @@ class DiskTier:
 
     # --- LowerTier -------------------------------------------------------------------------------------------
 
+    @property
+    def plan_version(self) -> int | None:
+        return None if self.shared else self.entries.version
+
     def lookup(self, keys: Sequence[int]) -> int:
         if self.shared:
             self._adopt_visible(keys)

@@ -39,6 +39,14 @@ class TierEntries:
         self.bound = bound
         self.lookups: list[tuple[int, str]] = []
         """(key, state when counted) for every key a lookup counted, kept only when `keep_lookups` (tests)."""
+        self.version = 0
+        """Changes with every transition of an entry (every key that enters, leaves or changes state): what `get`
+        and `lookup` answer is the same while it is unchanged."""
+
+    def _fire(self, entry: TierEntry, trigger: str, **context: object) -> str:
+        """Every entry transition of the index, counted in `version`."""
+        self.version += 1
+        return self._machine.fire(entry, trigger, **context)
 
     def __iter__(self) -> Iterator[TierEntry]:
         return iter(self.by_key.values())
@@ -71,12 +79,12 @@ class TierEntries:
         if key in self.by_key:
             return None
         entry = TierEntry(key, slot)
-        self._machine.fire(entry, "reserve")
+        self._fire(entry, "reserve")
         self.by_key[key] = entry
         return entry
 
     def publish(self, entry: TierEntry, checksum: int) -> None:
-        self._machine.fire(entry, "write-done", checksum=checksum)
+        self._fire(entry, "write-done", checksum=checksum)
         self._recency[entry.key] = None
         self._forget_beyond_bound()
 
@@ -86,7 +94,7 @@ class TierEntries:
         if key in self.by_key:
             return None
         entry = TierEntry(key)
-        self._machine.fire(entry, "adopt")
+        self._fire(entry, "adopt")
         self.by_key[key] = entry
         self._recency[key] = None
         self._forget_beyond_bound()
@@ -102,29 +110,29 @@ class TierEntries:
             self.read_failed(entry) if failed else self.read_done(entry)
 
     def write_failed(self, entry: TierEntry) -> None:
-        self._forget_if_empty(entry, self._machine.fire(entry, "write-failed"))
+        self._forget_if_empty(entry, self._fire(entry, "write-failed"))
 
     def pin(self, key: int) -> TierEntry | None:
         """The published entry of `key`, now reading; None (and no change) when it is not published."""
         entry = self.by_key.get(key)
         if entry is None or entry.state != PUBLISHED:
             return None
-        self._machine.fire(entry, "pin")
+        self._fire(entry, "pin")
         self._recency.move_to_end(key)
         return entry
 
     def read_done(self, entry: TierEntry) -> None:
-        self._machine.fire(entry, "read-done")
+        self._fire(entry, "read-done")
 
     def read_failed(self, entry: TierEntry) -> None:
-        self._forget_if_empty(entry, self._machine.fire(entry, "read-failed"))
+        self._forget_if_empty(entry, self._fire(entry, "read-failed"))
 
     def evict(self, key: int) -> TierEntry | None:
         """Evict `key` if it is published (not being written or read); the evicted entry, else None."""
         entry = self.by_key.get(key)
         if entry is None or entry.state != PUBLISHED:
             return None
-        self._forget_if_empty(entry, self._machine.fire(entry, "evict"))
+        self._forget_if_empty(entry, self._fire(entry, "evict"))
         return entry
 
     def least_recent_evictable(self, keep: Collection[int] = ()) -> int | None:

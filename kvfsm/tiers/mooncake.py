@@ -155,6 +155,11 @@ class MooncakeTier:
 
     # --- LowerTier -------------------------------------------------------------------------------------------
 
+    @property
+    def plan_version(self) -> None:
+        """Never: every lookup may find keys other engines wrote."""
+        return None
+
     def lookup(self, keys: Sequence[int]) -> int:
         count = self.entries.published_prefix(keys)
         if count < len(keys) and self.entries.get(keys[count]) is None:

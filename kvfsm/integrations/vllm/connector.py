@@ -140,7 +140,7 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.request_finished(request)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
-        return list(self.scheduler_side.take_events())
+        return self.scheduler_side.take_events()
 
     def reset_cache(self) -> bool:
         return self.scheduler_side.reset_cache()

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, KVCacheEvent
 from vllm.v1.request import RequestStatus
 
 from kvfsm.config import OffloadConfig
-from kvfsm.connector.metadata import ConnectorOutput
+from kvfsm.connector.ledger import NOTHING_ENDED
+from kvfsm.connector.metadata import ConnectorOutput, SchedulerOutput as KvfsmSchedulerOutput
 from kvfsm.connector import scheduler
 from kvfsm.connector.scheduler import SchedulerConnector
 from kvfsm.integrations.vllm.config import gpu_block_bytes
@@ -70,6 +71,12 @@ _NORMAL_FINISH = frozenset({
 """Finishes of a running request; any other finish (abort, error, ignored) may come from any state: an abort."""
 
 
+NOTHING_SCHEDULED = KvfsmSchedulerOutput()
+"""What kvfsm is told of a step vLLM scheduled, finished and preempted nothing in."""
+NO_REPORTS = ConnectorOutput()
+"""What kvfsm is told of a step's output no worker reported anything in."""
+
+
 class UnexpectedAllocation(RuntimeError):
     """vLLM allocated external tokens for a request the connector offered none."""
 
@@ -104,6 +111,7 @@ class SchedulerSide:
         """The hit offered a request with sliding-window groups (`longest-window-hit`)."""
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        self.stats.moved = True
         record = self.kvfsm.requests.get(request.request_id)
         if record is not None and record.state == RequestState.RUNNING:
             return 0, False
@@ -133,6 +141,7 @@ class SchedulerSide:
         return views
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+        self.stats.moved = True
         views = self._matched.pop(request.request_id, None)
         if views is None:
             if num_external_tokens:
@@ -157,12 +166,21 @@ class SchedulerSide:
                                                  if self.kvfsm.requests[v.request_id].state == RequestState.LOADING}
 
     def build_connector_meta(self, output: "SchedulerOutput") -> KvfsmMetadata:
-        self.block_tables.update(output)
-        before = computed_before(output)
-        if self.windows:
-            self._slide(output, before)
-        orders = self.kvfsm.build_connector_meta(scheduler_output(output, self.block_tables, before))
-        self.tier_index.ordered(orders.tier_orders, self.kvfsm.tier_jobs)
+        """The step's orders. A step vLLM scheduled, finished and preempted nothing in (an idle step) changes no
+        block table, slides no window and moves no counter, so kvfsm is handed the one empty schedule
+        (`NOTHING_SCHEDULED`)."""
+        if output.num_scheduled_tokens or output.finished_req_ids or output.preempted_req_ids:
+            self.stats.moved = True
+            self.block_tables.update(output)
+            before = computed_before(output)
+            if self.windows:
+                self._slide(output, before)
+            scheduled = scheduler_output(output, self.block_tables, before)
+        else:
+            scheduled = NOTHING_SCHEDULED
+        orders = self.kvfsm.build_connector_meta(scheduled)
+        if orders.tier_orders:
+            self.tier_index.ordered(orders.tier_orders, self.kvfsm.tier_jobs)
         return KvfsmMetadata(orders, tier_discards=self.tier_index.take_discards())
 
     def _slide(self, output: "SchedulerOutput", before: dict[str, int]) -> None:
@@ -186,8 +204,12 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if meta is not None and not isinstance(meta, KvfsmWorkerMetadata):
             raise TypeError(f"expected kvfsm worker metadata, got {type(meta).__name__}")
-        result = self.kvfsm.update_connector_output(ConnectorOutput(workers=meta.reports if meta else ()))
-        self.tier_index.settle(meta.evicted if meta else (), meta.namespaces if meta else ())
+        result = self.kvfsm.update_connector_output(ConnectorOutput(workers=meta.reports) if meta else NO_REPORTS)
+        if meta is not None:  # without a report no job ended, no rank evicted a key or told its scheme
+            self.stats.moved = True
+            self.tier_index.settle(meta.evicted, meta.namespaces)
+        if result is NOTHING_ENDED:  # an idle step's (and most others'): nothing for vLLM
+            return
         self.kvfsm.get_block_ids_with_load_errors()  # the workers reported these blocks to vLLM themselves
         loaded, released = self._whole(result.loaded), self._whole(result.released)
         if loaded and not self.kvfsm.inline_loads:  # an inline load's request is running already
@@ -226,7 +248,12 @@ class SchedulerSide:
             self._waiting.pop(request.request_id, None)
         return bool(held), None
 
-    def take_events(self) -> Iterable[KVCacheEvent]:
+    def take_events(self) -> Sequence[KVCacheEvent]:
+        """The events since the last call; none at all unless vLLM asked for KV events (`kv_events`: kvfsm records
+        them only then)."""
+        return list(self._events()) if self.kvfsm.config.kv_events else ()
+
+    def _events(self) -> Iterable[KVCacheEvent]:
         """The CPU pool's events (`MEDIUM_CPU`), then each lower tier's (`MEDIUM_STORAGE`, `tier_events`); only vLLM's
         own hashes (the first group's) are announced, a sliding group's keys being kvfsm's."""
         width = self.codec.width or 0

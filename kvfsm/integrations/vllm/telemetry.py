@@ -7,7 +7,8 @@ gauge: the latest report wins).
 
 vLLM asks for stats every step, but counting the pool's states walks every CPU block (milliseconds for a pool of
 tens of thousands), so the pool is sampled at most once per `POOL_SAMPLE_SECONDS` (vLLM logs every 10 s, Prometheus
-scrapes every 15 s by default).
+scrapes every 15 s by default); and the totals are read only after a call that may have moved one (`StatsDelta.moved`:
+an idle step's calls move none, and its request costs a clock read).
 """
 
 from __future__ import annotations
@@ -70,11 +71,19 @@ class StatsDelta:
         self._last = self._totals()
         self._last_times = {d: (list(h.counts), list(h.sums)) for d, h in source.transfer_times.items()}
         self._pool_sampled = float("-inf")
+        self.moved = True
+        """Set by the owner on every call that may move a counter (a lookup, an allocation, a step with requests,
+        a step's reports); while it is unset the totals are those last taken, and `take` does not read them."""
 
     def _totals(self) -> dict[str, int | float]:
         return {**self._source.as_dict(), **self._tier_totals()}
 
     def take(self) -> KvfsmStats | None:
+        clock = time.monotonic()
+        sample = clock - self._pool_sampled >= POOL_SAMPLE_SECONDS
+        if not (self.moved or sample):
+            return None
+        self.moved = False
         totals = self._totals()
         data: dict[str, Any] = {} if totals == self._last else {  # most steps move no counter: one compare in C
             key: value - self._last.get(key, 0) for key, value in totals.items()
@@ -86,8 +95,7 @@ class StatsDelta:
                 data[SECONDS + direction + COUNTS] = [a - b for a, b in zip(histogram.counts, counts)]
                 data[SECONDS + direction + SUMS] = [a - b for a, b in zip(histogram.sums, sums)]
                 self._last_times[direction] = (list(histogram.counts), list(histogram.sums))
-        clock = time.monotonic()
-        if clock - self._pool_sampled >= POOL_SAMPLE_SECONDS:
+        if sample:
             self._pool_sampled = clock
             data.update((POOL + state, count) for state, count in self._pool_usage().items())
         return KvfsmStats(data=data) if data else None

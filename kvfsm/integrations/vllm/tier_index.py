@@ -89,6 +89,11 @@ class ReportedTier:
 
     # --- what the planner calls ------------------------------------------------------------------------------
 
+    @property
+    def plan_version(self) -> int | None:
+        """The index's count, unless a shared store is asked too (its other writers are not counted here)."""
+        return None if self.master is not None else self.entries.version
+
     def lookup(self, keys: Sequence[int]) -> int:
         count = self.entries.lookup(keys)
         if self.master is None or count == len(keys) or self.entries.get(keys[count]) is not None:
@@ -166,6 +171,8 @@ class ReportedTier:
             self.shown.discard(key)
 
     def take_discards(self) -> tuple[int, ...]:
+        if not self._discards:
+            return ()
         discards, self._discards = tuple(self._discards), []
         return discards
 
