@@ -280,7 +280,8 @@ def reloaded_bytes(d: Driver, worker: HybridWorker, writer: str = "writer",
     worker.caches[FULL].zero_()  # whatever the reader finds now came from the CPU pool
     d.add(reader, PREFIX + [9])
     d.run()
-    full, window = ([b for order in loads_of(d, tracked) for b in order.gpu_blocks] for tracked in (reader, f"{reader}@g1"))
+    full, window = ([b for order in loads_of(d, tracked) for b in order.gpu_blocks]
+                    for tracked in (reader, f"{reader}@g1"))
     return [worker.block_tokens(b) for b in full], [worker.block_tokens(b) for b in window]
 
 
