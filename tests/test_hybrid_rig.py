@@ -15,8 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvfsm.checking.integration import fence_in_tables
+from kvfsm.connector.tracked_ids import TrackedIdClash
 from kvfsm.executor import SimDevice
-from kvfsm.testing.hybrid_race import CAUGHT_BY, CONTROLS, SIM, app, trials
+from kvfsm.testing.hybrid_race import CAUGHT_BY, CONTROLS, SIM, app, trial, trials
 from kvfsm.testing.hybrid_rig import HybridRig
 
 PROMPT, WINDOW = SIM.prompt_blocks, SIM.shape.window_blocks
@@ -55,6 +56,27 @@ def test_fence_on_the_engine_tables_spares_a_store_reading_blocks_the_window_lef
     assert slid & set(rig.free) & {b for job in rig.connector.scheduler.jobs.values() if job.in_flight
                                    for b in job.gpu_blocks}
     assert fence_in_tables(rig.checks.integration) == []
+    rig.close()
+
+
+def test_request_ids_holding_the_group_separator_round_trip_under_their_own_ids() -> None:
+    """The rig tells a request's loads apart by the ids it recorded (`kvfsm.connector.tracked_ids`), never by
+    parsing: a request id may hold `@g`."""
+    rig = HybridRig(SimDevice(), SIM.shape, SIM.cpu_blocks, lag_copies=True)
+    try:
+        run = trial(rig, SIM, 1, prefix="chat@gpt-")
+    finally:
+        rig.close()
+    assert run.stored == run.loaded == {"full": PROMPT, "window": WINDOW, "state": 1}
+    assert (run.corrupted, run.broken) == ({"full": 0, "window": 0, "state": 0}, ())
+
+
+def test_a_request_id_naming_another_requests_group_is_refused_before_it_is_added() -> None:
+    rig = HybridRig(SimDevice(), SIM.shape, SIM.cpu_blocks)
+    rig.add("chat", 1, PROMPT)
+    with pytest.raises(TrackedIdClash, match="'chat@g1'"):
+        rig.add("chat@g1", 2, PROMPT)
+    assert set(rig.requests) == {"chat"}
     rig.close()
 
 

@@ -272,14 +272,16 @@ class HybridWorker(AdapterWorker):
                             tokens[position] % 251 + 256 * group)
 
 
-def reloaded_bytes(d: Driver, worker: HybridWorker) -> tuple[list[list[int]], list[list[int]]]:
+def reloaded_bytes(d: Driver, worker: HybridWorker, writer: str = "writer",
+                   reader: str = "reader") -> tuple[list[list[int]], list[list[int]]]:
     """The writer's prefix stored, the GPU forgotten and zeroed, a reader reloads it: each loaded block's tokens, per
     group."""
-    store_prefix(d)
+    store_prefix(d, req_id=writer)
     worker.caches[FULL].zero_()  # whatever the reader finds now came from the CPU pool
-    d.add("reader", PREFIX + [9])
+    d.add(reader, PREFIX + [9])
     d.run()
-    full, window = ([b for order in loads_of(d, tracked) for b in order.gpu_blocks] for tracked in ("reader", "reader@g1"))
+    full, window = ([b for order in loads_of(d, tracked) for b in order.gpu_blocks]
+                    for tracked in (reader, f"{reader}@g1"))
     return [worker.block_tokens(b) for b in full], [worker.block_tokens(b) for b in window]
 
 
@@ -296,6 +298,24 @@ def test_each_group_reloads_its_own_bytes_through_one_shared_tensor(model) -> No
         assert full == [prefix_block(i, 0) for i in range(4)]
         assert window == [prefix_block(i, 1) for i in (2, 3)]
         assert d.cpu_pool_drained()
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("writer, reader", [("doc@g1", "chat@gpt-1"), ("writer", "reader@g1@g1")])
+def test_a_request_id_holding_the_group_separator_reloads_its_own_prefix(model, writer: str, reader: str) -> None:
+    """Request ids are the user's: one holding `@g` (the separator of a group's tracked id) is still told its own
+    load's end (its tracked ids are recorded, never parsed back), and the writer's blocks are freed under its own."""
+    config = vllm_config(model, {"cpu_blocks": 32}, 48)
+    worker = HybridWorker(config)
+    d = Driver(config, worker, hybrid_cache(48))
+    try:
+        full, window = reloaded_bytes(d, worker, writer, reader)
+        assert full == [prefix_block(i, 0) for i in range(4)]
+        assert window == [prefix_block(i, 1) for i in (2, 3)]
+        assert d.first_token[reader] and d.cpu_pool_drained()
+        side = d.connector.scheduler_side
+        assert not side._waiting and not len(side.tracked), "a request's groups were left waiting or tracked"
     finally:
         d.close()
 

@@ -145,6 +145,8 @@ class Driver:
         self.arrived: dict[str, int] = {}
         """The step after which each request was added: it can be scheduled from the next step on."""
         self.log: list[StepLog] = []
+        self.owners: dict[str, tuple[str, int]] = {}
+        """Each tracked id's vLLM request and KV-cache group (`owner`)."""
         kvfsm = self.connector.scheduler_side.kvfsm
         self.checks = SpecChecks(kvfsm, kvfsm.machines, self.connector.scheduler_side.tier_index.tiers)
 
@@ -159,6 +161,7 @@ class Driver:
                           cache_salt=cache_salt, block_hasher=self.hasher)
         self.scheduler.add_request(request)
         self.arrived[req_id] = self.step_no
+        self.owners.update((g.request_id(req_id), (req_id, g.index)) for g in self.connector.scheduler_side.groups)
 
     def steps_to_first_token(self, req_id: str) -> int:
         """Steps from a request's arrival to the step that sampled its first token (1: the first step it could)."""
@@ -208,9 +211,9 @@ class Driver:
         self.checks.close()
 
     def owner(self, tracked_id: str) -> tuple[str, int]:
-        """The vLLM request and KV-cache group a job's request id names (`Group.request_id`)."""
-        req_id, _, group = tracked_id.partition("@g")
-        return req_id, int(group) if group else self.connector.scheduler_side.groups[0].index
+        """The vLLM request and KV-cache group a job's request id names (`Group.request_id`), as recorded when the
+        request was added: a request id may hold `@g` itself."""
+        return self.owners[tracked_id]
 
     def held(self, tracked_id: str) -> set[int]:
         """The blocks vLLM holds for the job's request in the job's group (none once the request ended)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvfsm.connector.due import StoreDue
 from kvfsm.connector.ledger import Ledger
+from kvfsm.connector.refusals import UnknownRequest
 from kvfsm.invariants import Deferral
 from kvfsm.records import GpuBlock, RequestRecord, TransferJob
 from kvfsm.states import RequestState
@@ -59,6 +60,13 @@ class LedgerTables:
     @property
     def reported_failed(self) -> set[int]:
         return self.ledger.reported_failed
+
+    def _get(self, request_id: str) -> RequestRecord:
+        """The tracked request's record; refused by name (`UnknownRequest`) for one the connector does not track."""
+        record = self.ledger.tracked.get(request_id)
+        if record is None:
+            raise UnknownRequest(f"request {request_id!r} is not tracked by the connector")
+        return record
 
     def tracks(self, request_id: str) -> bool:
         """Whether the request is still known (a returned one until its last store ends): its id may not return."""

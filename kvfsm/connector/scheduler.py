@@ -9,6 +9,9 @@ Timing the spec relies on: a store ordered in step N is submitted by the workers
 the scheduler moves it to `submitted` when it builds step N+1's metadata; a preempted request's stores are flushed
 in the next metadata, which the worker executes before the engine reuses any GPU block.
 
+A hit cut to where an engine's other KV-cache groups of the same request can load too: `GroupOffers`, a base class
+(kvfsm.connector.group_offers).
+
 Freed blocks are fenced lazily (`lazy-fence`): a request finished or aborted with only stores in flight gives its
 GPU blocks back at once; the step that hands one out again flushes the stores still reading it (`Ledger`).
 
@@ -27,8 +30,8 @@ from kvfsm.bindings import default_spec
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.admission import Admission
 from kvfsm.connector.backpressure import StoreBound
+from kvfsm.connector.group_offers import GroupOffers
 from kvfsm.connector.ledger import Ledger, StepResult
-from kvfsm.connector.ledger_tables import LedgerTables
 from kvfsm.connector.metadata import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -61,7 +64,7 @@ from kvfsm.tiers.base import LowerTier
 __all__ = ["RequestView", "SchedulerConnector", "StepResult", "UnknownRequest"]
 
 
-class SchedulerConnector(LedgerTables):
+class SchedulerConnector(GroupOffers):
     def __init__(self, config: OffloadConfig, gpu_block_bytes: int, machines: MachineSet | None = None,
                  keep_history: bool = False, num_gpu_blocks: int | None = None,
                  tiers: Sequence[LowerTier] = ()) -> None:
@@ -150,26 +153,6 @@ class SchedulerConnector(LedgerTables):
         self.ledger.deferrals[record.req_id] = Deferral(step=self.step + 1, blockers=blockers)
         self.stats.deferrals += 1
         return None
-
-    def limit_match(self, request_id: str, end_block: int) -> None:
-        """Offer the looked-up request's CPU hit only up to GPU block `end_block` (a group of a request with several
-        KV-cache groups, cut where a shorter hit every group holds ends)."""
-        record = self._get(request_id)
-        if record.match is not None:
-            first, count = record.match
-            kept = max(0, min(count, end_block - first))
-            self.stats.cpu_hit_blocks -= count - kept
-            record.match = (first, kept)
-
-    def match_together(self, request_id: str, partners: Sequence[str], end_block: int) -> bool:
-        """Offer the looked-up request's CPU hit and its partners' (other KV-cache groups of one engine request) only
-        up to GPU block `end_block`, and only if every partner's reaches it (a window needs its whole window there, a
-        state its block ending there, `state-at-prefix-end`); else none of them (False)."""
-        records = [self._get(request_id), *map(self._get, partners)]
-        whole = all(sum(r.match or (0, 0)) >= end_block for r in records[1:])
-        for record in records:
-            self.limit_match(record.req_id, end_block if whole else 0)
-        return whole
 
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int],
                                  num_external_tokens: int, store_from: int = 0, state_of: str | None = None) -> None:
@@ -397,10 +380,4 @@ class SchedulerConnector(LedgerTables):
                                    prompt_cpu_blocks=request.num_tokens // self._cpu_block_tokens)
             self.ledger.track(record)
         record.view = request
-        return record
-
-    def _get(self, request_id: str) -> RequestRecord:
-        record = self.ledger.tracked.get(request_id)
-        if record is None:
-            raise UnknownRequest(f"request {request_id!r} is not tracked by the connector")
         return record

@@ -3,8 +3,8 @@
 A group is what vLLM's hybrid allocator pages from one pool of GPU blocks: full attention keeps every block, a sliding
 window the blocks its window still reads, a state a window of one block (the block at the end of a prefix). Each is
 tracked by kvfsm as a request of its own with keys of its own (`CacheGroup.tracked`, `CacheGroup.key`), the vLLM
-adapter's mapping (`kvfsm/integrations/vllm/groups.py`). `BlockBytes` reads and writes whole blocks whatever the
-layout, as the host pool lays them out.
+adapter's mapping (`kvfsm/integrations/vllm/groups.py`; both make their ids with `kvfsm.connector.tracked_ids`).
+`BlockBytes` reads and writes whole blocks whatever the layout, as the host pool lays them out.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from kvfsm.connector.tracked_ids import tracked_id
 from kvfsm.executor import KVCaches
 
 NULL_BLOCK = 0
@@ -36,9 +37,14 @@ class CacheGroup:
     window_blocks: int | None
     """Blocks the window reads back from the next token (1: a state); None for full attention."""
 
+    @property
+    def label(self) -> int | None:
+        """The number its tracked ids carry (`tracked_id`): its rank; None for the full-attention group."""
+        return self.rank or None
+
     def tracked(self, req_id: str) -> str:
         """The id kvfsm's scheduler tracks this group of the request under (the adapter's naming)."""
-        return req_id if self.rank == 0 else f"{req_id}@g{self.rank}"
+        return tracked_id(req_id, self.label)
 
     def first_kept(self, tokens: int, block_tokens: int) -> int:
         """The first block the group still needs once `tokens` are computed: the next token's window starts there."""

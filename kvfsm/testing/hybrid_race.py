@@ -105,10 +105,11 @@ class Trial:
         return any(self.corrupted.values())
 
 
-def trial(rig: HybridRig, scenario: Scenario, seed: int, reuse: bool = True) -> Trial:
-    """One trial (the module's docstring): the writer of `seed`, an intruder if `reuse`, then the reader."""
+def trial(rig: HybridRig, scenario: Scenario, seed: int, reuse: bool = True, prefix: str = "") -> Trial:
+    """One trial (the module's docstring): the writer of `seed`, an intruder if `reuse`, then the reader (their ids
+    after `prefix`)."""
     bs, prompt, window = rig.shape.block_tokens, scenario.prompt_blocks, rig.shape.window_blocks
-    writer, intruder, reader = f"writer{seed}", f"intruder{seed}", f"reader{seed}"
+    writer, intruder, reader = (f"{prefix}{name}{seed}" for name in ("writer", "intruder", "reader"))
     rig.begin()
     rig.add(writer, 2 * seed, prompt, window * bs - 1 if reuse else 0)
     first = rig.step()

@@ -3,8 +3,8 @@
 vLLM's hybrid allocator pages every KV-cache group from one pool of GPU blocks: a block id is one group's at a time,
 and its bytes are the same tensors' whichever group holds it. The vLLM adapter (`kvfsm/integrations/vllm/groups.py`)
 offloads each group as a request of its own inside one scheduler half (the full-attention group under the request's
-id, another under `<id>@g<group>`, with keys of its own). This rig is the engine around `kvfsm.Connector` that does
-the same without vLLM, so that a GPU can check the bytes:
+id, another under `<id>@g<group>`, both by `kvfsm.connector.tracked_ids`, with keys of its own). This rig is the
+engine around `kvfsm.Connector` that does the same without vLLM, so that a GPU can check the bytes:
 - full attention keeps every block of a request;
 - a sliding window keeps the blocks its window still reads, the engine's null block standing for the others (never
   stored, loaded or written). As a running request computes, its window leaves blocks behind: the rig takes them back
@@ -33,6 +33,7 @@ from kvfsm.config import OffloadConfig
 from kvfsm.connector import Connector
 from kvfsm.connector.ledger import StepResult
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, ScheduledRequest, SchedulerOutput
+from kvfsm.connector.tracked_ids import TrackedIds
 from kvfsm.executor import POISON_BYTE, Device, SimDevice, Touch
 from kvfsm.executor.layouts import allocate_kv_caches
 from kvfsm.testing.hybrid_cache import (
@@ -76,6 +77,8 @@ class HybridRig:
         self.free = list(range(shape.gpu_blocks - 1, NULL_BLOCK, -1))
         """Blocks the allocator may hand out; the last is handed out first (the most recently freed)."""
         self.requests: dict[str, RigRequest] = {}
+        self.tracked = TrackedIds()
+        """Each group's tracked id's request (a request id may hold `@g` itself)."""
         self._new: list[RigRequest] = []
         self._handed: list[int] = []
         self._held: dict[str, list[int]] = {}
@@ -107,6 +110,7 @@ class HybridRig:
     def add(self, req_id: str, seed: int, prompt_blocks: int, extra_tokens: int = 0) -> RigRequest:
         """A request of `prompt_blocks` full blocks and one token more (a prompt's last token is always computed),
         which may compute `extra_tokens` beyond its prompt; looked up and allocated in the next step."""
+        self.tracked.make_all(req_id, (g.label for g in self.groups))
         bs = self.shape.block_tokens
         prompt = prompt_blocks * bs + 1
         positions = -(-(prompt + extra_tokens) // bs)
@@ -324,6 +328,6 @@ class HybridRig:
         if result.load_errors:
             raise RigError(f"loads failed: {result.load_errors}")
         for tracked in result.loaded:
-            self.requests[tracked.split("@g", 1)[0]].loading.discard(tracked)
+            self.requests[self.tracked.owner(tracked)[0]].loading.discard(tracked)
         for tracked in result.released:
             self.free.extend(self._held.pop(tracked, ()))

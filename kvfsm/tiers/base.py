@@ -318,8 +318,6 @@ class TierJobs:
             if job.kind == "read":
                 job.checksums[entry.key] = answer  # type: ignore[assignment]
             self.entries.settle(job.kind, entry, checksum=answer)  # type: ignore[arg-type]
-            if job.kind == "read" and isinstance(answer, int):
-                job.checksums[entry.key] = answer
             self.settled(job.kind, entry, None)
             return
         failure = self.reason(answer)

@@ -32,6 +32,8 @@ class TierEntries:
         if not isinstance(machines, MachineSet):
             raise TypeError(f"tier {tier!r}: its entries need the connector's MachineSet, got {machines!r}")
         self.tier = tier
+        """The tier's name, read by the census of a soak (`kvfsm.testing.census`, by `getattr`): it counts this index's
+        structures under it, so a disk's entries and a shared store's are told apart."""
         self.by_key: dict[int, TierEntry] = {}
         self._recency: OrderedDict[int, None] = OrderedDict()  # published keys, least recently used first
         self._machine: LifecycleMachine = machines["tier-entry"]

@@ -4,8 +4,8 @@ vLLM pages every group from one pool of GPU blocks: a block id is one group's at
 layer of that group, every group the same size) are the same tensors' whichever group holds it. So a worker moves a
 block the same way for any group; only the scheduler half tells groups apart. Each group is offloaded as a request of
 its own inside kvfsm's one scheduler (the first full-attention group under the request's own id, every other group
-under `<id>@g<group>`), with its own keys (`group_key`): one CPU pool, one ledger, one id space of jobs, and the GPU
-fences of a block whichever group reads or writes it.
+under `<id>@g<group>`, `kvfsm.connector.tracked_ids`), with its own keys (`group_key`): one CPU pool, one ledger, one
+id space of jobs, and the GPU fences of a block whichever group reads or writes it.
 
 - Full attention (and MLA, a full-attention spec) keeps every block: a prefix is looked up, stored and reloaded
   whole, as without the hybrid allocator.
@@ -46,6 +46,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvfsm.connector.tracked_ids import tracked_id
 from kvfsm.integrations.vllm.config import UnsupportedKVCache
 
 if TYPE_CHECKING:
@@ -79,9 +80,14 @@ class Group:
         group is stored and reloaded only there and slides while it runs."""
         return self.window is not None or self.state or self.chunk is not None
 
+    @property
+    def label(self) -> int | None:
+        """The number its tracked ids carry (`tracked_id`): vLLM's index of the group; None for the first."""
+        return None if self.rank == 0 else self.index
+
     def request_id(self, req_id: str) -> str:
         """The id kvfsm's scheduler tracks this group of the request under."""
-        return req_id if self.rank == 0 else f"{req_id}@g{self.index}"
+        return tracked_id(req_id, self.label)
 
     def first_kept(self, tokens: int, block_size: int) -> int:
         """The first block of a request with `tokens` computed that vLLM still holds for this group (its window's

@@ -35,6 +35,7 @@ from kvfsm.connector.ledger import NOTHING_ENDED
 from kvfsm.connector.metadata import ConnectorOutput, SchedulerOutput as KvfsmSchedulerOutput
 from kvfsm.connector import scheduler
 from kvfsm.connector.scheduler import SchedulerConnector
+from kvfsm.connector.tracked_ids import TrackedIds
 from kvfsm.integrations.vllm.config import gpu_block_bytes
 from kvfsm.integrations.vllm.convert import (
     BlockTables,
@@ -106,6 +107,9 @@ class SchedulerSide:
         """Each unfinished looked-up request's views (`_views_of`)."""
         self._waiting: dict[str, set[str]] = {}
         """Per request, the groups whose load (or, once it ended, whose draining) vLLM still waits for."""
+        self.tracked = TrackedIds()
+        """Each tracked id's request, from its first lookup until nothing of it is left to report: a request's own id
+        may hold `@g`, so a tracked id is never parsed back (`_whole`)."""
         self.block_tables = BlockTables(self.groups)
         self.window_hits = WindowHits(self.kvfsm, self.windows)
         """The hit offered a request with sliding-window groups (`longest-window-hit`)."""
@@ -136,6 +140,7 @@ class SchedulerSide:
         views = self._views.get(request.request_id)
         if views is None or not views[0].wraps(request):
             view = RequestView(request, self.codec)
+            self.tracked.make_all(request.request_id, (g.label for g in self.groups))
             views = (view, tuple(GroupView(view, g, self.codec) for g in self.windows))
             self._views[request.request_id] = views
         return views
@@ -224,15 +229,16 @@ class SchedulerSide:
             return tracked_ids
         done = set()
         for tracked in tracked_ids:
-            req_id = tracked.split("@g", 1)[0]
+            req_id, _ = self.tracked.owner(tracked)
             waiting = self._waiting.get(req_id)
-            if waiting is None:
-                done.add(req_id)
-                continue
-            waiting.discard(tracked)
-            if not waiting:
+            if waiting is not None:
+                waiting.discard(tracked)
+                if waiting:
+                    continue
                 del self._waiting[req_id]
-                done.add(req_id)
+            done.add(req_id)
+        for req_id in done - self._views.keys():  # ended, and its last group's news is told
+            self.tracked.forget(req_id)
         return done
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
@@ -246,6 +252,7 @@ class SchedulerSide:
             self._waiting[request.request_id] = held
         else:
             self._waiting.pop(request.request_id, None)
+            self.tracked.forget(request.request_id)
         return bool(held), None
 
     def take_events(self) -> Sequence[KVCacheEvent]:
