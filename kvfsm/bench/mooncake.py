@@ -80,8 +80,8 @@ def run(quick: bool, segment: str = "segment host", hash_threads: int | None = N
         client.connect()
         sealers = ThreadPoolExecutor(client.hash_threads)
         try:
-            client.register(source.buffer)
-            client.register(target.buffer)
+            for buffer in (source.buffer, target.buffer, source.trailers, target.trailers):
+                client.register(buffer)  # whole, as the tier registers its slots' and trailers' chunks
             store: Any = client.raw()
             ptrs = [address(p) for p in source.payloads(slots)]
             into = [address(p) for p in target.payloads(slots)]

@@ -227,3 +227,19 @@ def test_a_write_back_puts_no_value_before_its_trailer_is_sealed(mooncake, conne
     keys = [f"{request.node.name}-{i}" for i in range(4)]
     assert moved(write(client, source, keys, [0, 1, 2, 3]))
     assert moved(read(client, target, keys, [0, 1, 2, 3]))
+
+
+def test_a_fetch_cut_into_several_gets_answers_every_key_with_its_own_check(mooncake, connect, request) -> None:
+    client = connect(mooncake, hash_threads=2, pipeline_bytes=SLOT)  # a round of 2 values: 8 keys, several gets
+    source, target = registered(client, seed=3), registered(client, seed=4)
+    keys = [f"{request.node.name}-{i}" for i in range(8)]
+    assert moved(write(client, source, keys, list(range(8))))
+    results = faults(read(client, target, keys, list(range(8))))
+    assert len(results) == len(keys) and not any(isinstance(result, Exception) for result in results)
+    assert all((target.payload(i) == source.payload(i)).all() for i in range(8))
+
+
+def test_a_fetch_of_a_missing_key_names_the_fetch_and_the_key(mooncake, connect, request) -> None:
+    client = connect(mooncake)
+    [fault] = faults(read(client, registered(client), [request.node.name], [0]))
+    assert isinstance(fault, KeyMissing) and str(fault).startswith(f"fetch of {request.node.name}: ")

@@ -61,3 +61,9 @@ def test_a_call_carries_one_value_per_mac_thread_and_at_least_pipeline_bytes() -
 def test_the_default_mac_threads_are_half_the_cores_within_bounds(cores: int, threads: int) -> None:
     assert default_hash_threads(cores) == threads
     assert HASH_THREADS_RANGE[0] <= default_hash_threads() <= HASH_THREADS_RANGE[1]
+
+
+def test_a_remainder_shorter_than_the_shrunk_share_of_a_run_gets_a_run_of_its_own_at_a_whole_share() -> None:
+    """The share is whole values: 4 values, a last run of 3 and runs shrinking by 2 leave 1 value, which is not
+    shorter than 3 // 2 = 1, so it is a run of its own (in fractions of a value, 1 < 1.5 would have joined it)."""
+    assert [len(run) for run in fetch_runs(4, 3, 2 * CHECK_OVER_GET)] == [1, 3]

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("mooncake.store")
 
 from kvfsm.executor import SimDevice  # noqa: E402
+from kvfsm.states import TierEntryState  # noqa: E402
 from kvfsm.testing.harness import Harness  # noqa: E402
 from kvfsm.testing.mooncake_store import unchecked_fetch  # noqa: E402
 
@@ -234,3 +235,22 @@ def test_a_full_store_fails_write_backs_and_the_engine_serves_on(fresh_mooncake,
     serve(b, PROMPT, OTHER)
     assert failures(b).get("full", 0) > 0
     clean(b)
+
+
+def test_a_value_of_another_length_under_a_published_key_holds_no_stored_bytes(mooncake, tenant) -> None:
+    """The harness compares each published key's stored bytes with its prefix's: a value cut short (or grown) is
+    no block's bytes, whatever its first bytes say."""
+    harness = engine(mooncake, tenant=tenant)
+    try:
+        serve(harness, PROMPT)
+        tier = harness.mooncake
+        assert tier is not None
+        key = next(e.key for e in tier.entries if e.state == TierEntryState.PUBLISHED)
+        store, name = tier.client.raw(), tier.store_key(key)
+        raw = bytes(store.get(name))
+        assert tier.stored_bytes(key) == raw[:tier.block_bytes]
+        store.remove(name, True)
+        store.put(name, raw[:-1])
+        assert tier.stored_bytes(key) is None
+    finally:
+        harness.close()
