@@ -10,6 +10,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -203,3 +204,14 @@ def test_a_child_is_ready_when_its_own_ipv4_port_listens_not_the_same_port_on_ip
             pytest.skip("the port is taken on IPv4 too")
         with pytest.raises(MooncakeProcessError):
             child.start(lambda port: ["sleep", "10"])
+
+
+def test_a_child_is_given_up_once_the_clock_reads_its_deadline(tmp_path, monkeypatch) -> None:
+    """The deadline is not part of the wait: a start whose clock stands at it gives up a child that would listen."""
+    readings = iter([0.0])  # the start; then the clock stands at the deadline
+    monkeypatch.setattr(local, "time", SimpleNamespace(monotonic=lambda: next(readings, 0.5), sleep=time.sleep))
+    child = local._Child("late", tmp_path, timeout_s=0.5)
+    child.port = free_loopback_port()
+    with pytest.raises(MooncakeProcessError):
+        child.start(serving())
+    assert not child.running
