@@ -4,7 +4,6 @@ with, a read in flight names its keys, and a job id already in flight is refused
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from itertools import count
@@ -21,14 +20,13 @@ from kvfsm.executor import SimDevice  # noqa: E402
 from kvfsm.executor.layouts import register_kv_caches  # noqa: E402
 from kvfsm.executor.pool import HostPool  # noqa: E402
 from kvfsm.machines import MachineSet  # noqa: E402
-from kvfsm.tiers.base import TierCompletion, TierFailure, TierMisuse, TierSite  # noqa: E402
+from kvfsm.tiers.base import TierFailure, TierMisuse, TierSite  # noqa: E402
 from kvfsm.tiers.mooncake import MooncakeTier, open_mooncake  # noqa: E402
-from test_mooncake_heads import FACTOR, SHAPE  # noqa: E402
+from test_mooncake_heads import FACTOR, SHAPE, completion  # noqa: E402
 
 SLOTS = 3
 STORED, ABSENT = 0x51, 0x52
 CHECKSUM = 0xC0FFEE
-IO_BUDGET_S = 30.0
 JOB_IDS = count(1)
 
 
@@ -48,7 +46,7 @@ def tier(mooncake) -> Iterator[tuple[MooncakeTier, HostPool]]:
     pool.slot(0).copy_(torch.arange(pool.slot_bytes) % 251)
     job = next(JOB_IDS)
     opened.submit_write(job, [STORED], [view(pool, 0)], [CHECKSUM])
-    assert finish(opened, job).ok
+    assert completion(opened, job).ok
     yield opened, pool
     opened.close()
 
@@ -57,22 +55,12 @@ def view(pool: HostPool, slot: int) -> memoryview:
     return memoryview(pool.slot(slot).numpy())
 
 
-def finish(tier: MooncakeTier, job: int) -> TierCompletion:
-    deadline = time.monotonic() + IO_BUDGET_S
-    while time.monotonic() < deadline:
-        done = [c for c in tier.poll() if c.job_id == job]
-        if done:
-            return done[0]
-        time.sleep(0.002)
-    raise AssertionError(f"job {job} did not finish")
-
-
 def test_a_key_the_tier_does_not_hold_fails_missing_and_the_jobs_other_keys_still_land(tier) -> None:
     tier_, pool = tier
     pool.slot(2).fill_(0xA5)
     job = next(JOB_IDS)
     tier_.submit_read(job, [ABSENT, STORED], [view(pool, 1), view(pool, 2)])
-    assert finish(tier_, job).failed == {ABSENT: TierFailure.missing}
+    assert completion(tier_, job).failed == {ABSENT: TierFailure.missing}
     assert bool((pool.slot(2) == pool.slot(0)).all()), "the key after the missing one was not read"
 
 
@@ -80,7 +68,7 @@ def test_a_read_hands_back_the_checksum_each_block_was_first_stored_with(tier) -
     tier_, pool = tier
     job = next(JOB_IDS)
     tier_.submit_read(job, [STORED], [view(pool, 1)])
-    done = finish(tier_, job)
+    done = completion(tier_, job)
     assert done.ok and done.checksums == {STORED: CHECKSUM}
 
 
@@ -90,7 +78,7 @@ def test_a_read_in_flight_names_its_keys_until_it_is_reported(tier) -> None:
     job = next(JOB_IDS)
     tier_.submit_read(job, [STORED], [view(pool, 1)])
     assert tier_.reads_in_flight() == [STORED]
-    assert finish(tier_, job).ok and tier_.reads_in_flight() == []
+    assert completion(tier_, job).ok and tier_.reads_in_flight() == []
 
 
 def test_a_read_whose_job_id_is_in_flight_is_refused(tier) -> None:
@@ -99,4 +87,4 @@ def test_a_read_whose_job_id_is_in_flight_is_refused(tier) -> None:
     tier_.submit_read(job, [STORED], [view(pool, 1)])
     with pytest.raises(TierMisuse, match=f"job {job} is already in flight$"):
         tier_.submit_read(job, [STORED], [view(pool, 2)])
-    assert finish(tier_, job).ok
+    assert completion(tier_, job).ok
