@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -215,3 +216,19 @@ def test_a_child_is_given_up_once_the_clock_reads_its_deadline(tmp_path, monkeyp
     with pytest.raises(MooncakeProcessError):
         child.start(serving())
     assert not child.running
+
+
+def test_a_child_that_listens_a_fifth_of_its_timeout_late_is_noticed_in_time(tmp_path) -> None:
+    """Readiness is probed often enough that a child that listens late, but well within its timeout, is started.
+    The port here is opened by this test 0.2 s after the spawn (the child only sleeps): the same to the probe."""
+    child = local._Child("slow", tmp_path, timeout_s=1.0)
+    child.port = free_loopback_port()
+    late = socket.socket()
+    opener = threading.Timer(0.2, lambda: (late.bind(("127.0.0.1", child.port)), late.listen()))
+    with late:
+        opener.start()
+        try:
+            assert child.start(lambda port: ["sleep", "10"]) == child.port
+        finally:
+            opener.join()
+            child.stop(grace_s=0.2)
