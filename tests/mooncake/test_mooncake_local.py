@@ -1,4 +1,5 @@
-"""The local deployment the tier tests stand on: it starts, answers, survives a master restart, and leaves nothing."""
+"""The local deployment the tier tests stand on: it starts, answers, survives a master restart, and leaves nothing.
+Each child logs to a file named after it, reads no stdin, dies with its parent, and is given up at its deadline."""
 
 from __future__ import annotations
 
