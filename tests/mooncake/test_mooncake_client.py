@@ -17,7 +17,7 @@ from kvfsm.mooncake.host_memory import SlotRegion  # noqa: E402
 from kvfsm.mooncake.io_thread import Pending  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress, free_loopback_port  # noqa: E402
 from kvfsm.mooncake.secret import ValueKey  # noqa: E402
-from kvfsm.mooncake.value import ValueMac  # noqa: E402
+from kvfsm.mooncake.value import TRAILER_BYTES, ValueMac  # noqa: E402
 from kvfsm.testing.mooncake_store import tenant_mac  # noqa: E402
 from kvfsm.tiers.io import ManualIo  # noqa: E402
 
@@ -127,6 +127,32 @@ def test_a_corrupted_value_is_a_checksum_mismatch(mooncake, connect, request, co
         assert store.put(key, bytes(raw)) == 0
     [result] = faults(read(client, target, [key], [0]))
     assert isinstance(result, ChecksumMismatch), result
+
+
+class ShortReads:
+    """The client's store, but every read answers one byte fewer than it moved: a store gone wrong."""
+
+    def __init__(self, store: object) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    def batch_get_into_multi_buffers(self, *args: object) -> list[int]:
+        return [code - 1 if code > 0 else code for code in self._store.batch_get_into_multi_buffers(*args)]
+
+
+def test_a_read_the_store_answers_short_is_a_checksum_mismatch_naming_both_lengths(mooncake, connect,
+                                                                                   request) -> None:
+    client = connect(mooncake)
+    source, target = registered(client, seed=5), registered(client, seed=6)
+    key = request.node.name
+    assert moved(write(client, source, [key], [1]))
+    client._store = ShortReads(client._store)
+    [result] = faults(read(client, target, [key], [0]))
+    expected = SLOT + TRAILER_BYTES
+    assert isinstance(result, ChecksumMismatch)
+    assert str(result) == f"{key}: read {expected - 1} bytes, expected {expected}"
 
 
 def test_a_full_store_refuses_writes_as_store_full(fresh_mooncake, connect, request) -> None:

@@ -94,13 +94,18 @@ def finish(tier: MooncakeTier, kind: str, block_hash: int, pool: HostPool) -> Ti
     job = next(JOB_IDS)
     view = memoryview(pool.slot(0).numpy())
     (tier.submit_write if kind == "write" else tier.submit_read)(job, [block_hash], [view])
+    return completion(tier, job)
+
+
+def completion(tier: MooncakeTier, job: int) -> TierCompletion:
+    """The tier's report of `job`, polled for up to `IO_BUDGET_S`."""
     deadline = time.monotonic() + IO_BUDGET_S
     while time.monotonic() < deadline:
         done = [c for c in tier.poll() if c.job_id == job]
         if done:
             return done[0]
         time.sleep(0.002)
-    raise AssertionError(f"{kind} of {block_hash:#x} did not finish")
+    raise AssertionError(f"job {job} did not finish")
 
 
 @pytest.fixture
