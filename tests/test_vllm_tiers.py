@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -30,6 +31,7 @@ from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.config import gpu_block_bytes, offload_config  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, kv_cache_config, vllm_config  # noqa: E402
 from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
+from kvfsm.integrations.vllm.worker_tiers import TierEvictions  # noqa: E402
 from kvfsm.tier_records import TierJob  # noqa: E402
 from kvfsm.tiers.disk import DiskIo  # noqa: E402
 from vllm_harness import AdapterWorker, Driver, FakeRanks  # noqa: E402
@@ -216,6 +218,19 @@ def test_keys_a_full_disk_evicted_are_forgotten_by_the_scheduler(tiered, tmp_pat
         d.run(MAX_STEPS)
     assert index.lookup(keys) == 0
     assert len(index.entries) <= 4
+
+
+def test_a_key_a_tier_evicted_and_holds_again_by_the_report_is_not_reported_evicted() -> None:
+    """A key written again between its eviction and the worker's report is held: telling the scheduler's index to
+    forget it would lose a block the tier serves."""
+    gone, rewritten = SimpleNamespace(key=6), SimpleNamespace(key=5)
+    tier = SimpleNamespace(name="disk", entries={5: SimpleNamespace(key=5), 6: gone})
+    evictions = TierEvictions({"tier-entry": SimpleNamespace(observers=[])})  # type: ignore[arg-type]
+    evictions.tiers = (tier,)  # type: ignore[assignment]
+    for key in (5, 6):
+        evictions("tier-entry", tier.entries[key], "published", "evict", "evicted")
+    tier.entries = {5: rewritten}
+    assert evictions.take() == (("disk", 6),)
 
 
 def test_cache_reset_drops_the_disk_tier_on_every_worker(tiered, tmp_path: Path) -> None:
