@@ -23,15 +23,18 @@ from vllm.v1.request import Request  # noqa: E402
 
 import kvfsm.connector.tier_planner as tier_planner  # noqa: E402
 import kvfsm.integrations.vllm.connector as connector_module  # noqa: E402
+import kvfsm.integrations.vllm.worker_tiers as worker_tiers  # noqa: E402
 from kvfsm.connector.metadata import LoadOrder  # noqa: E402
 from kvfsm.connector.ranks import TierOutcome, every_rank_tier_outcome  # noqa: E402
 from kvfsm.connector.tier_runner import TierRunner  # noqa: E402
 from kvfsm.integrations.vllm import InvalidExtraConfig, KvfsmConnector, UnsupportedTier  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.config import gpu_block_bytes, offload_config  # noqa: E402
+from kvfsm.integrations.vllm.master_lookup import KeyScheme  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, kv_cache_config, vllm_config  # noqa: E402
 from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
 from kvfsm.integrations.vllm.worker_tiers import TierEvictions  # noqa: E402
+from kvfsm.mooncake.keys import KvNamespace  # noqa: E402
 from kvfsm.tier_records import TierJob  # noqa: E402
 from kvfsm.tiers.disk import DiskIo  # noqa: E402
 from vllm_harness import AdapterWorker, Driver, FakeRanks  # noqa: E402
@@ -231,6 +234,15 @@ def test_a_key_a_tier_evicted_and_holds_again_by_the_report_is_not_reported_evic
         evictions("tier-entry", tier.entries[key], "published", "evict", "evicted")
     tier.entries = {5: rewritten}
     assert evictions.take() == (("disk", 6),)
+
+
+def test_a_mooncake_tier_with_values_per_head_tells_the_scheduler_its_kv_heads() -> None:
+    """The scheduler's master lookup names each head's value, so it must hear how many heads a block is split into;
+    a tier with whole-block values says none."""
+    namespace = KvNamespace(model_id="tiny@1", dtype="float16", layout="kv-first", block_tokens=16)
+    per_head = SimpleNamespace(namespace=namespace, heads=SimpleNamespace(kv_heads=4))
+    assert worker_tiers._scheme(per_head) == KeyScheme(namespace, 4)
+    assert worker_tiers._scheme(SimpleNamespace(namespace=namespace, heads=None)) == KeyScheme(namespace, None)
 
 
 def test_cache_reset_drops_the_disk_tier_on_every_worker(tiered, tmp_path: Path) -> None:
