@@ -6,14 +6,17 @@ recorded by the class `KvfsmConnector.build_prom_metrics` returns, on a private 
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from prometheus_client import CollectorRegistry  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
+from kvfsm.connector.metrics import TRANSFER_SECONDS  # noqa: E402
 from kvfsm.connector.stats import ConnectorStats, TransferHistogram  # noqa: E402
 
 from kvfsm.integrations.vllm import KvfsmConnector, telemetry  # noqa: E402
@@ -136,4 +139,30 @@ def test_each_interval_reports_only_what_moved_and_the_pool_every_ten_seconds(mo
     tiers["disk.failed"] = 0  # a key first seen at 0 moved nothing
     assert interval(107.0) is None
     assert interval(110.0) == {POOL + "free": 4}  # ten seconds after the last sample
+
+
+def fresh_metrics(d: Driver) -> tuple[CollectorRegistry, Any]:
+    """kvfsm's vLLM metrics on a private registry, before any payload."""
+    registry = CollectorRegistry()
+    types = {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    return registry, KvfsmConnector.build_prom_metrics(d.scheduler.vllm_config, types, ["model_name", "engine"],
+                                                       {0: ["tiny", "0"]})
+
+
+def test_every_kvfsm_metric_has_its_help_text_and_the_job_times_their_own_buckets(make_driver) -> None:
+    registry, _ = fresh_metrics(make_driver(FakeWorker()))
+    families = [family for family in registry.collect() if family.name.startswith("kvfsm")]
+    assert families and all(isinstance(family.documentation, str) and family.documentation for family in families)
+    (times,) = [family for family in families if family.name == TRANSFER_SECONDS.name]
+    bounds = [float(sample.labels["le"]) for sample in times.samples
+              if sample.name.endswith("_bucket") and sample.labels["direction"] == "load"]
+    assert bounds == [*TRANSFER_SECONDS.buckets, float("inf")]
+
+
+def test_a_bucket_of_several_jobs_is_observed_at_their_mean_time(make_driver) -> None:
+    registry, metrics = fresh_metrics(make_driver(FakeWorker()))
+    metrics.observe({LOAD_COUNTS: [0, 2], LOAD_SUMS: [0.0, 0.006]}, 0)
+    labels = {"model_name": "tiny", "engine": "0", "direction": "load"}
+    assert registry.get_sample_value(TRANSFER_SECONDS.name + "_count", labels) == 2
+    assert registry.get_sample_value(TRANSFER_SECONDS.name + "_sum", labels) == pytest.approx(0.006)
 
