@@ -27,7 +27,7 @@ import kvfsm.integrations.vllm.worker_tiers as worker_tiers  # noqa: E402
 from kvfsm.connector.metadata import LoadOrder  # noqa: E402
 from kvfsm.connector.ranks import TierOutcome, every_rank_tier_outcome  # noqa: E402
 from kvfsm.connector.tier_runner import TierRunner  # noqa: E402
-from kvfsm.integrations.vllm import InvalidExtraConfig, KvfsmConnector, UnsupportedTier  # noqa: E402
+from kvfsm.integrations.vllm import InvalidExtraConfig, KvfsmConnector, UnsupportedTier, WrongRole  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.config import gpu_block_bytes, offload_config  # noqa: E402
 from kvfsm.integrations.vllm.master_lookup import KeyScheme  # noqa: E402
@@ -243,6 +243,14 @@ def test_a_mooncake_tier_with_values_per_head_tells_the_scheduler_its_kv_heads()
     per_head = SimpleNamespace(namespace=namespace, heads=SimpleNamespace(kv_heads=4))
     assert worker_tiers._scheme(per_head) == KeyScheme(namespace, 4)
     assert worker_tiers._scheme(SimpleNamespace(namespace=namespace, heads=None)) == KeyScheme(namespace, None)
+
+
+def test_each_role_builds_only_its_own_half(tiered, tmp_path: Path) -> None:
+    d, (worker,) = tiered(disk_tier(tmp_path))
+    assert (d.connector.role, worker.connector.role) == (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
+    with pytest.raises(WrongRole):
+        d.connector.worker_side  # noqa: B018
+    assert worker.connector.get_kv_connector_stats() is None
 
 
 def test_cache_reset_drops_the_disk_tier_on_every_worker(tiered, tmp_path: Path) -> None:
