@@ -306,7 +306,8 @@ def test_a_state_kvfsm_cannot_keep_whole_is_refused_by_name_saying_why(state: Ma
                                                                        why: str) -> None:
     with pytest.raises(UnsupportedKVCache, match=refusal) as refused:
         groups.offloaded_groups(mamba_cache(48, state), BLOCK_SIZE, factor)
-    assert str(refused.value).endswith(why)
+    assert str(refused.value).startswith("KV-cache group 1 is a MambaSpec") and str(refused.value).endswith(why)
+    assert "(0: FullAttentionSpec, 1: MambaSpec)" in str(refused.value)
 
 
 def test_the_scheduler_refuses_a_state_under_a_block_size_factor_by_name(model) -> None:
