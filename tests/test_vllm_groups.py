@@ -360,6 +360,7 @@ def test_under_async_scheduling_a_window_slides_only_behind_processed_tokens(mod
 # --- what kvfsm offloads, and what it refuses by name ------------------------------------------------------------
 
 ONE_OF_EACH = "(0: FullAttentionSpec, 1: {})"
+PAGE = FullAttentionSpec(**SHAPE).page_size_bytes
 
 
 def two_groups(second: object, first: object | None = None, first_layers: int = 1) -> KVCacheConfig:
@@ -394,6 +395,9 @@ def test_groups_of_equal_bytes_per_block_over_different_layer_counts_share_one_p
      "KV-cache group 1 is a ChunkedLocalAttentionSpec of 40-token chunks in 16-token blocks "
      f"{ONE_OF_EACH.format('ChunkedLocalAttentionSpec')}: kvfsm offloads chunks of whole blocks only; use a block "
      "size that divides the chunk"),
+    (two_groups(SlidingWindowSpec(**{**SHAPE, "num_kv_heads": 2 * NUM_KV_HEADS}, sliding_window=WINDOW)),
+     f"KV-cache groups of different bytes per block ([{PAGE}, {2 * PAGE}]; 0: FullAttentionSpec, 1: "
+     "SlidingWindowSpec): kvfsm's CPU pool has one block size"),
 ])
 def test_a_configuration_kvfsm_cannot_serve_is_refused_in_full(config: KVCacheConfig, refusal: str) -> None:
     with pytest.raises(UnsupportedKVCache) as refused:
