@@ -34,7 +34,7 @@ from kvfsm.integrations.vllm.master_lookup import KeyScheme  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, kv_cache_config, vllm_config  # noqa: E402
 from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
 from kvfsm.integrations.vllm.worker_tiers import TierEvictions  # noqa: E402
-from kvfsm.mooncake.keys import KvNamespace  # noqa: E402
+from kvfsm.mooncake.keys import KvNamespace, head_key, object_key  # noqa: E402
 from kvfsm.tier_records import TierJob  # noqa: E402
 from kvfsm.tiers.disk import DiskIo  # noqa: E402
 from vllm_harness import AdapterWorker, Driver, FakeRanks  # noqa: E402
@@ -251,6 +251,13 @@ def test_each_role_builds_only_its_own_half(tiered, tmp_path: Path) -> None:
     with pytest.raises(WrongRole):
         d.connector.worker_side  # noqa: B018
     assert worker.connector.get_kv_connector_stats() is None
+
+
+def test_the_master_is_asked_for_each_heads_value_or_the_whole_blocks_in_the_tenants_names() -> None:
+    namespace = KvNamespace(model_id="tiny@1", dtype="float16", layout="kv-first", block_tokens=16)
+    assert KeyScheme(namespace, 2).names(5, "t") == [head_key(namespace, 5, 0, "t"), head_key(namespace, 5, 1, "t")]
+    assert KeyScheme(namespace).names(5, "t") == [object_key(namespace, 5, "t")]
+    assert object_key(namespace, 5, "t") not in (object_key(namespace, 5, None), object_key(namespace, 6, "t"))
 
 
 def test_cache_reset_drops_the_disk_tier_on_every_worker(tiered, tmp_path: Path) -> None:
