@@ -208,3 +208,10 @@ def test_a_lower_tiers_stored_event_names_its_blocks_and_where_they_are_and_noth
                                 lora_id=None, medium=MEDIUM_STORAGE, lora_name=None, locality="LOCAL",
                                 ownership="disk")
 
+
+def test_without_kv_events_the_index_records_no_announcements(tiered, tmp_path: Path) -> None:
+    """Nothing takes them then: recorded, they would only grow."""
+    d, _ = tiered(disk_tier(tmp_path))
+    (index,) = d.connector.scheduler_side.tier_index.tiers
+    assert type(index.entries) is TierEntries
+
