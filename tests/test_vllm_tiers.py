@@ -260,6 +260,18 @@ def test_the_master_is_asked_for_each_heads_value_or_the_whole_blocks_in_the_ten
     assert object_key(namespace, 5, "t") not in (object_key(namespace, 5, None), object_key(namespace, 6, "t"))
 
 
+def test_a_cache_reset_drops_the_keys_from_the_schedulers_index_at_once(tiered, tmp_path: Path) -> None:
+    """Not only once the workers' tiers report them gone: a lookup in between would offer a fetch that fails."""
+    d, _ = tiered(disk_tier(tmp_path))
+    d.add("writer", PREFIX + [1, 2, 3])
+    d.run(MAX_STEPS)
+    index = d.connector.scheduler_side.tier_index.tiers[0]
+    assert index.lookup(prefix_keys(d, PREFIX)) > 0
+    d.reset_gpu_prefix_cache()
+    assert d.connector.reset_cache()
+    assert index.lookup(prefix_keys(d, PREFIX)) == 0
+
+
 def test_cache_reset_drops_the_disk_tier_on_every_worker(tiered, tmp_path: Path) -> None:
     d, (worker,) = tiered(disk_tier(tmp_path))
     d.add("writer", PREFIX + [1, 2, 3])
