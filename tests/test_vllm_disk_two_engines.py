@@ -8,6 +8,7 @@ control that breaks it and is caught. Skipped when vLLM is not installed.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -208,6 +209,13 @@ def test_a_directory_that_hangs_is_a_miss_within_the_lookup_bound_and_a_hit_once
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     answers, longest = lookups_of_a_hung_directory(tmp_path, monkeypatch, timeout_s=0.05)
     assert answers == [0, 0, 2] and longest < 0.5, (answers, longest)
+
+
+def test_a_directory_lookup_that_gets_no_answer_warns_naming_its_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvfsm.tiers.bounded"):
+        lookups_of_a_hung_directory(tmp_path, monkeypatch, timeout_s=0.05)
+    assert caplog.messages[0] == "disk tier 'disk' directory lookup got no answer within 0.05s; counted as a miss"
 
 
 def test_control_a_lookup_that_waits_on_the_directory_stalls_the_step_and_is_caught(

@@ -18,6 +18,8 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -28,7 +30,7 @@ from vllm.distributed.kv_events import BlockStored  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvfsm.integrations.vllm import KvfsmConnector, groups  # noqa: E402
+from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, groups  # noqa: E402
 from kvfsm.integrations.vllm.convert import computed_before  # noqa: E402
 from kvfsm.connector.refusals import StaleMatch  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
@@ -373,3 +375,52 @@ def test_under_async_scheduling_a_window_slides_only_behind_processed_tokens(mod
         assert loads_of(d, "reader@g1") and d.cpu_pool_drained()
     finally:
         d.close()
+
+
+# --- what kvfsm offloads, and what it refuses by name ------------------------------------------------------------
+
+ONE_OF_EACH = "(0: FullAttentionSpec, 1: {})"
+PAGE = FullAttentionSpec(**SHAPE).page_size_bytes
+
+
+def two_groups(second: object, first: object | None = None, first_layers: int = 1) -> KVCacheConfig:
+    layers = [f"layers.{i}.attn" for i in range(first_layers)]
+    return KVCacheConfig(num_blocks=48, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(layers, first or FullAttentionSpec(**SHAPE)), KVCacheGroupSpec(["second.attn"], second)])
+
+
+def test_a_sliding_group_keeps_its_window_and_the_tokens_vllm_retains_beyond_it() -> None:
+    second = SlidingWindowSpec(**SHAPE, sliding_window=WINDOW, extra_retained_tokens=8)
+    assert groups.offloaded_groups(two_groups(second), BLOCK_SIZE)[1].window == WINDOW + 8
+
+
+def test_groups_of_equal_bytes_per_block_over_different_layer_counts_share_one_pool() -> None:
+    """Two full-attention layers of one page, against one sliding layer of a page twice that: 2 pages a block each."""
+    wide = SlidingWindowSpec(**{**SHAPE, "num_kv_heads": 2 * NUM_KV_HEADS}, sliding_window=WINDOW)
+    assert len(groups.offloaded_groups(two_groups(wide, first_layers=2), BLOCK_SIZE)) == 2
+
+
+@pytest.mark.parametrize(("config", "refusal"), [
+    (two_groups(SlidingWindowSpec(**SHAPE, sliding_window=WINDOW), SlidingWindowSpec(**SHAPE, sliding_window=WINDOW)),
+     "kvfsm needs a full-attention KV-cache group to look a prefix up by; this configuration has none "
+     "(0: SlidingWindowSpec, 1: SlidingWindowSpec)"),
+    (two_groups(FullAttentionSpec(**{**SHAPE, "block_size": 2 * BLOCK_SIZE})),
+     f"KV-cache group 1 (FullAttentionSpec) pages {2 * BLOCK_SIZE} tokens a block, the engine hashes {BLOCK_SIZE}: "
+     f"kvfsm needs one block size {ONE_OF_EACH.format('FullAttentionSpec')}"),
+    (two_groups(CrossAttentionSpec(**SHAPE)),
+     "kvfsm offloads full-attention (and MLA), sliding-window, chunked local attention and state-space (Mamba, align "
+     f"mode) KV-cache groups; group 1 is a CrossAttentionSpec {ONE_OF_EACH.format('CrossAttentionSpec')}. Serve this "
+     "model without kvfsm, or with vLLM's own OffloadingConnector"),
+    (two_groups(ChunkedLocalAttentionSpec(**SHAPE, attention_chunk_size=40)),
+     "KV-cache group 1 is a ChunkedLocalAttentionSpec of 40-token chunks in 16-token blocks "
+     f"{ONE_OF_EACH.format('ChunkedLocalAttentionSpec')}: kvfsm offloads chunks of whole blocks only; use a block "
+     "size that divides the chunk"),
+    (two_groups(SlidingWindowSpec(**{**SHAPE, "num_kv_heads": 2 * NUM_KV_HEADS}, sliding_window=WINDOW)),
+     f"KV-cache groups of different bytes per block ([{PAGE}, {2 * PAGE}]; 0: FullAttentionSpec, 1: "
+     "SlidingWindowSpec): kvfsm's CPU pool has one block size"),
+])
+def test_a_configuration_kvfsm_cannot_serve_is_refused_in_full(config: KVCacheConfig, refusal: str) -> None:
+    with pytest.raises(UnsupportedKVCache) as refused:
+        groups.offloaded_groups(config, BLOCK_SIZE)
+    assert str(refused.value) == refusal
+

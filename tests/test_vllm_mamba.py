@@ -294,14 +294,20 @@ def test_control_chunks_not_ended_at_block_ends_leave_no_state_there_to_restore(
         check_restored_exact(model, PREFIX, aligned=False)
 
 
-@pytest.mark.parametrize(("state", "factor", "refusal"), [
-    (state_spec(mamba_cache_mode="none"), 1, "mamba_cache_mode 'none'"),
-    (state_spec(num_speculative_blocks=1), 1, "1 speculative blocks"),
-    (state_spec(), 2, "block_size_factor is 2"),
+@pytest.mark.parametrize(("state", "factor", "refusal", "why"), [
+    (state_spec(mamba_cache_mode="none"), 1, "mamba_cache_mode 'none'",
+     "kvfsm offloads a state only in 'align' mode (prefix caching on), where vLLM keeps the state at each block's end"),
+    (state_spec(num_speculative_blocks=1), 1, "1 speculative blocks",
+     "vLLM moves those within the block table, so a block no longer holds the state at its own end"),
+    (state_spec(), 2, "block_size_factor is 2",
+     "a CPU block of several GPU blocks would hold states vLLM never kept (only the last block's is); use 1"),
 ])
-def test_a_state_kvfsm_cannot_keep_whole_is_refused_by_name(state: MambaSpec, factor: int, refusal: str) -> None:
-    with pytest.raises(UnsupportedKVCache, match=refusal):
+def test_a_state_kvfsm_cannot_keep_whole_is_refused_by_name_saying_why(state: MambaSpec, factor: int, refusal: str,
+                                                                       why: str) -> None:
+    with pytest.raises(UnsupportedKVCache, match=refusal) as refused:
         groups.offloaded_groups(mamba_cache(48, state), BLOCK_SIZE, factor)
+    assert str(refused.value).startswith("KV-cache group 1 is a MambaSpec") and str(refused.value).endswith(why)
+    assert "(0: FullAttentionSpec, 1: MambaSpec)" in str(refused.value)
 
 
 def test_the_scheduler_refuses_a_state_under_a_block_size_factor_by_name(model) -> None:

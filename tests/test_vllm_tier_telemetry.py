@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
 from kvfsm.connector.prometheus import KvfsmCollector  # noqa: E402
-from kvfsm.integrations.vllm.tier_events import AnnouncedEntries  # noqa: E402
+from kvfsm.integrations.vllm.tier_events import AnnouncedEntries, to_vllm  # noqa: E402
+from kvfsm.manager.events import BlockStored as KvfsmBlockStored  # noqa: E402
 from kvfsm.states import TierEntryState  # noqa: E402
 from kvfsm.tiers.entries import TierEntries  # noqa: E402
 from test_vllm_metrics import sample  # noqa: E402
@@ -189,3 +190,28 @@ def test_control_an_index_that_does_not_announce_evictions_is_caught(
     monkeypatch.setattr(AnnouncedEntries, "evict", TierEntries.evict)
     _, _, mismatches = disk_events_run(tiered, tmp_path)
     assert mismatches
+
+
+def test_a_key_whose_fetch_failed_is_announced_as_leaving_the_disk_tier(tiered, tmp_path: Path) -> None:
+    d, (worker,) = tiered(disk_tier(tmp_path), kv_events=True)
+    published = Recorded()
+    d.scheduler.kv_event_publisher = published
+    mismatches = replayed_after_every_step(d, published)
+    evict_from_cpu_then_reload(d, [worker], lambda: corrupt_slot_file(worker))
+    assert tier_stats(d).failures["corrupt"] > 0
+    assert mismatches == []
+
+
+def test_a_lower_tiers_stored_event_names_its_blocks_and_where_they_are_and_nothing_else() -> None:
+    event = to_vllm(KvfsmBlockStored((7,)), lambda key: key.to_bytes(2, "big"), MEDIUM_STORAGE, "LOCAL", "disk")
+    assert event == BlockStored(block_hashes=[b"\x00\x07"], parent_block_hash=None, token_ids=[], block_size=0,
+                                lora_id=None, medium=MEDIUM_STORAGE, lora_name=None, locality="LOCAL",
+                                ownership="disk")
+
+
+def test_without_kv_events_the_index_records_no_announcements(tiered, tmp_path: Path) -> None:
+    """Nothing takes them then: recorded, they would only grow."""
+    d, _ = tiered(disk_tier(tmp_path))
+    (index,) = d.connector.scheduler_side.tier_index.tiers
+    assert type(index.entries) is TierEntries
+

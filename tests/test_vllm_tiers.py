@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -22,14 +23,18 @@ from vllm.v1.request import Request  # noqa: E402
 
 import kvfsm.connector.tier_planner as tier_planner  # noqa: E402
 import kvfsm.integrations.vllm.connector as connector_module  # noqa: E402
+import kvfsm.integrations.vllm.worker_tiers as worker_tiers  # noqa: E402
 from kvfsm.connector.metadata import LoadOrder  # noqa: E402
 from kvfsm.connector.ranks import TierOutcome, every_rank_tier_outcome  # noqa: E402
 from kvfsm.connector.tier_runner import TierRunner  # noqa: E402
-from kvfsm.integrations.vllm import InvalidExtraConfig, KvfsmConnector, UnsupportedTier  # noqa: E402
+from kvfsm.integrations.vllm import InvalidExtraConfig, KvfsmConnector, UnsupportedTier, WrongRole  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.config import gpu_block_bytes, offload_config  # noqa: E402
+from kvfsm.integrations.vllm.master_lookup import KeyScheme  # noqa: E402
 from kvfsm.integrations.vllm.rig import BLOCK_SIZE, kv_cache_config, vllm_config  # noqa: E402
 from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
+from kvfsm.integrations.vllm.worker_tiers import TierEvictions  # noqa: E402
+from kvfsm.mooncake.keys import KvNamespace, head_key, object_key  # noqa: E402
 from kvfsm.tier_records import TierJob  # noqa: E402
 from kvfsm.tiers.disk import DiskIo  # noqa: E402
 from vllm_harness import AdapterWorker, Driver, FakeRanks  # noqa: E402
@@ -216,6 +221,55 @@ def test_keys_a_full_disk_evicted_are_forgotten_by_the_scheduler(tiered, tmp_pat
         d.run(MAX_STEPS)
     assert index.lookup(keys) == 0
     assert len(index.entries) <= 4
+
+
+def test_a_key_a_tier_evicted_and_holds_again_by_the_report_is_not_reported_evicted() -> None:
+    """A key written again between its eviction and the worker's report is held: telling the scheduler's index to
+    forget it would lose a block the tier serves."""
+    gone, rewritten = SimpleNamespace(key=6), SimpleNamespace(key=5)
+    tier = SimpleNamespace(name="disk", entries={5: SimpleNamespace(key=5), 6: gone})
+    evictions = TierEvictions({"tier-entry": SimpleNamespace(observers=[])})  # type: ignore[arg-type]
+    evictions.tiers = (tier,)  # type: ignore[assignment]
+    for key in (5, 6):
+        evictions("tier-entry", tier.entries[key], "published", "evict", "evicted")
+    tier.entries = {5: rewritten}
+    assert evictions.take() == (("disk", 6),)
+
+
+def test_a_mooncake_tier_with_values_per_head_tells_the_scheduler_its_kv_heads() -> None:
+    """The scheduler's master lookup names each head's value, so it must hear how many heads a block is split into;
+    a tier with whole-block values says none."""
+    namespace = KvNamespace(model_id="tiny@1", dtype="float16", layout="kv-first", block_tokens=16)
+    per_head = SimpleNamespace(namespace=namespace, heads=SimpleNamespace(kv_heads=4))
+    assert worker_tiers._scheme(per_head) == KeyScheme(namespace, 4)
+    assert worker_tiers._scheme(SimpleNamespace(namespace=namespace, heads=None)) == KeyScheme(namespace, None)
+
+
+def test_each_role_builds_only_its_own_half(tiered, tmp_path: Path) -> None:
+    d, (worker,) = tiered(disk_tier(tmp_path))
+    assert (d.connector.role, worker.connector.role) == (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
+    with pytest.raises(WrongRole):
+        d.connector.worker_side  # noqa: B018
+    assert worker.connector.get_kv_connector_stats() is None
+
+
+def test_the_master_is_asked_for_each_heads_value_or_the_whole_blocks_in_the_tenants_names() -> None:
+    namespace = KvNamespace(model_id="tiny@1", dtype="float16", layout="kv-first", block_tokens=16)
+    assert KeyScheme(namespace, 2).names(5, "t") == [head_key(namespace, 5, 0, "t"), head_key(namespace, 5, 1, "t")]
+    assert KeyScheme(namespace).names(5, "t") == [object_key(namespace, 5, "t")]
+    assert object_key(namespace, 5, "t") not in (object_key(namespace, 5, None), object_key(namespace, 6, "t"))
+
+
+def test_a_cache_reset_drops_the_keys_from_the_schedulers_index_at_once(tiered, tmp_path: Path) -> None:
+    """Not only once the workers' tiers report them gone: a lookup in between would offer a fetch that fails."""
+    d, _ = tiered(disk_tier(tmp_path))
+    d.add("writer", PREFIX + [1, 2, 3])
+    d.run(MAX_STEPS)
+    index = d.connector.scheduler_side.tier_index.tiers[0]
+    assert index.lookup(prefix_keys(d, PREFIX)) > 0
+    d.reset_gpu_prefix_cache()
+    assert d.connector.reset_cache()
+    assert index.lookup(prefix_keys(d, PREFIX)) == 0
 
 
 def test_cache_reset_drops_the_disk_tier_on_every_worker(tiered, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ their children, so a fork rarely meets a lock another thread holds.
 
 Usage, from the repository root (VLLM_PYTHON: the interpreter that has vLLM):
 `$VLLM_PYTHON tools/mutation/judge_with_vllm.py NAMES_FILE TEST_PATH... [--timeout S] [--parallel N] > vllm-verdicts.txt`
+(test paths may lie in a subfolder: `tests/mooncake/test_vllm_*.py`, with `mooncake_master` on `PATH`)
 then `python tools/mutation/tally.py --judged vllm-verdicts.txt`.
 """
 
@@ -60,6 +61,9 @@ def prepare(tests: list[str]) -> None:
     importlib.import_module("pytest")
     importlib.import_module("conftest")
     for path in sorted({test.split("::")[0] for test in tests}):
+        folder = str(Path(path).parent.resolve())  # tests/mooncake/'s modules import by their bare name too
+        if folder not in sys.path:
+            sys.path.append(folder)
         importlib.import_module(Path(path).stem)
 
 
