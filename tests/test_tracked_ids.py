@@ -29,3 +29,10 @@ def test_a_forgotten_requests_ids_are_free_for_another_request() -> None:
     ids.forget("chat")
     assert len(ids) == 0
     assert ids.make("chat@g1", None) == "chat@g1" and ids.owner("chat@g1") == ("chat@g1", None)
+
+
+def test_forgetting_a_request_that_made_no_ids_changes_nothing() -> None:
+    ids = TrackedIds()
+    ids.make_all("chat", (None, 1))
+    ids.forget("never-seen")
+    assert len(ids) == 2 and ids.owner("chat@g1") == ("chat", 1)
