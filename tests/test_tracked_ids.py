@@ -36,3 +36,11 @@ def test_forgetting_a_request_that_made_no_ids_changes_nothing() -> None:
     ids.make_all("chat", (None, 1))
     ids.forget("never-seen")
     assert len(ids) == 2 and ids.owner("chat@g1") == ("chat", 1)
+
+
+def test_a_request_whose_later_group_clashes_records_none_of_its_ids() -> None:
+    ids = TrackedIds()
+    ids.make_all("chat@g1", (None,))
+    with pytest.raises(TrackedIdClash):
+        ids.make_all("chat", (None, 1))
+    assert len(ids) == 1 and ids.owner("chat@g1") == ("chat@g1", None)

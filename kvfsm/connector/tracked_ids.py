@@ -37,17 +37,22 @@ class TrackedIds:
 
     def make(self, req_id: str, group: int | None) -> str:
         """The group's tracked id, recorded; refuses by name an id another live request's group holds already."""
-        tracked = tracked_id(req_id, group)
-        owner = self._owners.setdefault(tracked, (req_id, group))
-        if owner != (req_id, group):
-            raise TrackedIdClash(f"request {req_id!r}'s group {group} would be tracked as {tracked!r}, the id of "
-                                 f"request {owner[0]!r}'s group {owner[1]}: give the requests ids that differ in more "
-                                 f"than a {SEPARATOR!r} suffix")
-        self._ids.setdefault(req_id, set()).add(tracked)
+        [tracked] = self.make_all(req_id, (group,))
         return tracked
 
     def make_all(self, req_id: str, groups: Iterable[int | None]) -> list[str]:
-        return [self.make(req_id, group) for group in groups]
+        """Each group's tracked id, recorded only once none of them clashes (`TrackedIdClash`), so a refusal
+        records nothing."""
+        made = [(tracked_id(req_id, group), group) for group in groups]
+        for tracked, group in made:
+            owner = self._owners.get(tracked, (req_id, group))
+            if owner != (req_id, group):
+                raise TrackedIdClash(f"request {req_id!r}'s group {group} would be tracked as {tracked!r}, the id "
+                                     f"of request {owner[0]!r}'s group {owner[1]}: give the requests ids that differ "
+                                     f"in more than a {SEPARATOR!r} suffix")
+        self._owners.update((tracked, (req_id, group)) for tracked, group in made)
+        self._ids.setdefault(req_id, set()).update(tracked for tracked, _ in made)
+        return [tracked for tracked, _ in made]
 
     def owner(self, tracked: str) -> tuple[str, int | None]:
         """The request and group a tracked id was made for."""
