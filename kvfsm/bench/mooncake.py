@@ -2,7 +2,8 @@
 
 One local deployment (master + segment host on loopback), one client that lends no memory (so every byte crosses
 the transfer engine to the segment host, as it would to another host). For each repetition the same bytes move
-four ways, each timed from call to verified answer:
+four ways, each timed from call to verified answer, in an order that rotates from one repetition to the next (the
+way timed first finds caches the others left, so no way is always timed first or always after the same one):
 
 - `baseline put/get`: Mooncake's `put_batch` / `get_batch` of Python `bytes` (the store's plain batch API);
 - `zero-copy put/get`: Mooncake's `batch_put_from` / `batch_get_into` on the registered pool, nothing else;
@@ -14,8 +15,9 @@ four ways, each timed from call to verified answer:
 
 Figures are medians over repetitions, in GB/s (1e9 bytes/s); shares are tier / baseline of the same run. The
 calls of one repetition take tens of milliseconds on an engine host, where one slow call moves a median of a few
-by a tenth, so a full run takes 15 repetitions. `hash_threads` picks the client's MAC threads (None: its default),
-so that one run can set several beside each other (`--hash-threads`), each with its own deployment and baselines.
+by a tenth, so a full run takes 16 repetitions (four turns of the rotation). `hash_threads` picks the client's MAC
+threads (None: its default), so that one run can set several beside each other (`--hash-threads`), each with its
+own deployment and baselines.
 """
 
 from __future__ import annotations
@@ -53,12 +55,58 @@ def _moved(results: list[Any] | None, blocks: int) -> bool:
     return results is not None and len(results) == blocks and not any(isinstance(r, Exception) for r in results)
 
 
+Move = Callable[[list[str]], dict[str, float]]
+
+
+def _ways(store: Any, client: MooncakeClient, mac: ValueMac, sealers: ThreadPoolExecutor, source: SlotRegion,
+          target: SlotRegion, carried: list[int], ptrs: list[int], into: list[int], payloads: list[bytes]
+          ) -> list[tuple[str, Move]]:
+    """The ways one repetition moves the same bytes, each a put then a get verified against the source, timed from
+    call to answer (the MACs alone move nothing). The run rotates their order repetition by repetition."""
+    blocks, block_bytes = len(payloads), len(payloads[0])
+    slots = list(range(blocks))
+
+    def baseline(keys: list[str]) -> dict[str, float]:
+        put, code = _timed(lambda: store.put_batch(keys, payloads))
+        _expect(code == 0, f"put_batch answered {code}")
+        get, got = _timed(lambda: store.get_batch(keys))
+        _expect(got == payloads, "get_batch returned other bytes")
+        return {"baseline put": put, "baseline get": get}
+
+    def zero_copy(keys: list[str]) -> dict[str, float]:
+        put, codes = _timed(lambda: store.batch_put_from(keys, ptrs, [block_bytes] * blocks))
+        _expect(all(c == 0 for c in codes), f"batch_put_from answered {codes}")
+        target.buffer.zero_()
+        get, codes = _timed(lambda: store.batch_get_into(keys, into, [block_bytes] * blocks))
+        _expect(all(c == block_bytes for c in codes) and torch.equal(target.buffer, source.buffer),
+                f"batch_get_into answered {codes} or other bytes")
+        return {"zero-copy put": put, "zero-copy get": get}
+
+    def tier(keys: list[str]) -> dict[str, float]:
+        put, results = _timed(lambda: client.write_back(
+            keys, source.payloads(slots), source.trailers_of(slots), carried=carried).wait(WAIT_S))
+        _expect(_moved(results, blocks), f"write_back answered {results}")
+        target.buffer.zero_()
+        get, results = _timed(lambda: client.fetch(
+            keys, target.payloads(slots), target.trailers_of(slots)).wait(WAIT_S))
+        _expect(_moved(results, blocks) and results == carried and torch.equal(target.buffer, source.buffer),
+                f"fetch answered {results} or other bytes")
+        return {"tier write-back": put, "tier fetch": get}
+
+    def macs(keys: list[str]) -> dict[str, float]:
+        seconds, _ = _timed(lambda: list(sealers.map(
+            lambda i: mac.seal(source.trailer(i), keys[i], source.payload(i), carried[i]), slots)))
+        return {"MACs alone": seconds}
+
+    return [("baseline", baseline), ("zero", zero_copy), ("tier", tier), ("macs", macs)]
+
+
 def run(quick: bool, segment: str = "segment host", hash_threads: int | None = None) -> dict[str, Any]:
     """`segment`: where the objects live, `"segment host"` (another process: bytes cross the transfer engine's
     TCP path) or `"own"` (memory this client lends: the path a single-host deployment takes)."""
     block_bytes = (256 << 10) if quick else (2 << 20)
     blocks = 8 if quick else 32
-    reps = 2 if quick else 15
+    reps = 2 if quick else 16  # a multiple of the four ways, so each leads as often
     total = blocks * block_bytes
     generator = torch.Generator().manual_seed(0)
     source = SlotRegion(torch.randint(0, 256, (total,), dtype=torch.uint8, generator=generator), block_bytes)
@@ -85,35 +133,13 @@ def run(quick: bool, segment: str = "segment host", hash_threads: int | None = N
             store: Any = client.raw()
             ptrs = [address(p) for p in source.payloads(slots)]
             into = [address(p) for p in target.payloads(slots)]
+            ways = _ways(store, client, mac, sealers, source, target, carried, ptrs, into, payloads)
             for rep in range(reps):
-                keys = {way: [f"bench-{way}-{rep}-{i}" for i in slots] for way in ("baseline", "zero", "tier")}
-                dt, code = _timed(lambda: store.put_batch(keys["baseline"], payloads))
-                _expect(code == 0, f"put_batch answered {code}")
-                times["baseline put"].append(dt)
-                dt, got = _timed(lambda: store.get_batch(keys["baseline"]))
-                _expect(got == payloads, "get_batch returned other bytes")
-                times["baseline get"].append(dt)
-                dt, codes = _timed(lambda: store.batch_put_from(keys["zero"], ptrs, [block_bytes] * blocks))
-                _expect(all(c == 0 for c in codes), f"batch_put_from answered {codes}")
-                times["zero-copy put"].append(dt)
-                target.buffer.zero_()
-                dt, codes = _timed(lambda: store.batch_get_into(keys["zero"], into, [block_bytes] * blocks))
-                _expect(all(c == block_bytes for c in codes) and torch.equal(target.buffer, source.buffer),
-                        f"batch_get_into answered {codes} or other bytes")
-                times["zero-copy get"].append(dt)
-                dt, results = _timed(lambda: client.write_back(
-                    keys["tier"], source.payloads(slots), source.trailers_of(slots), carried=carried).wait(WAIT_S))
-                _expect(_moved(results, blocks), f"write_back answered {results}")
-                times["tier write-back"].append(dt)
-                target.buffer.zero_()
-                dt, results = _timed(lambda: client.fetch(
-                    keys["tier"], target.payloads(slots), target.trailers_of(slots)).wait(WAIT_S))
-                _expect(_moved(results, blocks) and results == carried and torch.equal(target.buffer, source.buffer),
-                        f"fetch answered {results} or other bytes")
-                times["tier fetch"].append(dt)
-                dt, _ = _timed(lambda: list(sealers.map(lambda i: mac.seal(
-                    source.trailer(i), keys["tier"][i], source.payload(i), carried[i]), slots)))
-                times["MACs alone"].append(dt)
+                turn = rep % len(ways)  # each way leads in turn, so none is always timed on a cache the last one warmed
+                for way, move in ways[turn:] + ways[:turn]:
+                    keys = [f"bench-{way}-{rep}-{i}" for i in slots]
+                    for name, seconds in move(keys).items():
+                        times[name].append(seconds)
                 _expect(store.remove_all(True) >= 0, "remove_all failed")
         finally:
             sealers.shutdown()
