@@ -132,6 +132,17 @@ def test_a_report_of_tier_jobs_without_a_lower_tier_is_refused_naming_the_worker
     assert str(refused.value).endswith("worker 0 reported tier jobs, but no lower tier is configured")
 
 
+
+def test_a_report_of_a_tier_job_not_in_flight_is_refused_word_for_word(tmp_path: Path) -> None:
+    c = registered(lower_tiers=[DiskTierConfig(path=str(tmp_path), capacity_bytes=1 << 20)])
+    try:
+        with pytest.raises(UnknownJob) as refused:
+            c.update_connector_output(ConnectorOutput(workers=(WorkerOutput(tiers=(TierReport(job_id=5),)),)))
+    finally:
+        c.worker.shutdown()
+    assert str(refused.value) == ("update_connector_output: worker 0 reported tier job 5, which is not in flight for "
+                                  "it; legal: each tier job in flight, once per worker")
+
 def test_a_computed_token_count_of_zero_is_legal_in_a_step() -> None:
     w = world()
     w.connector.build_connector_meta(SchedulerOutput(scheduled=(scheduled("running", (4, 5, 6), 0),)))

@@ -4,6 +4,9 @@ engine's side (vLLM's sliding-window and Mamba groups) is `test_vllm_window_hit.
 
 from __future__ import annotations
 
+import pytest
+
+from kvfsm.connector.refusals import UnknownRequest
 from kvfsm.connector.scheduler import SchedulerConnector
 from test_connector_scheduler import BLOCK, connector, prompt, store_prefix
 
@@ -57,3 +60,12 @@ def test_a_group_already_allocated_holds_no_offer_for_its_prefix_to_end_in() -> 
     sched.update_state_after_alloc(group, range(50, 55), 0)  # allocated: its offer is spent (None)
     assert sched.requests["r@g1"].match is None
     assert not sched.match_together("r", ["r@g1"], 1)
+
+
+def test_an_offer_of_a_request_the_connector_does_not_track_is_refused_by_name() -> None:
+    sched = looked_up()
+    with pytest.raises(UnknownRequest, match="request 'ghost' is not tracked by the connector"):
+        sched.limit_match("ghost", 3)
+    with pytest.raises(UnknownRequest, match="request 'ghost' is not tracked by the connector"):
+        sched.match_together("r", ["ghost"], 3)
+    assert sched.requests["r"].match == (0, 4), "refused before any offer was cut"

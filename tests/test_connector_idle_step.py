@@ -57,3 +57,16 @@ def test_a_step_with_nothing_scheduled_still_submits_the_stores_ordered_the_step
 def test_a_step_taken_for_idle_with_stores_to_submit_is_caught(control: str) -> None:
     with pytest.raises(AssertionError):
         check_stores_submitted_after_nothing_scheduled(IDLE_CONTROLS[control])
+
+
+def test_a_step_with_nothing_scheduled_still_hands_out_the_stores_a_cache_reset_flushed() -> None:
+    """Only a flush to hand out (a submitted store the reset flushed; nothing prepared, allocated or loading): the
+    step is not idle, and its metadata names the store for the workers to wait for."""
+    sched = connector()
+    req = prompt("a", [1, 2, 3])
+    admit(sched, req, range(4))
+    (store,) = compute(sched, req, range(4)).stores
+    idle_step(sched)  # the workers submit it as this step starts
+    sched.request_finished("a")
+    sched.reset_cache()
+    assert idle_step(sched).flush == (store.job_id,)

@@ -5,10 +5,12 @@ half hands the engine (metadata, events, counters, fences) and how it is built. 
 
 from __future__ import annotations
 
+from kvfsm.checking.world import ConnectorWorld
 from kvfsm.config import OffloadConfig
 from kvfsm.connector.fences import GpuFences
 from kvfsm.connector.metadata import ConnectorMetadata, ConnectorOutput, ScheduledRequest, SchedulerOutput, WorkerOutput
 from kvfsm.connector.scheduler import SchedulerConnector
+from kvfsm.invariants import inline_load_in_step
 from kvfsm.machines import default_machines
 from kvfsm.manager import BlockRemoved, BlockStored
 from test_connector_scheduler import (
@@ -274,3 +276,49 @@ def test_the_first_step_is_numbered_one() -> None:
 
 def test_a_fresh_scheduler_half_reports_no_load_errors() -> None:
     assert connector().get_block_ids_with_load_errors() == set()
+
+
+def test_load_errors_the_engine_did_not_read_are_gone_after_the_next_output() -> None:
+    """`get_block_ids_with_load_errors` names the blocks of the last output's failed loads: an output replaces what
+    the engine did not read of the one before."""
+    sched = connector()
+    store_prefix(sched, prompt("a", [1, 2]), range(3))
+    admit(sched, prompt("b", [1, 2]), range(3, 6))
+    (load,) = idle_step(sched).loads
+    report(sched, failed=[load.job_id])
+    report(sched)
+    assert sched.get_block_ids_with_load_errors() == set()
+
+
+def inline_load_reported(late: bool) -> list[str]:
+    """An engine that reads a failed load's blocks only in the output of its step (vLLM) loads `b`'s CPU hit
+    inline; each step's output follows its metadata, and the load is reported in its own step's output, or (`late`)
+    in the next one. What `inline-load-in-step` finds then."""
+    config = OffloadConfig(cpu_blocks=8, gpu_block_size=BLOCK, layer_loads=True)
+    sched = SchedulerConnector(config, GPU_BLOCK_BYTES, keep_history=True)  # the reported load stays visible
+    sched.load_reports_in_step = True
+    writer = prompt("a", [1, 2])
+    admit(sched, writer, range(3))
+    (store,) = compute(sched, writer, range(3)).stores
+    report(sched)
+    idle_step(sched)
+    report(sched, done=[store.job_id])
+    sched.request_finished("a")
+    reader = prompt("b", [1, 2])
+    admit(sched, reader, range(3, 6))
+    (load,) = compute(sched, reader, range(3, 6)).loads
+    if late:
+        report(sched)
+        idle_step(sched)
+    report(sched, done=[load.job_id])
+    return inline_load_in_step(ConnectorWorld(sched))
+
+
+def test_an_inline_load_reported_in_the_output_of_its_own_step_is_in_step() -> None:
+    assert inline_load_reported(late=False) == []
+
+
+def test_control_an_inline_load_reported_an_output_late_is_caught() -> None:
+    (found,) = inline_load_reported(late=True)
+    assert "computed on in step 3 but reported in output 4" in found
+

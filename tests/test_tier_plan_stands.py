@@ -132,6 +132,29 @@ def test_a_control_that_leaves_the_change_uncounted_is_caught(twins: Callable[..
         t.step()
 
 
+def test_two_hits_in_a_row_are_each_counted_and_the_plan_after_the_second_is_the_fresh_plan(
+        twins: Callable[..., Twins]) -> None:
+    """The first hit refreshes blocks that are not victims (the plan after it orders nothing, and stands); the
+    second moves the victims the tier holds ahead of them, so the next victim is one the tier does not hold."""
+    t = twins(bound_blocks=1)
+    _written_back(t)
+    t.both(lambda b: b.manager.touch([1, 2]))
+    assert t.step() == []
+    t.both(lambda b: b.manager.touch([3, 4]))
+    assert t.step() == [("write-back", "near", (2,))]
+
+def test_hits_and_a_store_between_two_plans_never_bring_the_pools_count_back_to_the_standing_plans(
+        twins: Callable[..., Twins]) -> None:
+    """The pool's count only moves on: four hits (a reorder each) and a store into the full pool (four transitions:
+    eviction, claim, submission, completion) are all counted, whichever way each counts, so the plan after them is
+    the fresh plan, which writes a block back the tier does not hold."""
+    t = twins(bound_blocks=1)
+    _written_back(t)
+    for _ in range(4):
+        t.both(lambda b: b.manager.touch([1, 2]))
+    t.both(ACTIONS["ready"])
+    assert t.step() != []
+
 def test_a_plan_held_at_the_byte_bound_stands_and_is_counted_held_each_step(twins: Callable[..., Twins]) -> None:
     """One block's bytes in flight at most: the second victim waits, held back, every step until the first landed."""
     t = twins(bound_blocks=1)

@@ -4,6 +4,7 @@ blocks are written back. The planner inside an engine is tested in `test_tier_pl
 
 from __future__ import annotations
 
+import errno
 from itertools import count
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -140,6 +141,26 @@ def test_a_fetch_the_cpu_pool_has_no_room_for_is_not_ordered_and_the_request_def
 # write-back
 
 
+def test_in_one_plan_each_tier_holding_candidates_back_at_the_byte_bound_counts(below: Callable[..., Below]) -> None:
+    """One block's bytes in flight at most: near writes 1 back and holds 2; far, with 1 pinned, holds 2 too."""
+    b = below("eager", "eager", bound_blocks=1)
+    b.ready([1, 2])
+    b.planner.stored([1, 2])
+    assert b.orders() == [("write-back", "near", (1,))]
+    assert b.planner.stats.writebacks_held == 2
+
+
+def test_an_on_evict_tier_writes_its_next_victims_back_the_next_step_while_the_byte_bound_has_room(
+        below: Callable[..., Below]) -> None:
+    """A plan that ordered something does not stand: the next step plans again, even before the tier saw the first
+    write-back (an engine that schedules ahead), and the bound's room left takes the next victims."""
+    b = below("on-evict", bound_blocks=3)
+    b.ready([1, 2, 3, 4])
+    first, second = b.planner.orders(0), b.planner.orders(1)
+    assert [o.keys for o in first] == [(4, 3)], "the eviction policy's next two victims"
+    assert [o.keys for o in second] == [(2,)]
+
+
 def test_a_write_back_candidate_waits_while_write_backs_in_flight_fill_the_byte_bound(
         below: Callable[..., Below]) -> None:
     b = below("eager", bound_blocks=1)
@@ -223,4 +244,40 @@ def test_on_evict_does_not_write_back_again_a_block_its_tier_holds(below: Callab
     assert b.orders() == [("write-back", "near", (1,))]
     b.land()
     assert b.orders() == []
+
+
+def fail_writes(b: Below) -> None:
+    """Every write queued at the tiers fails with an I/O error; every job that ended is reported."""
+    for future, _ in b.io.queue:
+        future.set_exception(OSError(errno.EIO, "injected"))
+    b.io.queue.clear()
+    b.io.numbers.clear()
+    b.land()
+
+
+def test_with_two_tiers_a_key_whose_write_back_failed_to_each_is_tried_on_neither_again(
+        below: Callable[..., Below]) -> None:
+    """A pool's worth of keys given up on is remembered per tier: with a one-block pool and two tiers, both."""
+    b = below("on-evict", "on-evict", cpu_blocks=1)
+    b.ready([1])
+    assert b.orders() == [("write-back", "near", (1,))]
+    fail_writes(b)
+    assert b.orders() == [("write-back", "far", (1,))]
+    fail_writes(b)
+    assert b.orders() == []
+
+
+def test_the_running_totals_name_every_tier_and_reason_from_the_start_and_count_what_moved(
+        below: Callable[..., Below]) -> None:
+    b = below("eager", "eager")
+    totals = b.planner.totals()
+    assert set(totals.values()) == {0}
+    assert {"tier.blocks.write-back.near", "tier.bytes.fetch.far", "tier.failures.timeout"} <= set(totals)
+    b.ready([1, 2])
+    b.planner.stored([1, 2])
+    for _ in range(2):  # near's write-back, then far's (a block is pinned by one write-back at a time)
+        b.orders()
+        b.land()
+    totals = b.planner.totals()
+    assert (totals["tier.blocks.write-back.near"], totals["tier.bytes.write-back.far"]) == (2, 2 * BLOCK)
 

@@ -64,3 +64,14 @@ def test_a_tier_hit_longer_than_the_cpu_pool_is_not_waited_for(below: Callable[.
     assert b.planner.fetch_missing([1, 2, 3], 0, step=0) == frozenset()
     assert b.planner.stats.room_waits == 0
     assert violations(b) == [], "a prefix the pool could never hold is no violation"
+
+
+def test_the_planner_remembers_a_pools_worth_of_its_latest_lookups_that_found_no_room(
+        below: Callable[..., Below]) -> None:
+    b = below("eager", cpu_blocks=2)
+    busy_pool(b)
+    b.publish("near", [1, 2])
+    for _ in range(3):
+        b.planner.fetch_missing([1, 2], 0, step=0)
+    assert len(b.planner.room_lookups) == 2
+
