@@ -13,6 +13,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -187,6 +188,8 @@ class LocalMooncake:
 
     def __init__(self, settings: DeploymentSettings | None = None, log_dir: Path | None = None) -> None:
         self.settings = settings or DeploymentSettings()
+        self._made_log_dir = log_dir is None
+        """The log folder is this deployment's own (a fresh temporary one), so `close` removes it."""
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvfsm-mooncake-"))
         timeout = self.settings.start_timeout_s
         self.master = _Child("mooncake_master", self.log_dir, timeout)
@@ -246,10 +249,20 @@ class LocalMooncake:
         self.segment_host.stop()
         self.master.stop()
 
+    def close(self) -> None:
+        """Stop, then remove the log folder if this deployment made it (a folder the caller named is the caller's):
+        every test, bench and demo run would otherwise leave one behind in the temporary directory."""
+        self.stop()
+        if self._made_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
     def __enter__(self) -> LocalMooncake:
         self.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.stop()
+        if exc_type is None:
+            self.close()
+        else:
+            self.stop()  # the processes' logs stay for whoever reads the failure

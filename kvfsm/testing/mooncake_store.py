@@ -33,7 +33,7 @@ def shared_master() -> str | None:
     if _shared is None:
         _shared = LocalMooncake(DeploymentSettings(segment_bytes=256 << 20))
         _shared.start()
-        atexit.register(_shared.stop)
+        atexit.register(_shared.close)
     return str(_shared.address)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -134,6 +135,26 @@ def test_a_deployment_given_no_log_folder_logs_in_a_fresh_temporary_one_named_fo
         assert deployment.log_dir.name.startswith("kvfsm-mooncake-")
     finally:
         deployment.log_dir.rmdir()
+
+
+def test_a_deployment_removes_the_log_folder_it_made_when_its_block_ends_cleanly() -> None:
+    with LocalMooncake(DeploymentSettings(segment_bytes=16 << 20)) as deployment:
+        assert deployment.master.log_path.is_file()
+    assert not deployment.log_dir.exists()
+
+
+def test_a_deployment_keeps_its_logs_when_its_block_raises_and_never_removes_a_folder_it_was_given(tmp_path) -> None:
+    deployment = LocalMooncake(DeploymentSettings(segment_bytes=16 << 20))
+    with pytest.raises(RuntimeError, match="a failed run"), deployment:
+        raise RuntimeError("a failed run")
+    try:
+        assert deployment.master.log_path.is_file()
+    finally:
+        shutil.rmtree(deployment.log_dir)
+    given = LocalMooncake(DeploymentSettings(segment_bytes=16 << 20), log_dir=tmp_path / "logs")
+    with given:
+        pass
+    assert given.master.log_path.is_file()
 
 
 def test_a_childs_output_and_its_errors_go_to_its_log_file(tmp_path) -> None:
