@@ -143,6 +143,14 @@ def test_a_deployment_removes_the_log_folder_it_made_when_its_block_ends_cleanly
     assert not deployment.log_dir.exists()
 
 
+def test_closing_a_deployment_again_is_harmless() -> None:
+    deployment = LocalMooncake(DeploymentSettings(segment_bytes=16 << 20))
+    with deployment:
+        pass
+    deployment.close()  # its folder is gone already, as after a user removed it
+    assert not deployment.log_dir.exists() and deployment.pids() == []
+
+
 def test_a_deployment_keeps_its_logs_when_its_block_raises_and_never_removes_a_folder_it_was_given(tmp_path) -> None:
     deployment = LocalMooncake(DeploymentSettings(segment_bytes=16 << 20))
     with pytest.raises(RuntimeError, match="a failed run"), deployment:
