@@ -1,6 +1,7 @@
 """A Mooncake tier's lookups, writes and the values it shuns, submitted to the tier itself on a real master: a
-lookup of keys all published here counts them, a key being written here is not asked of the store, and a lookup
-the store leaves unanswered is a miss with a warning; a write of keys held already ends at once, and a job id in
+lookup of keys all published here counts them, a key being written here is not asked of the store, a lookup adopts
+the keys the store holds up to the first it lacks and none past one being written here, and a lookup the store
+leaves unanswered or refuses is a miss with a warning; a write of keys held already ends at once, and a job id in
 flight is refused; a value that fails its check is counted, removed from the store and not adopted again (at most
 `index_keys` such keys remembered, the oldest forgotten first) until this tier writes the key itself."""
 
@@ -18,11 +19,11 @@ from kvfsm.mooncake.value import TRAILER_BYTES  # noqa: E402
 from kvfsm.tiers.base import TierCompletion, TierFailure, TierMisuse  # noqa: E402
 from kvfsm.tiers.mooncake import MooncakeTier  # noqa: E402
 from test_mooncake_heads import completion  # noqa: E402
-from test_mooncake_tier_reads import JOB_IDS, STORED, open_tier, tier, view  # noqa: E402,F401 (tier: a fixture)
+from test_mooncake_tier_reads import ABSENT, JOB_IDS, STORED, open_tier, tier, view  # noqa: E402,F401 (tier: a fixture)
 
 FORGED = 0xEE
-FIRST, SECOND = 0x61, 0x62
-REMOVAL_BUDGET_S = 10.0
+FIRST, SECOND, THIRD = 0x61, 0x62, 0x63
+STORE_BUDGET_S = 10.0
 
 
 def read(tier_: MooncakeTier, pool: HostPool, key: int) -> TierCompletion:
@@ -50,9 +51,18 @@ def reject(tier_: MooncakeTier, pool: HostPool, key: int) -> None:
 
 
 def removed(tier_: MooncakeTier, key: int) -> bool:
-    """Whether the store drops `key` within `REMOVAL_BUDGET_S` (the tier's removal is asynchronous)."""
-    deadline = time.monotonic() + REMOVAL_BUDGET_S
-    while tier_.client.raw().batch_is_exist([tier_.store_key(key)])[0] == 1:
+    """Whether the store drops `key` within `STORE_BUDGET_S` (the tier's removal is asynchronous)."""
+    return settles(tier_, key, held=False)
+
+
+def stored(tier_: MooncakeTier, key: int) -> bool:
+    """Whether the store holds `key` within `STORE_BUDGET_S`, asked without polling the tier."""
+    return settles(tier_, key, held=True)
+
+
+def settles(tier_: MooncakeTier, key: int, held: bool) -> bool:
+    deadline = time.monotonic() + STORE_BUDGET_S
+    while (tier_.client.raw().batch_is_exist([tier_.store_key(key)])[0] == 1) != held:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
@@ -75,19 +85,47 @@ def test_a_lookup_does_not_ask_the_store_for_a_key_being_written_here(tier, monk
     assert completion(tier_, job).ok
 
 
-def test_a_lookup_the_store_does_not_answer_in_time_is_a_miss_and_warns_naming_the_tier_and_the_wait(
+def test_a_lookup_the_store_leaves_unanswered_or_refuses_is_a_miss_and_warns_naming_the_tier_and_why(
         fresh_mooncake, caplog) -> None:
-    tier_, _ = open_tier(fresh_mooncake, lookup_timeout_s=0.05)
+    """The first lookup waits out its `lookup_timeout_s` on a paused master; the second finds its one pending call
+    still queued there, and the client refuses it (`StoreBusy`)."""
+    tier_, _ = open_tier(fresh_mooncake, lookup_timeout_s=0.05, max_pending=1)
     try:
         fresh_mooncake.pause_master()
         try:
             with caplog.at_level(logging.WARNING, logger="kvfsm.tiers.mooncake"):
-                assert tier_.lookup([FIRST]) == 0
+                assert tier_.lookup([FIRST]) == 0 and tier_.lookup([FIRST]) == 0
         finally:
             fresh_mooncake.resume_master()
-        assert f"mooncake tier {tier_.name}: lookup got no answer within 0.05s; counted as a miss" in caplog.messages
+        assert caplog.messages == [
+            f"mooncake tier {tier_.name}: lookup got no answer within 0.05s; counted as a miss",
+            f"mooncake tier {tier_.name}: lookup: StoreBusy: 1 calls already pending"]
     finally:
         tier_.close()
+
+
+def test_a_lookup_adopts_the_keys_the_store_holds_up_to_the_first_it_lacks(tier) -> None:
+    tier_, pool = tier
+    job = next(JOB_IDS)
+    tier_.submit_write(job, [FIRST, SECOND], [view(pool, 1), view(pool, 2)])
+    assert completion(tier_, job).ok
+    tier_.discard([FIRST, SECOND])
+    assert tier_.lookup([FIRST, SECOND, ABSENT]) == 2
+
+
+def test_a_lookup_adopts_no_key_past_one_being_written_here(tier) -> None:
+    """Even when the store shows the key being written already (its put ended; this tier has not polled it)."""
+    tier_, pool = tier
+    job = next(JOB_IDS)
+    tier_.submit_write(job, [FIRST, THIRD], [view(pool, 1), view(pool, 2)])
+    assert completion(tier_, job).ok
+    tier_.discard([FIRST, THIRD])
+    job = next(JOB_IDS)
+    tier_.submit_write(job, [SECOND], [view(pool, 0)])
+    assert stored(tier_, SECOND), "the write never reached the store"
+    assert tier_.lookup([FIRST, SECOND, THIRD]) == 1
+    assert tier_.entries.get(THIRD) is None, "a key past the one being written was adopted"
+    assert completion(tier_, job).ok
 
 
 def test_a_write_whose_job_id_is_in_flight_is_refused(tier) -> None:
