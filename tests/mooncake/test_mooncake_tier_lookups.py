@@ -104,22 +104,24 @@ def test_a_lookup_the_store_leaves_unanswered_or_refuses_is_a_miss_and_warns_nam
         tier_.close()
 
 
+def held_elsewhere(tier_: MooncakeTier, pool: HostPool, keys: list[int]) -> None:
+    """Put `keys` (at most two) in the store and forget them here: keys other engines wrote, as a lookup meets them."""
+    job = next(JOB_IDS)
+    tier_.submit_write(job, keys, [view(pool, slot) for slot in range(1, len(keys) + 1)])
+    assert completion(tier_, job).ok
+    tier_.discard(keys)
+
+
 def test_a_lookup_adopts_the_keys_the_store_holds_up_to_the_first_it_lacks(tier) -> None:
     tier_, pool = tier
-    job = next(JOB_IDS)
-    tier_.submit_write(job, [FIRST, SECOND], [view(pool, 1), view(pool, 2)])
-    assert completion(tier_, job).ok
-    tier_.discard([FIRST, SECOND])
+    held_elsewhere(tier_, pool, [FIRST, SECOND])
     assert tier_.lookup([FIRST, SECOND, ABSENT]) == 2
 
 
 def test_a_lookup_adopts_no_key_past_one_being_written_here(tier) -> None:
     """Even when the store shows the key being written already (its put ended; this tier has not polled it)."""
     tier_, pool = tier
-    job = next(JOB_IDS)
-    tier_.submit_write(job, [FIRST, THIRD], [view(pool, 1), view(pool, 2)])
-    assert completion(tier_, job).ok
-    tier_.discard([FIRST, THIRD])
+    held_elsewhere(tier_, pool, [FIRST, THIRD])
     job = next(JOB_IDS)
     tier_.submit_write(job, [SECOND], [view(pool, 0)])
     assert stored(tier_, SECOND), "the write never reached the store"
