@@ -52,6 +52,16 @@ def faults(pending: Pending) -> list:
     return results
 
 
+def test_the_store_of_a_client_not_connected_is_refused_by_name() -> None:
+    client = MooncakeClient(ClientSettings(master=MasterAddress.parse(f"127.0.0.1:{free_loopback_port()}")),
+                            tenant_mac())
+    try:
+        with pytest.raises(StoreUnavailable, match="^the Mooncake client is not connected$"):
+            client.raw()
+    finally:
+        client.close()
+
+
 def test_write_back_then_fetch_round_trips_bytes_exactly(mooncake, connect, request) -> None:
     client = connect(mooncake)
     source, target = registered(client, seed=1), registered(client, seed=2)

@@ -1,12 +1,15 @@
-"""A slot region (the tests' and the benchmark's source and target memory) refuses, by name, memory it cannot cut
-into whole slots of a flat host byte buffer."""
+"""Host memory handed to Mooncake: a slot region (the tests' and the benchmark's source and target memory) refuses,
+by name, memory it cannot cut into whole slots of a flat host byte buffer; a slot arena (a Mooncake tier's trailers
+and head-major shadows) gives each payload a buffer of its own, a fresh chunk every `per_chunk` payloads."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvfsm.mooncake.host_memory import SlotRegion
+from kvfsm.tiers.mooncake import SlotArena
 
 FLAT = "a slot region is a flat uint8 host tensor"
 
@@ -22,3 +25,13 @@ def test_a_slot_region_refuses_what_does_not_cut_into_whole_byte_slots(buffer: t
     with pytest.raises(ValueError) as refused:
         SlotRegion(buffer, slot_bytes)
     assert str(refused.value) == message
+
+
+def test_a_slot_arena_gives_each_payload_a_buffer_of_its_own_and_a_fresh_chunk_every_per_chunk_payloads() -> None:
+    arena = SlotArena(item_bytes=4, per_chunk=2)
+    payloads = [np.zeros(8, dtype=np.uint8) for _ in range(3)]
+    items = [arena.item_for(payload) for payload in payloads]
+    starts = [int(buffer.ctypes.data) for buffer, _ in items]
+    assert len(set(starts)) == 3 and all(buffer.nbytes == 4 for buffer, _ in items)
+    assert items[0][1] is items[1][1] and items[2][1] is not items[0][1], "the third payload shares a full chunk"
+    assert arena.item_for(payloads[0])[0] is items[0][0], "a payload seen before got another buffer"

@@ -30,12 +30,12 @@ CHECKSUM = 0xC0FFEE
 JOB_IDS = count(1)
 
 
-@pytest.fixture
-def tier(mooncake) -> Iterator[tuple[MooncakeTier, HostPool]]:
-    """A tier over a pool of three slots, in a tenant of its own, holding `STORED` (slot 0's bytes, stored with
-    `CHECKSUM`)."""
-    config = MooncakeTierConfig(master=str(mooncake.address), model_id="kvfsm-toy", kv_dtype=str(SHAPE.dtype),
-                                tenant=uuid.uuid4().hex, op_timeout_s=60.0, lookup_timeout_s=10.0)
+def open_tier(deployment, **options: object) -> tuple[MooncakeTier, HostPool]:
+    """A tier over a pool of `SLOTS` slots on `deployment`, in a tenant of its own (`options`: its config's)."""
+    settings: dict[str, object] = dict(master=str(deployment.address), model_id="kvfsm-toy",
+                                       kv_dtype=str(SHAPE.dtype), tenant=uuid.uuid4().hex, op_timeout_s=60.0,
+                                       lookup_timeout_s=10.0)
+    config = MooncakeTierConfig(**(settings | options))  # type: ignore[arg-type]
     offload = OffloadConfig(cpu_blocks=SLOTS, block_size_factor=FACTOR, gpu_block_size=SHAPE.block_size,
                             lower_tiers=(config,))
     device = SimDevice()
@@ -43,6 +43,14 @@ def tier(mooncake) -> Iterator[tuple[MooncakeTier, HostPool]]:
     pool = HostPool(device, SLOTS, FACTOR * caches.gpu_block_bytes)
     opened = open_mooncake(config, TierSite(offload, pool.slot_bytes, 0, caches, pool), None, False,
                            MachineSet(default_spec()))
+    return opened, pool
+
+
+@pytest.fixture
+def tier(mooncake) -> Iterator[tuple[MooncakeTier, HostPool]]:
+    """A tier over a pool of three slots, in a tenant of its own, holding `STORED` (slot 0's bytes, stored with
+    `CHECKSUM`)."""
+    opened, pool = open_tier(mooncake)
     pool.slot(0).copy_(torch.arange(pool.slot_bytes) % 251)
     job = next(JOB_IDS)
     opened.submit_write(job, [STORED], [view(pool, 0)], [CHECKSUM])
