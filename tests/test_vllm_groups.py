@@ -262,9 +262,12 @@ class HybridWorker(AdapterWorker):
         self.connector.register_kv_caches(self.caches)
 
     def forward(self, output, scheduler) -> None:  # type: ignore[no-untyped-def]
+        """Each layer's hooks run around its write, as vLLM calls them for every attention layer of every group (the
+        sliding layer's name is an alias of the tensor the full layer registered)."""
         before = computed_before(output)
         cache = self.caches[FULL]
-        for group in (0, 1):
+        for group, name in enumerate((FULL, SLIDING)):
+            self.connector.wait_for_layer_load(name)
             for req_id, count in output.num_scheduled_tokens.items():
                 blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[group]
                 tokens = scheduler.requests[req_id].all_token_ids
@@ -272,6 +275,7 @@ class HybridWorker(AdapterWorker):
                     if blocks[position // BLOCK_SIZE]:  # vLLM's null block is never written
                         cache[:, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = float(
                             tokens[position] % 251 + 256 * group)
+            self.connector.save_kv_layer(name, cache, None)  # type: ignore[arg-type]
 
 
 def reloaded_bytes(d: Driver, worker: HybridWorker, writer: str = "writer",
@@ -289,6 +293,16 @@ def reloaded_bytes(d: Driver, worker: HybridWorker, writer: str = "writer",
 
 def prefix_block(i: int, group: int) -> list[int]:
     return [t % 251 + 256 * group for t in PREFIX[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
+
+
+@pytest.mark.parametrize("per_layer", ["layer_loads", "layer_stores"])
+def test_per_layer_transfers_over_several_groups_are_refused_saying_why(model, per_layer: str) -> None:
+    """A tensor the groups share is written by one layer of each group in turn: no layer's transfer is its own."""
+    config = vllm_config(model, {"cpu_blocks": 32, per_layer: True}, 48)
+    with pytest.raises(UnsupportedKVCache) as refused:
+        KvfsmConnector(config, KVConnectorRole.WORKER, hybrid_cache(48))
+    assert str(refused.value) == ("layer_loads and layer_stores need one KV-cache group: under vLLM's hybrid "
+                                  "allocator each tensor is written by a layer of every group in turn")
 
 
 def test_each_group_reloads_its_own_bytes_through_one_shared_tensor(model) -> None:

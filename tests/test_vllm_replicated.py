@@ -122,5 +122,7 @@ def test_a_rank_whose_rank_0_made_no_shared_region_refuses_by_name(mla, monkeypa
     config = vllm_config(mla, REPLICATED, 32, tensor_parallel_size=2)
     monkeypatch.setattr(worker_side, "region_path", lambda path: None)  # rank 0 failed and sent no path
     monkeypatch.setattr(connector_module, "worker_rank", lambda world_size: 1)
-    with pytest.raises(SharedRegionNotMade, match="worker 1: rank 0 could not make the host region"):
+    with pytest.raises(SharedRegionNotMade) as refused:
         AdapterWorker(config)
+    assert str(refused.value) == ("worker 1: rank 0 could not make the host region the ranks share (replicated KV); "
+                                  "its error says why")
