@@ -21,7 +21,7 @@ from kvfsm.connector.metadata import ConnectorMetadata, LoadOrder, StoreOrder  #
 from kvfsm.connector.refusals import NotRegistered  # noqa: E402
 from kvfsm.executor.transfer import Segments, UnknownLayer  # noqa: E402
 from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache, WrongRole  # noqa: E402
-from kvfsm.integrations.vllm.config import gpu_block_bytes  # noqa: E402
+from kvfsm.integrations.vllm.config import cache_layout, gpu_block_bytes  # noqa: E402
 from kvfsm.integrations.vllm.convert import KvfsmMetadata  # noqa: E402
 from kvfsm.integrations.vllm.rig import (  # noqa: E402
     BLOCK_SIZE,
@@ -191,6 +191,28 @@ def test_caches_of_an_unknown_layout_are_refused(config) -> None:
     connector = KvfsmConnector(config, KVConnectorRole.WORKER, kv_cache_config(32))
     with pytest.raises(UnsupportedKVCache, match="layout"):
         connector.register_kv_caches({"layer": torch.zeros(3, 32, BLOCK_SIZE, 2, 64, dtype=torch.float16)})
+
+
+@pytest.mark.parametrize("shape, layout", [
+    ((2, 32, BLOCK_SIZE, 2, 64), "kv-first"), ((32, 2, BLOCK_SIZE, 2, 64), "blocks-first"), ((32, BLOCK_SIZE, 576), "mla"),
+])
+def test_each_of_vllms_cache_shapes_is_told_its_layout_by_where_the_blocks_are(shape: tuple, layout: str) -> None:
+    assert cache_layout({"layer": torch.empty(shape)}, 32) == layout
+
+
+@pytest.mark.parametrize("shapes, num_blocks, refusal", [
+    ([(3, 2, BLOCK_SIZE, 2, 64)], 32, "cannot tell the layout of a KV cache shaped (3, 2, 16, 2, 64) with 32 blocks "
+                                      "(candidates: none)"),
+    ([(32, 2, BLOCK_SIZE, 64)], 32, "cannot tell the layout of a KV cache shaped (32, 2, 16, 64) with 32 blocks "
+                                    "(candidates: none)"),
+    ([(2, 2, BLOCK_SIZE, 2, 64)], 2, "cannot tell the layout of a KV cache shaped (2, 2, 16, 2, 64) with 2 blocks "
+                                     "(candidates: ['kv-first', 'blocks-first'])"),
+    ([(2, 32, BLOCK_SIZE, 2, 64), (32, BLOCK_SIZE, 576)], 32, "KV caches in several layouts: ['kv-first', 'mla']"),
+], ids=["no-layout", "four-axes", "two-layouts", "layouts-differ"])
+def test_caches_of_no_one_layout_are_refused_saying_which(shapes: list[tuple], num_blocks: int, refusal: str) -> None:
+    with pytest.raises(UnsupportedKVCache) as refused:
+        cache_layout({f"layer {i}": torch.empty(shape) for i, shape in enumerate(shapes)}, num_blocks)
+    assert str(refused.value) == refusal
 
 
 def test_a_scheduler_call_on_a_worker_is_refused(config) -> None:
