@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 from vllm.config import KVEventsConfig  # noqa: E402
-from vllm.distributed.kv_events import BlockStored  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -234,6 +234,14 @@ def test_an_aborted_loading_request_keeps_every_groups_blocks_until_its_loads_en
     assert d.cpu_pool_drained()
 
 
+def test_an_aborted_loading_request_is_forgotten_once_its_last_groups_load_is_told(hybrid) -> None:
+    """Its tracked ids outlive the finish only until vLLM heard of every group's load: none is kept after."""
+    d = hybrid(FakeWorker(load_steps=4), gpu_blocks=16)
+    abort_while_loading(d)
+    side = d.connector.scheduler_side
+    assert not side._waiting and not len(side.tracked), "an ended request's groups were left waiting or tracked"
+
+
 def abort_not_passed_on_is_caught(d: Driver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Control: the adapter never hears of the reader's abort, so its groups never drain; the drain check says so."""
     side = d.connector.scheduler_side
@@ -367,6 +375,17 @@ def test_kv_cache_events_name_only_vllms_own_block_hashes(hybrid, monkeypatch) -
     hashes = stored_events(hybrid(kv_events=True), monkeypatch)
     assert hashes and {len(h) for h in hashes} == {32}
     assert len(hashes) == len(set(hashes)) == len(PREFIX) // BLOCK_SIZE
+
+
+def test_a_cache_reset_announces_only_vllms_own_block_hashes_removed(hybrid) -> None:
+    """The reset drops both groups' blocks at once, in one event: the sliding group's keys are still left out of it."""
+    d = hybrid(kv_events=True)
+    store_prefix(d)
+    side = d.connector.scheduler_side
+    side.take_events()  # the stores' events
+    side.reset_cache()
+    removed = [h for e in side.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert {len(h) for h in removed} == {32} and len(removed) == len(set(removed)) == len(PREFIX) // BLOCK_SIZE
 
 
 def test_control_unfiltered_events_cannot_be_told_as_vllm_hashes(hybrid, monkeypatch) -> None:

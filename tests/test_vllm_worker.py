@@ -194,7 +194,9 @@ def test_caches_of_an_unknown_layout_are_refused(config) -> None:
 
 
 @pytest.mark.parametrize("shape, layout", [
-    ((2, 32, BLOCK_SIZE, 2, 64), "kv-first"), ((32, 2, BLOCK_SIZE, 2, 64), "blocks-first"), ((32, BLOCK_SIZE, 576), "mla"),
+    ((2, 32, BLOCK_SIZE, 2, 64), "kv-first"),
+    ((32, 2, BLOCK_SIZE, 2, 64), "blocks-first"),
+    ((32, BLOCK_SIZE, 576), "mla"),
 ])
 def test_each_of_vllms_cache_shapes_is_told_its_layout_by_where_the_blocks_are(shape: tuple, layout: str) -> None:
     assert cache_layout({"layer": torch.empty(shape)}, 32) == layout
