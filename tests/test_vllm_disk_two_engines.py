@@ -222,3 +222,12 @@ def test_control_a_lookup_that_waits_on_the_directory_stalls_the_step_and_is_cau
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _, longest = lookups_of_a_hung_directory(tmp_path, monkeypatch, timeout_s=0.6)
     assert longest >= 0.5
+
+
+def test_each_rank_tells_the_scheduler_its_shared_directory_under_its_own_rank(tiered, tmp_path: Path) -> None:
+    """Each rank writes its share of a block in a directory of its own: the scheduler's lookup waits until it knows
+    every rank's, so each must arrive under its rank (two under one rank would leave the lookup waiting for ever)."""
+    d, workers = tiered(shared_disk(tmp_path), ranks=2)
+    d.step()  # the ranks' first reports carry their namespaces
+    (tier,) = d.connector.scheduler_side.tier_index.tiers
+    assert sorted(tier.master.ranks) == [0, 1]

@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 from vllm.config import KVEventsConfig  # noqa: E402
-from vllm.distributed.kv_events import BlockStored  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -234,6 +234,14 @@ def test_an_aborted_loading_request_keeps_every_groups_blocks_until_its_loads_en
     assert d.cpu_pool_drained()
 
 
+def test_an_aborted_loading_request_is_forgotten_once_its_last_groups_load_is_told(hybrid) -> None:
+    """Its tracked ids outlive the finish only until vLLM heard of every group's load: none is kept after."""
+    d = hybrid(FakeWorker(load_steps=4), gpu_blocks=16)
+    abort_while_loading(d)
+    side = d.connector.scheduler_side
+    assert not side._waiting and not len(side.tracked), "an ended request's groups were left waiting or tracked"
+
+
 def abort_not_passed_on_is_caught(d: Driver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Control: the adapter never hears of the reader's abort, so its groups never drain; the drain check says so."""
     side = d.connector.scheduler_side
@@ -262,9 +270,12 @@ class HybridWorker(AdapterWorker):
         self.connector.register_kv_caches(self.caches)
 
     def forward(self, output, scheduler) -> None:  # type: ignore[no-untyped-def]
+        """Each layer's hooks run around its write, as vLLM calls them for every attention layer of every group (the
+        sliding layer's name is an alias of the tensor the full layer registered)."""
         before = computed_before(output)
         cache = self.caches[FULL]
-        for group in (0, 1):
+        for group, name in enumerate((FULL, SLIDING)):
+            self.connector.wait_for_layer_load(name)
             for req_id, count in output.num_scheduled_tokens.items():
                 blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[group]
                 tokens = scheduler.requests[req_id].all_token_ids
@@ -272,6 +283,7 @@ class HybridWorker(AdapterWorker):
                     if blocks[position // BLOCK_SIZE]:  # vLLM's null block is never written
                         cache[:, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = float(
                             tokens[position] % 251 + 256 * group)
+            self.connector.save_kv_layer(name, cache, None)  # type: ignore[arg-type]
 
 
 def reloaded_bytes(d: Driver, worker: HybridWorker, writer: str = "writer",
@@ -289,6 +301,16 @@ def reloaded_bytes(d: Driver, worker: HybridWorker, writer: str = "writer",
 
 def prefix_block(i: int, group: int) -> list[int]:
     return [t % 251 + 256 * group for t in PREFIX[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
+
+
+@pytest.mark.parametrize("per_layer", ["layer_loads", "layer_stores"])
+def test_per_layer_transfers_over_several_groups_are_refused_saying_why(model, per_layer: str) -> None:
+    """A tensor the groups share is written by one layer of each group in turn: no layer's transfer is its own."""
+    config = vllm_config(model, {"cpu_blocks": 32, per_layer: True}, 48)
+    with pytest.raises(UnsupportedKVCache) as refused:
+        KvfsmConnector(config, KVConnectorRole.WORKER, hybrid_cache(48))
+    assert str(refused.value) == ("layer_loads and layer_stores need one KV-cache group: under vLLM's hybrid "
+                                  "allocator each tensor is written by a layer of every group in turn")
 
 
 def test_each_group_reloads_its_own_bytes_through_one_shared_tensor(model) -> None:
@@ -353,6 +375,17 @@ def test_kv_cache_events_name_only_vllms_own_block_hashes(hybrid, monkeypatch) -
     hashes = stored_events(hybrid(kv_events=True), monkeypatch)
     assert hashes and {len(h) for h in hashes} == {32}
     assert len(hashes) == len(set(hashes)) == len(PREFIX) // BLOCK_SIZE
+
+
+def test_a_cache_reset_announces_only_vllms_own_block_hashes_removed(hybrid) -> None:
+    """The reset drops both groups' blocks at once, in one event: the sliding group's keys are still left out of it."""
+    d = hybrid(kv_events=True)
+    store_prefix(d)
+    side = d.connector.scheduler_side
+    side.take_events()  # the stores' events
+    side.reset_cache()
+    removed = [h for e in side.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert {len(h) for h in removed} == {32} and len(removed) == len(set(removed)) == len(PREFIX) // BLOCK_SIZE
 
 
 def test_control_unfiltered_events_cannot_be_told_as_vllm_hashes(hybrid, monkeypatch) -> None:

@@ -118,9 +118,28 @@ def test_replicated_where_the_ranks_kv_is_not_one_is_refused_by_name_at_start_up
         offload_config(vllm_config(model, extra, 32, **parallel))
 
 
+def test_replicated_refused_for_every_reason_at_once_names_each_in_full(model, monkeypatch: pytest.MonkeyPatch
+                                                                          ) -> None:
+    """Not MLA, pipeline stages, decode-context parallelism of 2, two nodes and a lower tier: each reason, in order."""
+    monkeypatch.setattr(type(model), "use_mla", property(lambda self: False))
+    config = vllm_config(model, {**REPLICATED, "lower_tiers": [DISK]}, 32, tensor_parallel_size=2,
+                         pipeline_parallel_size=2)
+    monkeypatch.setattr(config.parallel_config, "decode_context_parallel_size", 2)
+    monkeypatch.setattr(type(config.parallel_config), "nnodes_within_dp", property(lambda self: 2))
+    with pytest.raises(ReplicatedNotServed) as refused:
+        offload_config(config)
+    assert str(refused.value) == (
+        "kv_connector_extra_config sets replicated=true with 4 vLLM workers, but the model is not MLA: each rank holds "
+        "its own heads' KV; 4 workers are not 2 tensor-parallel ranks (pipeline or prefill-context parallelism: the "
+        "ranks hold different layers or tokens); decode-context parallelism (2) splits the KV by tokens; the engine "
+        "spans 2 nodes, and a host region is one host's; lower tiers with replicated KV are not served under vLLM yet")
+
+
 def test_a_rank_whose_rank_0_made_no_shared_region_refuses_by_name(mla, monkeypatch: pytest.MonkeyPatch) -> None:
     config = vllm_config(mla, REPLICATED, 32, tensor_parallel_size=2)
     monkeypatch.setattr(worker_side, "region_path", lambda path: None)  # rank 0 failed and sent no path
     monkeypatch.setattr(connector_module, "worker_rank", lambda world_size: 1)
-    with pytest.raises(SharedRegionNotMade, match="worker 1: rank 0 could not make the host region"):
+    with pytest.raises(SharedRegionNotMade) as refused:
         AdapterWorker(config)
+    assert str(refused.value) == ("worker 1: rank 0 could not make the host region the ranks share (replicated KV); "
+                                  "its error says why")

@@ -18,6 +18,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from kvfsm.integrations.vllm import InvalidExtraConfig  # noqa: E402
 from kvfsm.integrations.vllm.checks import SpecViolation  # noqa: E402
 from kvfsm.integrations.vllm.rig import FakeWorker, vllm_config  # noqa: E402
+from kvfsm.integrations.vllm.scheduler_side import UnexpectedAllocation  # noqa: E402
 from vllm_harness import Driver, HeldBlockReleased  # noqa: E402
 from vllm_support import BLOCK_SIZE, PREFIX, hide_preemptions, loads_of, make_driver, model, store_prefix  # noqa: E402,F401
 
@@ -219,3 +220,13 @@ def test_worker_metadata_of_another_connector_is_refused_naming_its_type(make_dr
     d = make_driver()
     with pytest.raises(TypeError, match="expected kvfsm worker metadata, got object"):
         d.connector.scheduler_side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=object()))
+
+
+def test_external_tokens_allocated_without_a_lookup_that_offered_them_are_refused_by_name(make_driver) -> None:
+    d = make_driver()
+    d.add("reader", PREFIX + [1])
+    request = d.scheduler.requests["reader"]
+    with pytest.raises(UnexpectedAllocation) as refused:
+        d.connector.scheduler_side.update_state_after_alloc(request, None, BLOCK_SIZE)
+    assert str(refused.value) == (f"vLLM allocated {BLOCK_SIZE} external tokens for 'reader' without a lookup that "
+                                  "offered them")

@@ -6,7 +6,9 @@ Skipped when vLLM or Mooncake is not installed.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from pathlib import Path
+from typing import Any, Sequence
 
 import pytest
 
@@ -16,10 +18,14 @@ pytest.importorskip("mooncake.store")
 from vllm.distributed.kv_events import MEDIUM_STORAGE  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
+from kvfsm.config import MooncakeTierConfig  # noqa: E402
 from kvfsm.integrations.vllm import KvfsmConnector  # noqa: E402
+from kvfsm.integrations.vllm.master_lookup import KeyScheme, MasterLookup  # noqa: E402
 from kvfsm.integrations.vllm.rig import kv_cache_config, vllm_config  # noqa: E402
 from kvfsm.integrations.vllm.worker_tiers import WorkerTiers  # noqa: E402
 from kvfsm.mooncake.errors import StoreUnavailable  # noqa: E402
+from kvfsm.mooncake.keys import KvNamespace, object_key  # noqa: E402
+from kvfsm.mooncake.secret import SecretUnavailable  # noqa: E402
 from kvfsm.mooncake.local import LocalMooncake  # noqa: E402
 from test_vllm_tiers import (  # noqa: E402
     MAX_STEPS,
@@ -125,3 +131,94 @@ def test_blocks_entering_the_mooncake_tier_are_announced_as_remote_storage(tiere
     codec = d.connector.scheduler_side.codec
     assert {codec.to_bytes(k) for k in prefix_keys(d, PREFIX)} <= replay(published.events)[
         (MEDIUM_STORAGE, "REMOTE", "mooncake")]
+
+
+# --- the scheduler's lookup on the master, its answers given by hand ----------------------------------------------
+
+RANKS = [KvNamespace(model_id="tiny-lookup", dtype="float16", layout=f"rank {rank}", block_tokens=16)
+         for rank in range(2)]
+"""Two ranks' namespaces: a block is held whole only when both ranks' values are."""
+
+
+class Answered:
+    """The master's answer to one `contains` call, there at once (None: no answer within the bound)."""
+
+    def __init__(self, answers: list[bool | Exception] | None) -> None:
+        self.answers = answers
+
+    def wait(self, timeout_s: float) -> list[bool | Exception] | None:
+        return self.answers
+
+
+def lookup_answering(deployment: LocalMooncake, monkeypatch: pytest.MonkeyPatch, answers: list[bool | Exception] | None,
+                     asked: list[list[str]] | None = None, **extra: Any) -> MasterLookup:
+    """A lookup of two ranks on the real master, whose `contains` answers `answers` (and records what it was asked)."""
+    lookup = MasterLookup(MooncakeTierConfig(**mooncake_tier(deployment, "tiny-lookup", **extra)), num_workers=2)
+    for rank, namespace in enumerate(RANKS):
+        lookup.learn(rank, KeyScheme(namespace))
+
+    def contains(names: Sequence[str]) -> Answered:
+        if asked is not None:
+            asked.append(list(names))
+        return Answered(answers)
+
+    monkeypatch.setattr(lookup.client, "contains", contains)
+    return lookup
+
+
+def test_the_master_lookup_counts_the_leading_blocks_whose_every_ranks_value_is_held(
+        mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each block is asked under every rank's name, in the tenant's names; the count stops at the first block one
+    rank's value of is missing (the third block, held whole, is not counted)."""
+    asked: list[list[str]] = []
+    lookup = lookup_answering(mooncake, monkeypatch, [True, True, False, True, True, True], asked, tenant="t")
+    assert lookup.present([7, 8, 9]) == 1
+    assert asked == [[object_key(namespace, key, "t") for key in (7, 8, 9) for namespace in RANKS]]
+    lookup.close()
+
+
+def test_the_master_lookup_counts_every_block_held_whole(mooncake: LocalMooncake,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    lookup = lookup_answering(mooncake, monkeypatch, [True] * 6)
+    assert lookup.present([7, 8, 9]) == 3
+    lookup.close()
+
+
+def test_a_master_that_does_not_answer_within_the_bound_is_a_miss_warned_naming_the_tier_and_bound(
+        mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    lookup = lookup_answering(mooncake, monkeypatch, None)
+    with caplog.at_level(logging.WARNING, logger="kvfsm.integrations.vllm.master_lookup"):
+        assert lookup.present([7, 8]) == 0
+    assert caplog.messages == ["mooncake tier mooncake: the master did not answer within 1.0s; counted as a miss"]
+    lookup.close()
+
+
+def test_a_fault_in_the_masters_answer_is_a_miss_from_its_block_on_warned_naming_the_tier_and_fault(
+        mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    fault = StoreUnavailable("lookup of k failed")
+    lookup = lookup_answering(mooncake, monkeypatch, [True, True, True, fault, True, True])
+    with caplog.at_level(logging.WARNING, logger="kvfsm.integrations.vllm.master_lookup"):
+        assert lookup.present([7, 8, 9]) == 1
+    assert caplog.messages == ["mooncake tier mooncake: lookup: StoreUnavailable: lookup of k failed"]
+    lookup.close()
+
+
+def test_the_master_lookup_needs_the_tenants_secret_as_the_workers_do(
+        mooncake: LocalMooncake, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Read from the configured file, else from the environment: with neither the scheduler stops at start-up."""
+    monkeypatch.delenv("KVFSM_MOONCAKE_SECRET")
+    with pytest.raises(SecretUnavailable, match="KVFSM_MOONCAKE_SECRET"):
+        MasterLookup(MooncakeTierConfig(**mooncake_tier(mooncake, "tiny-lookup")), num_workers=1)
+    secret = tmp_path / "secret"
+    secret.write_text("a-secret-of-at-least-32-bytes-0123456789")
+    MasterLookup(MooncakeTierConfig(**mooncake_tier(mooncake, "tiny-lookup", secret_file=str(secret))),
+                 num_workers=1).close()
+
+
+def test_the_master_lookups_client_runs_under_the_tiers_bounds(mooncake: LocalMooncake) -> None:
+    """Its calls' deadline, its back-off after a failure and its queue are the tier's, as the workers' clients'."""
+    lookup = MasterLookup(MooncakeTierConfig(**mooncake_tier(mooncake, "tiny-lookup", retry_after_s=0.5,
+                                                             max_pending=7)), num_workers=1)
+    settings = lookup.client.settings
+    assert (settings.op_timeout_s, settings.retry_after_s, settings.max_pending) == (10.0, 0.5, 7)
+    lookup.close()
