@@ -1,8 +1,8 @@
 """A Mooncake tier's lookups, writes and the values it shuns, submitted to the tier itself on a real master: a
 lookup of keys all published here counts them, a key being written here is not asked of the store, a lookup adopts
 the keys the store holds up to the first it lacks and none past one being written here, and a lookup the store
-leaves unanswered or refuses is a miss with a warning; a write of keys held already ends at once, and a job id in
-flight is refused; a value that fails its check is counted, removed from the store and not adopted again (at most
+leaves unanswered or refuses is a miss with a warning; a write of keys held already ends at once (a job id in
+flight is refused: test_mooncake_tier_reads.py); a value that fails its check is counted, removed from the store and not adopted again (at most
 `index_keys` such keys remembered, the oldest forgotten first) until this tier writes the key itself."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytest.importorskip("mooncake.store")
 
 from kvfsm.executor.pool import HostPool  # noqa: E402
 from kvfsm.mooncake.value import TRAILER_BYTES  # noqa: E402
-from kvfsm.tiers.base import TierCompletion, TierFailure, TierMisuse  # noqa: E402
+from kvfsm.tiers.base import TierCompletion, TierFailure  # noqa: E402
 from kvfsm.tiers.mooncake import MooncakeTier  # noqa: E402
 from test_mooncake_heads import completion  # noqa: E402
 from test_mooncake_tier_reads import ABSENT, JOB_IDS, STORED, open_tier, tier, view  # noqa: E402,F401 (tier: a fixture)
@@ -127,15 +127,6 @@ def test_a_lookup_adopts_no_key_past_one_being_written_here(tier) -> None:
     assert stored(tier_, SECOND), "the write never reached the store"
     assert tier_.lookup([FIRST, SECOND, THIRD]) == 1
     assert tier_.entries.get(THIRD) is None, "a key past the one being written was adopted"
-    assert completion(tier_, job).ok
-
-
-def test_a_write_whose_job_id_is_in_flight_is_refused(tier) -> None:
-    tier_, pool = tier
-    job = next(JOB_IDS)
-    tier_.submit_write(job, [FIRST], [view(pool, 1)])
-    with pytest.raises(TierMisuse, match=f"job {job} is already in flight$"):
-        tier_.submit_write(job, [SECOND], [view(pool, 2)])
     assert completion(tier_, job).ok
 
 

@@ -89,10 +89,12 @@ def test_a_read_in_flight_names_its_keys_until_it_is_reported(tier) -> None:
     assert completion(tier_, job).ok and tier_.reads_in_flight() == []
 
 
-def test_a_read_whose_job_id_is_in_flight_is_refused(tier) -> None:
+@pytest.mark.parametrize("kind", ["read", "write"])
+def test_a_job_whose_id_is_in_flight_is_refused(tier, kind: str) -> None:
     tier_, pool = tier
+    submit, key = (tier_.submit_read, STORED) if kind == "read" else (tier_.submit_write, ABSENT)
     job = next(JOB_IDS)
-    tier_.submit_read(job, [STORED], [view(pool, 1)])
+    submit(job, [key], [view(pool, 1)])
     with pytest.raises(TierMisuse, match=f"job {job} is already in flight$"):
-        tier_.submit_read(job, [STORED], [view(pool, 2)])
+        submit(job, [key], [view(pool, 2)])
     assert completion(tier_, job).ok
