@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvfsm.mooncake.host_memory import SlotRegion
+from kvfsm.mooncake.host_memory import Registrations, SlotRegion
 from kvfsm.tiers.mooncake import SlotArena
 
 FLAT = "a slot region is a flat uint8 host tensor"
@@ -35,3 +35,11 @@ def test_a_slot_arena_gives_each_payload_a_buffer_of_its_own_and_a_fresh_chunk_e
     assert len(set(starts)) == 3 and all(buffer.nbytes == 4 for buffer, _ in items)
     assert items[0][1] is items[1][1] and items[2][1] is not items[0][1], "the third payload shares a full chunk"
     assert arena.item_for(payloads[0])[0] is items[0][0], "a payload seen before got another buffer"
+
+
+def test_a_range_is_covered_only_when_it_ends_inside_a_registration() -> None:
+    registered = Registrations()
+    registered.add(1000, 100)
+    assert registered.covers(1000, 100) and registered.covers(1050, 50)
+    assert not registered.covers(1050, 51), "a range running past its registration's end counted as registered"
+    assert not registered.covers(900, 10)
