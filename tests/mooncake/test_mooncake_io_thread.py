@@ -10,9 +10,11 @@ from kvfsm.mooncake.io_thread import CancellableCall, IoThread
 
 
 def test_the_io_thread_is_a_daemon_named_for_kvfsm() -> None:
+    before = set(threading.enumerate())  # other tests' clients may still run threads of the same name
     io = IoThread()
     try:
-        [thread] = [t for t in threading.enumerate() if t.name == "kvfsm-mooncake-io"]
+        [thread] = set(threading.enumerate()) - before
+        assert thread.name == "kvfsm-mooncake-io"
         assert thread.daemon, "a hung store call would hold up the process's exit"
     finally:
         io.shutdown()
