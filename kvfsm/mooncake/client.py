@@ -21,10 +21,10 @@ the first time it is seen (`register` registers a whole buffer up front, which c
 `kvfsm.mooncake.host_memory` keeps which ranges are registered).
 
 Integrity at transfer speed: every value is sealed and checked with the tenant's MAC (`kvfsm.mooncake.value`), a
-pass over every byte, on `hash_threads` threads of its own (BLAKE3 releases the GIL), overlapped with the transfers
-(`kvfsm.mooncake.pipeline` says how a batch is cut): a write-back puts what is sealed while the MAC threads seal
-the rest, and a fetch checks each run of values while the I/O thread gets the next. The I/O thread waits for the
-last MACs before it answers, so a `Pending` never settles while a hashing thread still reads a slot.
+pass over every byte, on `hash_threads` threads of its own (`cryptography` releases the GIL), overlapped with the
+transfers (`kvfsm.mooncake.pipeline` says how a batch is cut): a write-back puts what is sealed while the MAC
+threads seal the rest, and a fetch checks each run of values while the I/O thread gets the next. The I/O thread
+waits for the last MACs before it answers, so a `Pending` never settles while a hashing thread still reads a slot.
 """
 
 from __future__ import annotations

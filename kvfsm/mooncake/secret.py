@@ -6,33 +6,31 @@ least `MIN_SECRET_BYTES` bytes, in a file (`MooncakeTierConfig.secret_file`) or 
 (`secret_env`, `KVFSM_MOONCAKE_SECRET` unless configured otherwise); it is read once, when the tier opens, and a
 missing, unreadable or short secret is `SecretUnavailable` there, before anything is written or fetched.
 
-The secret never leaves this module: what the client holds is a `ValueKey` derived from it (BLAKE3's key derivation,
-bound to the tenant name, so one secret handed to two tenants by mistake still gives two keys), whose repr and str
-say nothing of it, and no message here names more than where the secret was looked for and how long it was.
+The secret never leaves this module: what the client holds is a `ValueKey` derived from it (HKDF-SHA256 from the
+`cryptography` package, bound to the tenant name, so one secret handed to two tenants by mistake still gives two
+keys), whose repr and str say nothing of it, and no message here names more than where the secret was looked for and
+how long it was.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import blake3
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-MIN_SECRET_BYTES = 32
+KEY_BYTES = 32
+"""AES-256: the MAC's key (`kvfsm.mooncake.value`)."""
+MIN_SECRET_BYTES = KEY_BYTES
 """256 bits: a secret shorter than the MAC's key adds no strength and is refused."""
 DEFAULT_SECRET_ENV = "KVFSM_MOONCAKE_SECRET"
-_CONTEXT = "kvfsm 2026-11 mooncake value MAC key v2"
-"""BLAKE3 key-derivation context: a key derived here is never the key of any other use of the same secret."""
-
-
-def _blake3() -> Any:
-    """BLAKE3, imported when a key is made: it comes with the `mooncake` extra, and kvfsm without that extra (the
-    demo, an engine with no Mooncake tier) imports this module through the tiers and the testing controls."""
-    import blake3
-
-    return blake3
+_CONTEXT = b"kvfsm 2026-11 mooncake value MAC key v3\0"
+"""Key-derivation context (HKDF's `info`, before the tenant's name): a key derived here is never the key of any
+other use of the same secret. The `cryptography` package is imported only when a key is made or used: it comes with
+the `mooncake` extra, and kvfsm without that extra (the demo, an engine with no Mooncake tier) imports this module
+through the tiers and the testing controls."""
 
 
 class SecretUnavailable(ValueError):
@@ -45,19 +43,22 @@ class ValueKey:
     __slots__ = ("_key",)
 
     def __init__(self, key: bytes) -> None:
-        size = _blake3().blake3.key_size
-        if len(key) != size:
-            raise ValueError(f"a value key is {size} bytes")
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a value key is {KEY_BYTES} bytes")
         self._key = key
 
     @classmethod
     def derive(cls, secret: bytes, tenant: str | None) -> ValueKey:
-        material = len(secret).to_bytes(4, "little") + secret + (tenant or "").encode()
-        return cls(_blake3().blake3(material, derive_key_context=_CONTEXT).digest())
+        from cryptography.hazmat.primitives.hashes import SHA256
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-    def mac(self, max_threads: int = 1) -> blake3.blake3:
-        """A fresh keyed hasher (`max_threads` > 1 lets BLAKE3 hash one large input on several threads)."""
-        return _blake3().blake3(key=self._key, max_threads=max_threads)
+        return cls(HKDF(SHA256(), KEY_BYTES, salt=None, info=_CONTEXT + (tenant or "").encode()).derive(secret))
+
+    def cipher(self) -> AESGCM:
+        """AES-256-GCM under this key, of which `kvfsm.mooncake.value` uses the tag alone (GMAC)."""
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        return AESGCM(self._key)
 
     def __repr__(self) -> str:
         return "ValueKey(<hidden>)"

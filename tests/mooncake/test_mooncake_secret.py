@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("blake3")
+pytest.importorskip("cryptography")
 
 from kvfsm.mooncake.errors import ChecksumMismatch  # noqa: E402
 from kvfsm.mooncake.secret import SecretUnavailable, ValueKey, load_value_key  # noqa: E402
