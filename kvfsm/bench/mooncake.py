@@ -65,6 +65,9 @@ def _ways(store: Any, client: MooncakeClient, mac: ValueMac, sealers: ThreadPool
     call to answer (the MACs alone move nothing). The run rotates their order repetition by repetition."""
     blocks, block_bytes = len(payloads), len(payloads[0])
     slots = list(range(blocks))
+    # the tier's views of its slots exist before its calls, as the zero-copy calls' addresses do (`ptrs`, `into`)
+    sent, sent_trailers = source.payloads(slots), source.trailers_of(slots)
+    got, got_trailers = target.payloads(slots), target.trailers_of(slots)
 
     def baseline(keys: list[str]) -> dict[str, float]:
         put, code = _timed(lambda: store.put_batch(keys, payloads))
@@ -83,12 +86,10 @@ def _ways(store: Any, client: MooncakeClient, mac: ValueMac, sealers: ThreadPool
         return {"zero-copy put": put, "zero-copy get": get}
 
     def tier(keys: list[str]) -> dict[str, float]:
-        put, results = _timed(lambda: client.write_back(
-            keys, source.payloads(slots), source.trailers_of(slots), carried=carried).wait(WAIT_S))
+        put, results = _timed(lambda: client.write_back(keys, sent, sent_trailers, carried=carried).wait(WAIT_S))
         _expect(_moved(results, blocks), f"write_back answered {results}")
         target.buffer.zero_()
-        get, results = _timed(lambda: client.fetch(
-            keys, target.payloads(slots), target.trailers_of(slots)).wait(WAIT_S))
+        get, results = _timed(lambda: client.fetch(keys, got, got_trailers).wait(WAIT_S))
         _expect(_moved(results, blocks) and results == carried and torch.equal(target.buffer, source.buffer),
                 f"fetch answered {results} or other bytes")
         return {"tier write-back": put, "tier fetch": get}

@@ -276,9 +276,9 @@ class MooncakeClient:
             return self.mac.seal(trailers[i], keys[i], payloads[i], sums[i])
 
         def call() -> list[KeyResult]:
-            self._ensure_registered(list(units) + payloads + trailers)
-            sealed = [self._hashing.submit(seal, i) for i in range(len(keys))]  # in order, on every MAC thread
+            sealed = [self._hashing.submit(seal, i) for i in range(len(keys))]  # first, in order, on every MAC thread
             with _settling(sealed):
+                self._ensure_registered(list(units) + payloads + trailers)
                 return put(sealed)
 
         def put(sealed: list[Future[int]]) -> list[KeyResult]:
