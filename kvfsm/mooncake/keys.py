@@ -21,8 +21,12 @@ import hashlib
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
-KEY_PREFIX = "kvfsm2"
-"""Version of the key scheme: a change of the scheme or of the stored value's format bumps it."""
+KEY_PREFIX = "kvfsm3"
+"""Version of the store keys: a change of their scheme or of the stored value's format (`kvfsm.mooncake.value`)
+bumps it, so that a value of another format is never found under a key this kvfsm names (a write-back finding one
+would count the key as planted, never write it, and leave it a miss). 3: values sealed with AES-GMAC."""
+NAMESPACE_PREFIX = "kvfsm2"
+"""Version of namespace names (a shared disk tier's directory): bumped only when a directory's files change."""
 DIGEST_BYTES = 20
 
 
@@ -65,7 +69,7 @@ def _framed(parts: tuple[str, ...]) -> bytes:
 
 
 def object_key(namespace: KvNamespace, block_hash: int, salt: str | None = None) -> str:
-    """The store key of one block: `kvfsm2-<hex digest>`, a BLAKE2b over namespace, salt and prefix hash.
+    """The store key of one block: `kvfsm3-<hex digest>`, a BLAKE2b over namespace, salt and prefix hash.
 
     An empty salt is no salt, as in vLLM, where only a non-empty `cache_salt` enters the prefix hash.
     """
@@ -88,4 +92,4 @@ def namespace_name(namespace: KvNamespace) -> str:
     directory, where each block's own name is its prefix hash."""
     digest = hashlib.blake2b(_framed(namespace._fields()), digest_size=DIGEST_BYTES,
                              person=b"kvfsm-namespace").hexdigest()
-    return f"{KEY_PREFIX}-{digest}"
+    return f"{NAMESPACE_PREFIX}-{digest}"

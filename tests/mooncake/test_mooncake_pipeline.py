@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future
 
 import pytest
@@ -57,10 +58,24 @@ def test_a_call_carries_one_value_per_mac_thread_and_at_least_pipeline_bytes() -
     assert round_values([64 << 10] * 32, 2, 1 << 20) == 16
 
 
-@pytest.mark.parametrize("cores, threads", [(1, 2), (6, 3), (12, 6), (32, 8), (128, 8)])
+def test_a_call_rounds_up_to_whole_values_and_carries_at_least_one() -> None:
+    assert round_values([3, 3], 1, 4) == 2  # 4 bytes of 3-byte values: two of them, not one and a third
+    assert round_values([8], 1, 8) == 1
+    assert round_values([1], 1, 64) == 64  # one-byte values: pipeline_bytes of them
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 2), (6, 3), (7, 3), (12, 6), (32, 8), (128, 8)])
 def test_the_default_mac_threads_are_half_the_cores_within_bounds(cores: int, threads: int) -> None:
     assert default_hash_threads(cores) == threads
     assert HASH_THREADS_RANGE[0] <= default_hash_threads() <= HASH_THREADS_RANGE[1]
+
+
+def test_without_cores_given_the_mac_threads_follow_the_cores_this_process_may_run_on(monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(10)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert default_hash_threads() == 5
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # where the platform cannot say: every core
+    assert default_hash_threads() == 8
 
 
 def test_a_remainder_shorter_than_the_shrunk_share_of_a_run_gets_a_run_of_its_own_at_a_whole_share() -> None:

@@ -5,6 +5,7 @@ the block checksum it was sealed with."""
 from __future__ import annotations
 
 import pickle
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +13,11 @@ import pytest
 
 pytest.importorskip("cryptography")
 
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
+
 from kvfsm.mooncake.errors import ChecksumMismatch  # noqa: E402
 from kvfsm.mooncake.secret import SecretUnavailable, ValueKey, load_value_key  # noqa: E402
-from kvfsm.mooncake.value import TRAILER_BYTES, ValueMac  # noqa: E402
+from kvfsm.mooncake.value import NONCE_BYTES, TAG_BYTES, TRAILER, TRAILER_BYTES, ValueMac  # noqa: E402
 
 KEY = ValueKey.derive(b"a secret of thirty-two bytes or more, for tests", "tenant")
 
@@ -56,3 +59,44 @@ def test_a_value_sealed_for_another_length_is_refused_naming_both_lengths() -> N
     with pytest.raises(ChecksumMismatch) as refused:
         mac.check(trailer, "k", np.arange(4, dtype=np.uint8))
     assert str(refused.value) == "k: the value holds 8 bytes, the slot 4"
+
+
+def test_a_value_key_of_another_length_is_refused_naming_the_length() -> None:
+    with pytest.raises(ValueError) as refused:
+        ValueKey(bytes(16))
+    assert str(refused.value) == "a value key is 32 bytes"
+
+
+def test_a_tenant_left_unset_is_the_empty_tenant_name() -> None:
+    """As in the store keys (`kvfsm.mooncake.keys`: an empty salt is no salt), so both name one tenant's values."""
+    secret = b"a secret of thirty-two bytes or more, for tests"
+    mac, payload, trailer = ValueMac(ValueKey.derive(secret, None)), np.arange(8, dtype=np.uint8), np.zeros(
+        TRAILER_BYTES, np.uint8)
+    mac.seal(trailer, "k", payload)
+    ValueMac(ValueKey.derive(secret, "")).check(trailer, "k", payload)
+
+
+RAW_KEY = bytes(range(32))
+
+
+def documented_trailer(key: str, payload: bytes, carried: int | None, nonce: bytes) -> bytes:
+    """A trailer built from the format kvfsm.mooncake.value documents, with `cryptography`'s AES-GCM alone: the
+    tag of GCM under the value key and `nonce`, with the header and key as plaintext and the payload as associated
+    data; then the tag, the nonce, the carried checksum (0 if none), whether one is carried, the payload's length."""
+    header = struct.pack("<8sIIQI", b"kvfsm-v3", carried is not None, carried or 0, len(payload), len(key))
+    tag = AESGCM(RAW_KEY).encrypt(nonce, header + key.encode(), payload)[-TAG_BYTES:]
+    return TRAILER.pack(tag, nonce, carried or 0, carried is not None, len(payload))
+
+
+@pytest.mark.parametrize("carried", [None, 0xC0FFEE])
+def test_a_value_of_the_documented_format_verifies_and_a_seal_writes_that_format(carried: int | None) -> None:
+    """Values outlive the process that wrote them (other engines, later kvfsm versions read them): the format is
+    what the module documents, checked against an independent construction, not only against itself."""
+    mac, payload = ValueMac(ValueKey(RAW_KEY)), np.arange(64, dtype=np.uint8)
+    nonce = bytes(range(NONCE_BYTES))
+    built = np.frombuffer(documented_trailer("k", payload.tobytes(), carried, nonce), np.uint8)
+    assert mac.check(built, "k", payload) == carried
+    sealed = np.zeros(TRAILER_BYTES, np.uint8)
+    mac.seal(sealed, "k", payload, carried)
+    written_nonce = TRAILER.unpack(sealed.tobytes())[1]
+    assert sealed.tobytes() == documented_trailer("k", payload.tobytes(), carried, written_nonce)

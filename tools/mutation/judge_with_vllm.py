@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import importlib
 import json
 import os
@@ -128,13 +129,24 @@ class Reach:
             self.tests_by_function[function].append(item.nodeid)  # type: ignore[attr-defined]
 
     def pytest_sessionfinish(self, session: object, exitstatus: int) -> None:
-        STATS.write_text(json.dumps({"tests": self.tests, "duration": self.duration,
+        STATS.write_text(json.dumps({"tests": self.tests, "sources": sources(self.tests), "duration": self.duration,
                                      "tests_by_function": self.tests_by_function}, indent=1))
 
 
+def sources(tests: list[str]) -> str:
+    """A digest of the test files under `tests` (files or folders): a test added to a file since the last clean run
+    must be traced, not left out of every mutant's selection."""
+    digest = hashlib.sha256()
+    for path in sorted(tests):
+        for file in sorted(Path(path).rglob("*.py")) if Path(path).is_dir() else [Path(path)]:
+            digest.update(str(file).encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
 def stats(tests: list[str]) -> dict:
-    """The clean run's reach, run now unless `mutants/vllm-stats.json` holds it for these tests."""
-    if STATS.exists() and (known := json.loads(STATS.read_text()))["tests"] == sorted(tests):
+    """The clean run's reach, run now unless `mutants/vllm-stats.json` holds it for these tests as they read now."""
+    if STATS.exists() and (known := json.loads(STATS.read_text()))["tests"] == sorted(tests) \
+            and known.get("sources") == sources(tests):
         return known
     state, code, text = run_child("stats", PYTEST_ARGS + tests, CLEAN_TIMEOUT_S, [Reach(tests)])
     if state != "done" or code != 0:
