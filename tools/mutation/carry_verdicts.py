@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import sys
 from pathlib import Path
 
-from mutmut.__main__ import status_by_exit_code
+from tally import verdicts
 
 LINE = {"killed": "KILLED  ", "timeout": "TIMEOUT ", "survived": "SURVIVED", "no tests": "NO TESTS",
         "segfault": "KILLED  "}
@@ -37,19 +36,20 @@ def mutant_sources(module_file: Path) -> dict[str, str]:
 
 def carried(old_root: Path, new_root: Path, scope: tuple[str, ...]) -> list[str]:
     """The verdict lines of `old_root`'s run for the mutants in `scope` that read the same in `new_root`."""
-    lines = []
-    for meta in sorted((old_root / "mutants").glob("**/*.py.meta")):
-        relative = meta.relative_to(old_root / "mutants").with_suffix("")
-        new_module = new_root / "mutants" / relative
-        if not new_module.exists():
+    lines, sources = [], {}
+    for name, status in verdicts(old_root).items():
+        module, function = name.rsplit(".", 1)
+        relative = Path(*module.split(".")).with_suffix(".py")
+        if not (old_root / "mutants" / relative).exists():  # a package's own module
+            relative = relative.with_suffix("") / "__init__.py"
+        if status not in LINE or not name.startswith(scope) or not (new_root / "mutants" / relative).exists():
             continue
-        old_code, new_code = mutant_sources(old_root / "mutants" / relative), mutant_sources(new_module)
-        for name, code in json.loads(meta.read_text()).get("exit_code_by_key", {}).items():
-            status = None if code is None else status_by_exit_code.get(code)
-            function = name.rsplit(".", 1)[1]
-            if (status in LINE and name.startswith(scope) and function in old_code
-                    and old_code[function] == new_code.get(function)):
-                lines.append(f"{LINE[status]} {name}")
+        if relative not in sources:
+            sources[relative] = (mutant_sources(old_root / "mutants" / relative),
+                                 mutant_sources(new_root / "mutants" / relative))
+        old_code, new_code = sources[relative]
+        if function in old_code and old_code[function] == new_code.get(function):
+            lines.append(f"{LINE[status]} {name}")
     return sorted(lines, key=lambda line: line.split()[-1])
 
 
