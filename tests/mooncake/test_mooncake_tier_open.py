@@ -1,6 +1,7 @@
 """What `open_mooncake` hands a Mooncake tier and its client, on a real master: every client setting of the config,
 the tier's lookup bound, name and lookup-history flag, the CPU pool registered whole with the first call, and values
-sealed under the key of the configured secret (a file before the environment) and tenant."""
+sealed under the key of the configured secret (a file before the environment) and tenant; a block bigger than a
+head-major shadow chunk gets a chunk of its own."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
+from kvfsm.bindings import default_spec  # noqa: E402
+from kvfsm.machines import MachineSet  # noqa: E402
 from kvfsm.mooncake.client import ClientSettings  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress  # noqa: E402
 from kvfsm.mooncake.secret import load_value_key  # noqa: E402
 from kvfsm.mooncake.value import ValueMac  # noqa: E402
+from kvfsm.tiers.mooncake import SHADOW_CHUNK_BYTES, MooncakeTier  # noqa: E402
 from test_mooncake_heads import completion  # noqa: E402
 from test_mooncake_tier_reads import JOB_IDS, open_tier, view  # noqa: E402
 
@@ -69,5 +73,19 @@ def test_a_tier_seals_its_values_under_its_secret_file_s_key_for_its_tenant(moon
         raw = np.frombuffer(tier_.client.raw().get(tier_.store_key(KEY)), np.uint8)
         mac = ValueMac(load_value_key(secret_file, "UNUSED", tier_.tenant))
         assert mac.check(raw[tier_.block_bytes:], tier_.store_key(KEY), raw[:tier_.block_bytes]) == CHECKSUM
+    finally:
+        tier_.close()
+
+
+def test_a_block_bigger_than_a_shadow_chunk_gets_a_chunk_of_its_own(mooncake) -> None:
+    """Not two: a per-head tier of big blocks holds one block's shadow per chunk, never twice the memory."""
+    tier_, pool = open_tier(mooncake)
+    try:
+        block_bytes = SHADOW_CHUNK_BYTES + 1
+        big = MooncakeTier("big", tier_.client, tier_.namespace, block_bytes, tenant=None, lookup_timeout_s=1.0,
+                           keep_lookups=False, pool=pool.buffer.numpy(), index_keys=1, machines=MachineSet(default_spec()),
+                           heads=None)
+        _, chunk = big._shadows.item_for(np.zeros(block_bytes, np.uint8))
+        assert chunk.nbytes == block_bytes
     finally:
         tier_.close()
