@@ -109,13 +109,13 @@ class SlotArena:
 class MooncakeTier:
     """A `LowerTier` on a Mooncake Store shared with other engines."""
 
-    def __init__(self, name: str, client: MooncakeClient, namespace: KvNamespace, block_bytes: int,
-                 tenant: str | None = None, lookup_timeout_s: float = 0.05, keep_lookups: bool = False,
-                 pool: np.ndarray | None = None, index_keys: int = 65536, *, machines: MachineSet,
-                 heads: HeadSplit | None = None) -> None:
+    def __init__(self, name: str, client: MooncakeClient, namespace: KvNamespace, block_bytes: int, *,
+                 tenant: str | None, lookup_timeout_s: float, keep_lookups: bool, pool: np.ndarray, index_keys: int,
+                 machines: MachineSet, heads: HeadSplit | None) -> None:
         """`machines`: the connector's machine set, which fires this tier's `tier-entry` transitions; `index_keys`:
         how many published keys of the store this tier remembers (`MooncakeTierConfig.index_keys`); `heads`: this
-        rank's share of the KV heads, to store one value per head (None: one value per CPU block)."""
+        rank's share of the KV heads, to store one value per head (None: one value per CPU block). No defaults:
+        `open_mooncake` passes each from the config, which holds the defaults."""
         self.name = name
         self.block_bytes = block_bytes
         self.entries = TierEntries(name, machines, keep_lookups=keep_lookups, bound=index_keys)
@@ -127,7 +127,7 @@ class MooncakeTier:
         self.index_keys = index_keys
         self._trailers = SlotArena(value.TRAILER_BYTES, TRAILERS_PER_CHUNK)
         self._shadows = SlotArena(block_bytes, max(1, SHADOW_CHUNK_BYTES // block_bytes))
-        self._pool_units = [] if pool is None else [pool]
+        self._pool_units = [pool]
         """Registered whole with the first call, so every slot view handed in later is covered."""
         self._jobs = TierJobs(f"mooncake tier {name!r}", self.entries, block_bytes, failure_of, self._settled)
         self._shunned: OrderedDict[int, None] = OrderedDict()

@@ -100,3 +100,37 @@ def test_a_value_of_the_documented_format_verifies_and_a_seal_writes_that_format
     mac.seal(sealed, "k", payload, carried)
     written_nonce = TRAILER.unpack(sealed.tobytes())[1]
     assert sealed.tobytes() == documented_trailer("k", payload.tobytes(), carried, written_nonce)
+
+
+SECRET = "s" * 32
+"""Exactly `MIN_SECRET_BYTES`: the shortest secret accepted."""
+
+
+def test_an_unset_secret_variable_is_refused_naming_it_and_the_file_alternative(monkeypatch) -> None:
+    monkeypatch.delenv("KVFSM_TEST_SECRET", raising=False)
+    with pytest.raises(SecretUnavailable) as refused:
+        load_value_key(None, "KVFSM_TEST_SECRET", None)
+    assert str(refused.value) == ("the environment variable KVFSM_TEST_SECRET that should hold the Mooncake secret is "
+                                  "not set (or configure secret_file)")
+
+
+def test_a_secret_of_the_least_length_is_accepted_and_one_byte_shorter_refused_naming_both_lengths(
+        monkeypatch) -> None:
+    """Whitespace around the secret is stripped before it is measured (a file's final newline is no secret)."""
+    monkeypatch.setenv("KVFSM_TEST_SECRET", f" {SECRET}\n")
+    assert isinstance(load_value_key(None, "KVFSM_TEST_SECRET", None), ValueKey)
+    monkeypatch.setenv("KVFSM_TEST_SECRET", f" {SECRET[1:]}\n")
+    with pytest.raises(SecretUnavailable) as refused:
+        load_value_key(None, "KVFSM_TEST_SECRET", None)
+    assert str(refused.value) == ("the Mooncake secret in the environment variable KVFSM_TEST_SECRET is 31 bytes; at "
+                                  "least 32 are needed (e.g. `openssl rand -hex 32`)")
+
+
+def test_one_secret_gives_each_tenant_its_own_value_key(monkeypatch) -> None:
+    """A value sealed under one tenant's key fails the check of another tenant's key from the same secret."""
+    monkeypatch.setenv("KVFSM_TEST_SECRET", SECRET)
+    payload, trailer = np.arange(8, dtype=np.uint8), np.zeros(TRAILER_BYTES, np.uint8)
+    ValueMac(load_value_key(None, "KVFSM_TEST_SECRET", "tenant-a")).seal(trailer, "k", payload, None)
+    assert ValueMac(load_value_key(None, "KVFSM_TEST_SECRET", "tenant-a")).check(trailer, "k", payload) is None
+    with pytest.raises(ChecksumMismatch):
+        ValueMac(load_value_key(None, "KVFSM_TEST_SECRET", None)).check(trailer, "k", payload)
