@@ -201,13 +201,14 @@ def test_a_killed_master_is_store_unavailable_and_a_restarted_one_serves_again(f
     assert (target.payload(3) == source.payload(0)).all()
 
 
-def test_a_lookup_a_killed_master_does_not_answer_is_store_unavailable_naming_the_key(fresh_mooncake, connect,
-                                                                                       request) -> None:
+def test_a_lookup_a_killed_master_does_not_answer_is_store_unavailable_naming_each_key(fresh_mooncake, connect,
+                                                                                        request) -> None:
     client = connect(fresh_mooncake, op_timeout_s=1.0, retry_after_s=0.5)
     fresh_mooncake.kill_master()
-    [refused] = faults(client.contains([request.node.name]))
-    assert type(refused) is StoreUnavailable, refused
-    assert str(refused) == f"lookup of {request.node.name} failed"
+    keys = [f"{request.node.name}-{i}" for i in range(2)]
+    refused = faults(client.contains(keys))
+    assert [type(fault) for fault in refused] == [StoreUnavailable] * 2, refused
+    assert [str(fault) for fault in refused] == [f"lookup of {key} failed" for key in keys]
 
 
 def test_on_a_stalled_master_queued_calls_time_out_and_a_running_one_answers_when_it_returns(
