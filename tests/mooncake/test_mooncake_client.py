@@ -165,7 +165,7 @@ def test_a_read_the_store_answers_short_is_a_checksum_mismatch_naming_both_lengt
     assert str(result) == f"{key}: read {expected - 1} bytes, expected {expected}"
 
 
-def test_a_full_store_refuses_writes_as_store_full(fresh_mooncake, connect, request) -> None:
+def test_a_full_store_refuses_writes_as_store_full_naming_each_key(fresh_mooncake, connect, request) -> None:
     hog, client = connect(fresh_mooncake), connect(fresh_mooncake)
     from mooncake.store import ReplicateConfig
     pinned = ReplicateConfig()
@@ -173,8 +173,12 @@ def test_a_full_store_refuses_writes_as_store_full(fresh_mooncake, connect, requ
     codes = [hog.raw().put(f"hog-{i}", bytes(4 << 20), pinned) for i in range(32)]
     assert any(code != 0 for code in codes), "the segment never filled"
     big = SlotRegion(torch.zeros(2 * (8 << 20), dtype=torch.uint8), 8 << 20)
-    results = faults(write(client, big, [request.node.name + "-a", request.node.name + "-b"], [0, 1]))
+    keys = [request.node.name + "-a", request.node.name + "-b"]
+    results = faults(write(client, big, keys, [0, 1]))
     assert any(isinstance(result, StoreFull) for result in results), results
+    for key, result in zip(keys, results, strict=True):
+        if isinstance(result, StoreFull):
+            assert str(result).startswith(f"write-back of {key}: "), result
 
 
 def test_a_killed_master_is_store_unavailable_and_a_restarted_one_serves_again(fresh_mooncake, connect,
@@ -195,6 +199,16 @@ def test_a_killed_master_is_store_unavailable_and_a_restarted_one_serves_again(f
     target = registered(client, seed=9)
     assert moved(read(client, target, [request.node.name], [3]))
     assert (target.payload(3) == source.payload(0)).all()
+
+
+def test_a_lookup_a_killed_master_does_not_answer_is_store_unavailable_naming_each_key(fresh_mooncake, connect,
+                                                                                        request) -> None:
+    client = connect(fresh_mooncake, op_timeout_s=1.0, retry_after_s=0.5)
+    fresh_mooncake.kill_master()
+    keys = [f"{request.node.name}-{i}" for i in range(2)]
+    refused = faults(client.contains(keys))
+    assert [type(fault) for fault in refused] == [StoreUnavailable] * 2, refused
+    assert [str(fault) for fault in refused] == [f"lookup of {key} failed" for key in keys]
 
 
 def test_on_a_stalled_master_queued_calls_time_out_and_a_running_one_answers_when_it_returns(

@@ -70,9 +70,21 @@ def test_a_master_that_cannot_start_is_a_named_error_within_its_deadline(tmp_pat
 
 def test_master_addresses_parse_or_refuse() -> None:
     assert MasterAddress.parse("127.0.0.1:50051") == MasterAddress(host="127.0.0.1", port=50051)
-    for bad in ("127.0.0.1", ":5", "host:port", "h:99999"):
-        with pytest.raises(ValueError):
-            MasterAddress.parse(bad)
+    with pytest.raises(ValueError):
+        MasterAddress.parse("h:99999")
+
+
+def test_a_master_address_splits_at_its_last_colon() -> None:
+    """An IPv6 host holds colons of its own: only the last one ends the host."""
+    assert MasterAddress.parse("[::1]:50051") == MasterAddress(host="[::1]", port=50051)
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1", ":5", "host:port", "h:"])
+def test_a_malformed_master_address_is_refused_naming_the_form_it_needs(bad: str) -> None:
+    """A missing host, port or colon is refused by the parser's own words, not by a field validator's."""
+    with pytest.raises(ValueError) as refused:
+        MasterAddress.parse(bad)
+    assert str(refused.value) == f"a Mooncake master address is HOST:PORT, got {bad!r}"
 
 
 def test_without_the_mooncake_package_its_executables_are_a_named_error(monkeypatch) -> None:
