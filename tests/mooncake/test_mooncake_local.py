@@ -134,10 +134,12 @@ def test_a_process_that_ignores_sigterm_is_killed_once_its_grace_ran_out(tmp_pat
         os.kill(pid, 0)  # type: ignore[arg-type]
 
 
-def test_each_process_of_a_deployment_logs_to_a_file_named_after_it(mooncake) -> None:
-    assert mooncake.master.log_path == mooncake.log_dir / "mooncake_master-1.log"
-    assert mooncake.segment_host.log_path == mooncake.log_dir / "mooncake_client-1.log"
-    assert mooncake.master.log_path.is_file() and mooncake.segment_host.log_path.is_file()
+def test_each_process_of_a_deployment_logs_to_a_file_named_after_it(fresh_mooncake) -> None:
+    """A deployment of the test's own: the module's, shared, may have started a process again (its log numbered 2)."""
+    deployment = fresh_mooncake
+    assert deployment.master.log_path == deployment.log_dir / "mooncake_master-1.log"
+    assert deployment.segment_host.log_path == deployment.log_dir / "mooncake_client-1.log"
+    assert deployment.master.log_path.is_file() and deployment.segment_host.log_path.is_file()
 
 
 def test_a_deployment_given_no_log_folder_logs_in_a_fresh_temporary_one_named_for_kvfsm() -> None:
