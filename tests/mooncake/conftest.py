@@ -8,6 +8,8 @@ ports, started within a bounded time and always torn down, checked to leave no p
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -19,6 +21,8 @@ from kvfsm.mooncake.value import ValueMac
 from kvfsm.testing.mooncake_store import tenant_mac
 
 SEGMENT_BYTES = 64 << 20
+UNANSWERED_RELEASE_S = 4.0
+"""How long `unanswering_port` keeps its connections hanging: a call that waits without a bound still ends."""
 
 
 def _alive(pid: int) -> bool:
@@ -69,3 +73,21 @@ def connect() -> Iterator[ClientFactory]:
     yield make
     for client in clients:
         client.close()
+
+
+@pytest.fixture
+def unanswering_port() -> Iterator[int]:
+    """A loopback port whose accept queue is full: connections to it are neither accepted nor refused (Linux drops
+    their SYNs), as a master host that is up but does not answer, until the listener closes after
+    `UNANSWERED_RELEASE_S`."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    first = socket.create_connection(("127.0.0.1", port))
+    timer = threading.Timer(UNANSWERED_RELEASE_S, listener.close)
+    timer.start()
+    yield port
+    timer.cancel()
+    first.close()
+    listener.close()

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -276,26 +276,6 @@ def test_a_child_that_listens_a_fifth_of_its_timeout_late_is_noticed_in_time(tmp
         finally:
             opener.join()
             child.stop(grace_s=0.2)
-
-
-@pytest.fixture
-def unanswering_port() -> Iterator[int]:
-    """A loopback port whose listener never completes another handshake: its accept queue is full (Linux then
-    drops further SYNs), as a master host that is up but does not answer."""
-    server = socket.socket()
-    server.bind((LOOPBACK, 0))
-    server.listen(0)
-    port = server.getsockname()[1]
-    queued = []
-    for _ in range(4):
-        client = socket.socket()
-        client.setblocking(False)
-        client.connect_ex((LOOPBACK, port))
-        queued.append(client)
-    time.sleep(0.05)
-    yield port
-    for sock in [*queued, server]:
-        sock.close()
 
 
 def test_a_port_that_never_answers_the_handshake_is_given_up_on_within_the_timeout(unanswering_port: int) -> None:
