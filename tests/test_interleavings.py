@@ -95,6 +95,10 @@ NOT_GENERATED = {
 """Declared transitions the generated interleavings do not take within COVERAGE_EXAMPLES, each with what it needs."""
 
 
+COVERAGE_CHILD = "KVFSM_COVERAGE_CHILD"
+"""Set in the fresh interpreter the coverage test starts: there it runs the examples itself."""
+
+
 def test_generated_interleavings_take_every_declared_transition() -> None:
     """Run in a fresh interpreter: the derandomized examples are the same every run only in a process no earlier
     test has touched (in a whole-suite worker, what earlier tests left behind changed which transitions the same
@@ -112,10 +116,6 @@ def test_generated_interleavings_take_every_declared_transition() -> None:
          f"{__file__}::test_generated_interleavings_take_every_declared_transition"],
         env={**os.environ, COVERAGE_CHILD: "1"}, capture_output=True, text=True, timeout=1800)
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-
-
-COVERAGE_CHILD = "KVFSM_COVERAGE_CHILD"
-"""Set in the fresh interpreter the coverage test starts: there it runs the examples itself."""
 
 
 MUTANT_BUDGET = 1500
