@@ -165,15 +165,15 @@ def _with_blocked(modules: tuple[str, ...], code: str) -> subprocess.CompletedPr
                           timeout=120)
 
 
-@pytest.mark.parametrize("missing", [("cryptography",), ("mooncake", "cryptography")])
+@pytest.mark.parametrize("missing", [("blake3",), ("mooncake", "blake3")])
 def test_the_demo_loads_without_the_mooncake_extra(missing: tuple[str, ...]) -> None:
     """What a user installs without extras (CI's wheel check runs the demo so): the demo's imports reach the Mooncake
-    tier and its controls, which must load without `cryptography` or Mooncake."""
+    tier and its controls, which must load without `blake3` or Mooncake."""
     outcome = _with_blocked(missing, "import kvfsm.demo.runs, kvfsm.tiers.mooncake")
     assert outcome.returncode == 0, outcome.stderr
 
 
 def test_control_the_blocked_import_is_real_once_a_key_is_made() -> None:
-    outcome = _with_blocked(("cryptography",),
+    outcome = _with_blocked(("blake3",),
                             "from kvfsm.mooncake.secret import ValueKey\nValueKey.derive(bytes(32), None)")
-    assert outcome.returncode != 0 and "'cryptography' is not a package" in outcome.stderr, outcome.stderr
+    assert outcome.returncode != 0 and "import of blake3 halted" in outcome.stderr, outcome.stderr

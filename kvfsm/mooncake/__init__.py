@@ -7,10 +7,10 @@ from __future__ import annotations
 
 
 def available() -> bool:
-    """Whether Mooncake Store's Python bindings and the MAC's `cryptography` load (the `mooncake` extra, and Debian's
+    """Whether Mooncake Store's Python bindings and the MAC's `blake3` load (the `mooncake` extra, and Debian's
     `libibverbs1`)."""
     try:
-        import cryptography.hazmat.primitives.ciphers.aead  # noqa: F401
+        import blake3  # noqa: F401
         import mooncake.store  # noqa: F401
     except ImportError:
         return False

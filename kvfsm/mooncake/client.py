@@ -21,10 +21,11 @@ the first time it is seen (`register` registers a whole buffer up front, which c
 `kvfsm.mooncake.host_memory` keeps which ranges are registered).
 
 Integrity at transfer speed: every value is sealed and checked with the tenant's MAC (`kvfsm.mooncake.value`), a
-pass over every byte, on `hash_threads` threads of its own (`cryptography` releases the GIL), overlapped with the
-transfers (`kvfsm.mooncake.pipeline` says how a batch is cut): a write-back puts what is sealed while the MAC
-threads seal the rest, and a fetch checks each run of values while the I/O thread gets the next. The I/O thread
-waits for the last MACs before it answers, so a `Pending` never settles while a hashing thread still reads a slot.
+pass over every byte, on `hash_threads` threads of its own (`blake3` releases the GIL while it hashes), overlapped
+with the transfers: a write-back puts every payload while the MAC threads seal, then the trailers that publish them;
+a fetch checks each run of values while the I/O thread gets the next (`kvfsm.mooncake.pipeline` says how it is
+cut). The I/O thread waits for the last MACs before it answers, so a `Pending` never settles while a MAC thread
+still reads a slot.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ class ClientSettings(BaseModel):
     """Threads that seal and check values' MACs, beside the I/O thread that moves the bytes. None: half the cores
     this process may run on, 2 to 8 (`kvfsm.mooncake.pipeline.default_hash_threads`)."""
     pipeline_bytes: PositiveInt = 8 << 20
-    """The least one put or get of a batch carries (unless less is left), beside one value per MAC thread: the
-    batch moves in several calls so that the MACs overlap the transfers (`kvfsm.mooncake.pipeline`)."""
+    """The least one get of a fetch carries (unless less is left), beside one value per MAC thread: a fetch moves
+    in several calls so that the checks overlap the transfers (`kvfsm.mooncake.pipeline`)."""
 
 
 class MooncakeClient:
@@ -262,13 +263,17 @@ class MooncakeClient:
     def write_back(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
                    units: Sequence[np.ndarray] = (), carried: Sequence[int | None] = ()
                    ) -> Pending[list[KeyResult]]:
-        """Store each payload under its key, sealed with the tenant's MAC in its trailer (one object each),
-        carrying `carried[i]`, the block's own checksum, if given. A key the store already holds counts as written
-        only once the value there verifies (this tenant wrote it: keys name content, so it holds these bytes); a
-        value there that does not is `ChecksumMismatch`. Mooncake answers success to a put onto a present key and
-        keeps the value there, so presence is asked first (one `batch_is_exist` per call); a value planted between
-        that answer and the put is still refused by every fetch of it (docs/security.md). `units` are buffers to
-        register whole before the first use of views into them."""
+        """Store each payload under its key and its trailer, sealed with the tenant's MAC and carrying `carried[i]`
+        (the block's own checksum) if given, under the key's trailer key (`kvfsm.mooncake.value`): the payloads in
+        one put while the MAC threads seal, then the trailers, whose presence publishes the values, so no payload
+        waits for a seal. `units` are buffers to register whole before the first use of views into them.
+
+        What the store holds already is asked first (one `batch_is_exist`): Mooncake answers success to a put onto
+        a present key and keeps the value there. A key held whole counts as written only once the value there
+        verifies (this tenant wrote it: keys name content, so it holds these bytes), else `ChecksumMismatch`; a
+        key of which the store holds one half (a write-back that stopped between its puts, an eviction, a plant)
+        has that half removed before this one's puts, so what is published is this tenant's payload. A value
+        planted between the query and a put is still refused by every fetch of it (docs/security.md)."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
         sums = list(carried) or [None] * len(keys)
 
@@ -276,44 +281,84 @@ class MooncakeClient:
             return self.mac.seal(trailers[i], keys[i], payloads[i], sums[i])
 
         def call() -> list[KeyResult]:
-            sealed = [self._hashing.submit(seal, i) for i in range(len(keys))]  # first, in order, on every MAC thread
+            sealed = [self._hashing.submit(seal, i) for i in range(len(keys))]  # first: the MAC threads start now
             with _settling(sealed):
                 self._ensure_registered(list(units) + payloads + trailers)
                 return put(sealed)
 
         def put(sealed: list[Future[int]]) -> list[KeyResult]:
-            present = self._store.batch_is_exist(keys)  # asked while the first round is sealed
-            buffers = [[address(payloads[i]), address(trailers[i])] for i in range(len(keys))]
-            codes: dict[int, int] = {}
-            start, least = 0, self._least(payloads)
-            while start < len(keys):
-                run = pipeline.sealed_run(sealed, start, least)  # its trailers are sealed: only now may it go
-                fresh = [i for i in run if present[i] == 0]
-                if fresh:
-                    codes.update(zip(fresh, self._store.batch_put_from_multi_buffers(
-                        [keys[i] for i in fresh], [buffers[i] for i in fresh],
-                        [[payloads[i].nbytes, value.TRAILER_BYTES] for i in fresh])))
-                start = run.stop
-            return [self._written(i, keys[i], present[i], codes.get(i), sealed[i].result(), payloads[i].nbytes)
-                    for i in range(len(keys))]
+            answers: dict[int, KeyResult] = {}
+            whole, halves = [], []
+            for i, (payload, trailer) in enumerate(self._halves(keys)):
+                if payload < 0 or trailer < 0:
+                    answers[i] = self._unanswered(keys[i])
+                elif payload and trailer:
+                    whole.append(i)
+                elif payload or trailer:
+                    halves.append(i)
+            answers.update(self._cleared(keys, halves))
+            fresh = [i for i in range(len(keys)) if i not in answers and i not in whole]
+            stored = self._put(fresh, [keys[i] for i in fresh], [payloads[i] for i in fresh], answers)
+            for i in stored:  # a seal that failed raises here: no trailer of this call is put
+                sealed[i].result()
+            self._put(stored, [value.trailer_key(keys[i]) for i in stored], [trailers[i] for i in stored], answers)
+            answers.update((i, sealed[i].result()) for i in stored if i not in answers)
+            answers.update((i, self._verify_present(keys[i], payloads[i].nbytes)) for i in whole)
+            return [answers[i] for i in range(len(keys))]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 
-    def _written(self, i: int, key: str, present: int, code: int | None, tag: int, nbytes: int) -> KeyResult:
-        """One key's answer to a write-back: its presence unanswered, the value already there once verified, the
-        put's fault, or the value's own checksum."""
-        if present < 0:
-            return self._unanswered(key)
-        if code is None:
-            return self._verify_present(key, nbytes)
-        [fault] = self._faults([key], [code], "write-back of")
-        return fault if fault is not None else tag
+    def _halves(self, keys: list[str]) -> list[tuple[int, int]]:
+        """Per key, the store's answers (1 held, 0 not, negative: no answer) for its payload and its trailer."""
+        codes = self._store.batch_is_exist(keys + [value.trailer_key(key) for key in keys])
+        return list(zip(codes[:len(keys)], codes[len(keys):], strict=True))
+
+    def _cleared(self, keys: list[str], halves: list[int]) -> dict[int, KeyResult]:
+        """Remove both halves of `halves`' keys (the missing one is answered not found); the fault of each key a
+        half of which could not be removed: its value is not written."""
+        if not halves:
+            return {}
+        names = [keys[i] for i in halves] + [value.trailer_key(keys[i]) for i in halves]
+        codes = [StoreCode.OK if code == StoreCode.OBJECT_NOT_FOUND else code
+                 for code in self._store.batch_remove(names, True)]
+        answers: dict[int, KeyResult] = {}
+        for i, fault in zip(halves * 2, self._faults(names, codes, "removal of half a value under"), strict=True):
+            if fault is not None:
+                answers.setdefault(i, fault)  # the payload's fault first
+        return answers
+
+    def _put(self, indices: list[int], names: list[str], buffers: list[np.ndarray],
+             answers: dict[int, KeyResult]) -> list[int]:
+        """One put of `buffers` under `names` (of the batch's `indices`): each fault goes into `answers`; the indices
+        stored are returned."""
+        if not indices:
+            return []
+        codes = self._store.batch_put_from(names, [address(b) for b in buffers], [b.nbytes for b in buffers])
+        stored = []
+        for i, fault in zip(indices, self._faults(names, codes, "write-back of"), strict=True):
+            if fault is None:
+                stored.append(i)
+            else:
+                answers[i] = fault
+        return stored
 
     def _unanswered(self, key: str) -> TierFault:
         """A key whose presence the store did not answer is not put (a stalled master would make the put wait out
         its RPC timeout a second time); the store is refused for a while, as after any failed call."""
         self._back_off()
         return StoreUnavailable(f"write-back of {key}: the store did not say whether it holds the key")
+
+    def _get(self, keys: list[str], payloads: list[np.ndarray], trailers: list[np.ndarray], what: str
+             ) -> list[tuple[int, TierFault | None]]:
+        """One get of each key's payload and trailer into `payloads` and `trailers`; per key, the bytes read (both
+        halves) and the first fault of its halves."""
+        count = len(keys)
+        codes = self._store.batch_get_into(
+            keys + [value.trailer_key(key) for key in keys],
+            [address(p) for p in payloads] + [address(t) for t in trailers],
+            [p.nbytes for p in payloads] + [value.TRAILER_BYTES] * count)
+        faults = self._faults(keys + keys, codes, what)
+        return [(codes[j] + codes[count + j], faults[j] or faults[count + j]) for j in range(count)]
 
     def _verify_present(self, key: str, nbytes: int) -> KeyResult:
         """The own checksum of the value already stored under `key` once it verifies, else the fault: a key another
@@ -323,10 +368,8 @@ class MooncakeClient:
             self._scratch[nbytes] = (scratch[:nbytes], scratch[nbytes:])
         payload, trailer = self._scratch[nbytes]
         self._ensure_registered([payload, trailer])
-        [code] = self._store.batch_get_into_multi_buffers([key], [[address(payload), address(trailer)]],
-                                                          [[nbytes, value.TRAILER_BYTES]])
-        [fault] = self._faults([key], [code], "check of the value present under")
-        answer = fault if fault is not None else self._verified(key, payload, trailer, code)
+        [(read, fault)] = self._get([key], [payload], [trailer], "check of the value present under")
+        answer = fault if fault is not None else self._verified(key, payload, trailer, read)
         return answer if isinstance(answer, TierFault) else self.mac.checksum_of(trailer)
 
     def _verified(self, key: str, payload: np.ndarray, trailer: np.ndarray, nbytes: int) -> KeyResult:
@@ -340,50 +383,50 @@ class MooncakeClient:
 
     def fetch(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
               units: Sequence[np.ndarray] = ()) -> Pending[list[KeyResult]]:
-        """Read each key into its payload and trailer and verify its MAC; a payload whose result is a fault holds
-        garbage and must not be used."""
+        """Read each key's payload and trailer and verify its MAC; a payload whose result is a fault holds garbage
+        and must not be used."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
 
-        def verify(i: int, code: int, fault: TierFault | None) -> KeyResult:
-            return fault if fault is not None else self._verified(keys[i], payloads[i], trailers[i], code)
+        def verify(i: int, read: int, fault: TierFault | None) -> KeyResult:
+            return fault if fault is not None else self._verified(keys[i], payloads[i], trailers[i], read)
 
         def call() -> list[KeyResult]:
             self._ensure_registered(list(units) + payloads + trailers)
             checked: list[Future[KeyResult]] = []
             with _settling(checked):
                 for run in pipeline.fetch_runs(len(keys), self._least(payloads), self.hash_threads):
-                    names = [keys[i] for i in run]
-                    codes = self._store.batch_get_into_multi_buffers(
-                        names, [[address(payloads[i]), address(trailers[i])] for i in run],
-                        [[payloads[i].nbytes, value.TRAILER_BYTES] for i in run])
-                    faults = self._faults(names, codes, "fetch of")
-                    checked += [self._hashing.submit(verify, i, code, fault)
-                                for i, code, fault in zip(run, codes, faults)]
+                    got = self._get([keys[i] for i in run], [payloads[i] for i in run], [trailers[i] for i in run],
+                                    "fetch of")
+                    checked += [self._hashing.submit(verify, i, read, fault) for i, (read, fault) in zip(run, got)]
                 return [future.result() for future in checked]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 
     def remove(self, keys: Sequence[str]) -> Pending[list[TierFault | None]]:
-        """Remove objects from the store even if others hold read leases on them (for values found corrupt)."""
+        """Remove values (payload and trailer) from the store even if others hold read leases on them (for values
+        found corrupt); a key's answer is the first fault of its two halves."""
         keys = list(keys)
 
         def call() -> list[TierFault | None]:
-            return self._faults(keys, self._store.batch_remove(keys, True), "removal of")
+            names = keys + [value.trailer_key(key) for key in keys]
+            faults = self._faults(names, self._store.batch_remove(names, True), "removal of")
+            return [faults[i] or faults[len(keys) + i] for i in range(len(keys))]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 
     def contains(self, keys: Sequence[str]) -> Pending[list[bool | TierFault]]:
-        """Which keys the store holds now (an answer that may be stale by the time a fetch runs)."""
+        """Which keys the store holds whole now, payload and trailer (an answer that may be stale by the time a fetch
+        runs)."""
         keys = list(keys)
 
         def call() -> list[bool | TierFault]:
             answers: list[bool | TierFault] = []
-            for key, code in zip(keys, self._store.batch_is_exist(keys), strict=True):
-                if code < 0:
+            for key, (payload, trailer) in zip(keys, self._halves(keys), strict=True):
+                if payload < 0 or trailer < 0:
                     self._back_off()
                     answers.append(StoreUnavailable(f"lookup of {key} failed"))
                 else:
-                    answers.append(code == 1)
+                    answers.append(payload == trailer == 1)
             return answers
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys), executor=self._queries)

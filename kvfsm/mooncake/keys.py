@@ -21,10 +21,10 @@ import hashlib
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
-KEY_PREFIX = "kvfsm3"
+KEY_PREFIX = "kvfsm4"
 """Version of the store keys: a change of their scheme or of the stored value's format (`kvfsm.mooncake.value`)
 bumps it, so that a value of another format is never found under a key this kvfsm names (a write-back finding one
-would count the key as planted, never write it, and leave it a miss). 3: values sealed with AES-GMAC."""
+would count the key as planted, never write it, and leave it a miss). 4: values sealed with keyed BLAKE3."""
 NAMESPACE_PREFIX = "kvfsm2"
 """Version of namespace names (a shared disk tier's directory): bumped only when a directory's files change."""
 DIGEST_BYTES = 20
@@ -69,7 +69,7 @@ def _framed(parts: tuple[str, ...]) -> bytes:
 
 
 def object_key(namespace: KvNamespace, block_hash: int, salt: str | None = None) -> str:
-    """The store key of one block: `kvfsm3-<hex digest>`, a BLAKE2b over namespace, salt and prefix hash.
+    """The store key of one block: `kvfsm4-<hex digest>`, a BLAKE2b over namespace, salt and prefix hash.
 
     An empty salt is no salt, as in vLLM, where only a non-empty `cache_salt` enters the prefix hash.
     """

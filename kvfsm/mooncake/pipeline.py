@@ -1,25 +1,21 @@
-"""How a batch is cut into Mooncake calls so that the MAC pass hides behind the transfer.
+"""How a fetch is cut into Mooncake calls so that the MAC checks hide behind the transfer.
 
-Every value is sealed (write-back) or checked (fetch) with the tenant's MAC, a pass over every byte on the client's
-MAC threads, while the I/O thread moves bytes. Measured on an engine host (32 cores, Mooncake 0.3.13, 2 MiB values,
-docs/mooncake.md): one core MACs about 3.6 GB/s and threads scale it (8: 24 GB/s), a batch call moves 2.8 GB/s over
-TCP and 5 GB/s into local memory, and an extra call costs little (a master round trip, well under a millisecond).
-So what the MAC pass adds to a batch is what the transfer cannot overlap: on a write-back the wait for the first
-values' seals, on a fetch the checks of the last values read. Both are cut to one round of the MAC threads (one value
-each, or `pipeline_bytes` if that is more), and what lies between overlaps:
+Every value is checked with the tenant's MAC on a fetch, a pass over every byte on the client's MAC threads, while
+the I/O thread moves bytes. Measured on an engine host (32 cores, Mooncake 0.3.13, 2 MiB values, docs/mooncake.md):
+a batch call moves 2.8 GB/s over TCP and 5 GB/s into local memory, and an extra call costs little (a master round
+trip, well under a millisecond). A fetch's checks can start only once a get brought their values, so what the MAC
+adds to a fetch is the checks of the last values read. A fetch therefore gets the batch in runs that shrink toward
+its end (`fetch_runs`), the last one round of the MAC threads long (one value each, or `pipeline_bytes` if that is
+more), so the checks of each run hide behind the get of the next and only the last round's checks are left.
+(A write-back needs no cut: its payloads go in one put while the MAC threads seal, and the sealed trailers in a
+second, small put after it: `kvfsm.mooncake.client`.)
 
-- a write-back puts as soon as one round is sealed, and each put carries every value sealed by the time it starts
-  (`sealed_run`): fast MAC threads leave two or three puts per batch, slow ones more, smaller puts that keep pace;
-- a fetch gets the batch in runs that shrink toward its end (`fetch_runs`), the last one round long, so the checks
-  of each run hide behind the get of the next and only the last round's checks are left.
-
-Threads: these helpers run on the client's I/O thread; `sealed_run` only waits on futures of the MAC threads.
+Threads: these helpers run on the client's I/O thread.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future
 from typing import Sequence
 
 HASH_THREADS_RANGE = (2, 8)
@@ -42,24 +38,11 @@ def default_hash_threads(cores: int | None = None) -> int:
 
 
 def round_values(sizes: Sequence[int], hash_threads: int, pipeline_bytes: int) -> int:
-    """The fewest values of a batch (of values `sizes` bytes long) one put or get carries, unless fewer are left: one
+    """The fewest values of a batch (of values `sizes` bytes long) one get carries, unless fewer are left: one
     per MAC thread (a round of them), and at least `pipeline_bytes`, so that a batch of small values is not cut into
     many calls that each cost the master a round trip."""
     total = max(sum(sizes), 1)
     return max(hash_threads, -(-pipeline_bytes * len(sizes) // total), 1)
-
-
-def sealed_run(sealed: Sequence[Future[int]], start: int, least: int) -> range:
-    """The values the next put of a write-back carries: from `start`, once the next `least` values (or those left)
-    are sealed, every value sealed without a gap. Waits on the MAC threads; a failed seal ends a run before it and
-    raises here as the next run's first, so no put carries its value."""
-    first = min(start + least, len(sealed))
-    for future in sealed[start:first]:
-        future.result()
-    end = first
-    while end < len(sealed) and sealed[end].done() and sealed[end].exception() is None:
-        end += 1
-    return range(start, end)
 
 
 def fetch_runs(count: int, last: int, hash_threads: int) -> list[range]:

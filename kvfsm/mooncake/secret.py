@@ -6,9 +6,9 @@ least `MIN_SECRET_BYTES` bytes, in a file (`MooncakeTierConfig.secret_file`) or 
 (`secret_env`, `KVFSM_MOONCAKE_SECRET` unless configured otherwise); it is read once, when the tier opens, and a
 missing, unreadable or short secret is `SecretUnavailable` there, before anything is written or fetched.
 
-The secret never leaves this module: what the client holds is a `ValueKey` derived from it (HKDF-SHA256 from the
-`cryptography` package, bound to the tenant name, so one secret handed to two tenants by mistake still gives two
-keys), whose repr and str say nothing of it, and no message here names more than where the secret was looked for and
+The secret never leaves this module: what the client holds is a `ValueKey` derived from it (BLAKE3's key-derivation
+mode, from the `blake3` package, bound to the tenant name, so one secret handed to two tenants by mistake still gives
+two keys), whose repr and str say nothing of it, and no message here names more than where the secret was looked for and
 how long it was.
 """
 
@@ -19,18 +19,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from blake3 import blake3
 
 KEY_BYTES = 32
-"""AES-256: the MAC's key (`kvfsm.mooncake.value`)."""
+"""Keyed BLAKE3's key length: the MAC's key (`kvfsm.mooncake.value`)."""
 MIN_SECRET_BYTES = KEY_BYTES
 """256 bits: a secret shorter than the MAC's key adds no strength and is refused."""
 DEFAULT_SECRET_ENV = "KVFSM_MOONCAKE_SECRET"
-_CONTEXT = b"kvfsm 2026-11 mooncake value MAC key v3\0"
-"""Key-derivation context (HKDF's `info`, before the tenant's name): a key derived here is never the key of any
-other use of the same secret. The `cryptography` package is imported only when a key is made or used: it comes with
-the `mooncake` extra, and kvfsm without that extra (the demo, an engine with no Mooncake tier) imports this module
-through the tiers and the testing controls."""
+_CONTEXT = "kvfsm 2026-11-28 mooncake value MAC key v4"
+"""BLAKE3's key-derivation context (fixed, unique to this use): a key derived here is never the key of any other use
+of the same secret. The `blake3` package is imported only when a key is made or used: it comes with the `mooncake`
+extra, and kvfsm without that extra (the demo, an engine with no Mooncake tier) imports this module through the
+tiers and the testing controls."""
 
 
 class SecretUnavailable(ValueError):
@@ -49,16 +49,20 @@ class ValueKey:
 
     @classmethod
     def derive(cls, secret: bytes, tenant: str | None) -> ValueKey:
-        from cryptography.hazmat.primitives.hashes import SHA256
-        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+        """The key of `tenant`'s values: BLAKE3 in its key-derivation mode over the tenant's name (length first, so
+        no name and secret run together into another pair's bytes) and the secret."""
+        from blake3 import blake3
 
-        return cls(HKDF(SHA256(), KEY_BYTES, salt=None, info=_CONTEXT + (tenant or "").encode()).derive(secret))
+        name = (tenant or "").encode()
+        material = len(name).to_bytes(4, "little") + name + secret
+        return cls(blake3(material, derive_key_context=_CONTEXT).digest(KEY_BYTES))
 
-    def cipher(self) -> AESGCM:
-        """AES-256-GCM under this key, of which `kvfsm.mooncake.value` uses the tag alone (GMAC)."""
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    def hasher(self) -> blake3:
+        """A fresh keyed BLAKE3 under this key (`kvfsm.mooncake.value` takes its MAC tags from it): one per tag, so
+        that the MAC threads share nothing."""
+        from blake3 import blake3
 
-        return AESGCM(self._key)
+        return blake3(key=self._key)
 
     def __repr__(self) -> str:
         return "ValueKey(<hidden>)"

@@ -204,17 +204,17 @@ class MooncakeTier:
     # --- inspection ------------------------------------------------------------------------------------------
 
     def stored_bytes(self, key: int) -> bytes | None:
-        """The payload the store holds under `key` now, trailer stripped (for checks; it does not verify): with
-        `heads`, this rank's heads' values put back in the order of its CPU slot."""
+        """The payload the store holds under `key` now (for checks; it does not verify): with `heads`, this rank's
+        heads' values put back in the order of its CPU slot."""
         if self.heads is None:
             raw = self.client.raw().get(self.store_key(key))
-            return bytes(raw[:self.block_bytes]) if len(raw) == self.block_bytes + value.TRAILER_BYTES else None
+            return bytes(raw) if len(raw) == self.block_bytes else None
         shadow, block = np.empty(self.block_bytes, np.uint8), np.empty(self.block_bytes, np.uint8)
         for head_value, store_key in zip(self.heads.values(shadow), self.store_keys(key)):
             raw = self.client.raw().get(store_key)
-            if len(raw) != head_value.nbytes + value.TRAILER_BYTES:
+            if len(raw) != head_value.nbytes:
                 return None
-            head_value[:] = np.frombuffer(raw[:head_value.nbytes], np.uint8)
+            head_value[:] = np.frombuffer(raw, np.uint8)
         self.heads.from_shadow(shadow, block)
         return block.tobytes()
 

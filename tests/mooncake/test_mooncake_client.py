@@ -17,7 +17,7 @@ from kvfsm.mooncake.host_memory import SlotRegion  # noqa: E402
 from kvfsm.mooncake.io_thread import Pending  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress, free_loopback_port  # noqa: E402
 from kvfsm.mooncake.secret import ValueKey  # noqa: E402
-from kvfsm.mooncake.value import TRAILER_BYTES, ValueMac  # noqa: E402
+from kvfsm.mooncake.value import TRAILER_BYTES, ValueMac, trailer_key  # noqa: E402
 from kvfsm.testing.mooncake_store import tenant_mac  # noqa: E402
 from kvfsm.tiers.io import ManualIo  # noqa: E402
 
@@ -128,6 +128,7 @@ def test_a_corrupted_value_is_a_checksum_mismatch(mooncake, connect, request, co
     if corruption == "other key's value":
         assert moved(write(client, source, [key + "-other"], [1]))
         assert store.put(key, store.get(key + "-other")) == 0
+        assert store.put(trailer_key(key), store.get(trailer_key(key + "-other"))) == 0
     else:
         assert moved(write(client, source, [key], [1]))
         raw = bytearray(store.get(key))
@@ -140,7 +141,7 @@ def test_a_corrupted_value_is_a_checksum_mismatch(mooncake, connect, request, co
 
 
 class ShortReads:
-    """The client's store, but every read answers one byte fewer than it moved: a store gone wrong."""
+    """The client's store, but every read of an object answers one byte fewer than it moved: a store gone wrong."""
 
     def __init__(self, store: object) -> None:
         self._store = store
@@ -148,8 +149,8 @@ class ShortReads:
     def __getattr__(self, name: str) -> object:
         return getattr(self._store, name)
 
-    def batch_get_into_multi_buffers(self, *args: object) -> list[int]:
-        return [code - 1 if code > 0 else code for code in self._store.batch_get_into_multi_buffers(*args)]
+    def batch_get_into(self, *args: object) -> list[int]:
+        return [code - 1 if code > 0 else code for code in self._store.batch_get_into(*args)]
 
 
 def test_a_read_the_store_answers_short_is_a_checksum_mismatch_naming_both_lengths(mooncake, connect,
@@ -162,7 +163,7 @@ def test_a_read_the_store_answers_short_is_a_checksum_mismatch_naming_both_lengt
     [result] = faults(read(client, target, [key], [0]))
     expected = SLOT + TRAILER_BYTES
     assert isinstance(result, ChecksumMismatch)
-    assert str(result) == f"{key}: read {expected - 1} bytes, expected {expected}"
+    assert str(result) == f"{key}: read {expected - 2} bytes, expected {expected}"  # payload and trailer short
 
 
 def test_a_full_store_refuses_writes_as_store_full_naming_each_key(fresh_mooncake, connect, request) -> None:
@@ -268,9 +269,9 @@ class SlowSeal(ValueMac):
         return super().seal(*args, **kwargs)
 
 
-def test_a_write_back_puts_no_value_before_its_trailer_is_sealed(mooncake, connect, request) -> None:
-    """The MACs of a chunk run on the MAC threads while earlier chunks move: a chunk put before its trailers were
-    sealed would store stale trailers, and every fetch of it would fail."""
+def test_a_write_back_puts_no_trailer_before_it_is_sealed(mooncake, connect, request) -> None:
+    """The MACs run on the MAC threads while the payloads move: a trailer put before it was sealed would publish a
+    stale trailer, and every fetch of its value would fail."""
     key = ValueKey.derive(b"a test tenant's secret, 32 bytes or more", None)
     client = connect(mooncake, mac=SlowSeal(key), pipeline_bytes=SLOT)
     source, target = registered(client, seed=7), registered(client, seed=8)

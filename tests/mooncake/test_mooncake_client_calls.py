@@ -17,7 +17,7 @@ from test_mooncake_client import WAIT_S, faults, moved, read, registered, write 
 from kvfsm.mooncake.client import ClientSettings, MooncakeClient  # noqa: E402
 from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreUnavailable  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress  # noqa: E402
-from kvfsm.mooncake.value import TRAILER_BYTES  # noqa: E402
+from kvfsm.mooncake.value import TRAILER_BYTES, trailer_key  # noqa: E402
 from kvfsm.testing.mooncake_store import tenant_mac  # noqa: E402
 
 NOT_CONNECTED = "the Mooncake client is not connected"
@@ -91,7 +91,7 @@ def test_a_write_back_onto_a_key_whose_value_cannot_be_read_back_names_the_check
     buffers, and the store's refusal is the write-back's answer, naming the check that failed."""
     client = connect(mooncake)
     key = request.node.name
-    assert client.raw().put(key, b"x" * 100) == 0
+    assert client.raw().put(key, b"x" * 100) == 0 and client.raw().put(trailer_key(key), b"x" * 100) == 0
     [refused] = faults(write(client, registered(client), [key], [0]))
     assert type(refused) is ChecksumMismatch
-    assert str(refused) == f"check of the value present under {key}: TRANSFER_FAIL"
+    assert str(refused) == f"check of the value present under {key}: INVALID_PARAMS"

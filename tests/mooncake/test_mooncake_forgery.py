@@ -23,7 +23,7 @@ from kvfsm.config import MooncakeTierConfig  # noqa: E402
 from kvfsm.connector.prometheus import KvfsmCollector  # noqa: E402
 from kvfsm.mooncake.errors import ChecksumMismatch  # noqa: E402
 from kvfsm.mooncake.secret import SecretUnavailable, ValueKey, load_value_key  # noqa: E402
-from kvfsm.mooncake.value import NONCE_BYTES, TAG_BYTES, TRAILER, TRAILER_BYTES, ValueMac  # noqa: E402
+from kvfsm.mooncake.value import TAG_BYTES, TRAILER, TRAILER_BYTES, ValueMac, trailer_key  # noqa: E402
 from kvfsm.testing.harness import Harness  # noqa: E402
 from kvfsm.testing.mooncake_store import tenant_mac, unchecked_fetch  # noqa: E402
 
@@ -36,8 +36,8 @@ OTHER_SECRET = b"a secret the victim tenant never held, 32+ bytes"
 def old_style_trailer(key: str, payload: bytes) -> bytes:
     """What values carried before the MAC (an unkeyed tag of the key and the payload's CRC-32, which anyone can
     compute for any bytes), laid out in today's trailer with the right length, so that only the MAC tells it apart."""
-    return TRAILER.pack(hashlib.blake2b(key.encode(), digest_size=TAG_BYTES).digest(), bytes(NONCE_BYTES),
-                        zlib.crc32(payload), 1, len(payload))
+    return TRAILER.pack(hashlib.blake2b(key.encode(), digest_size=TAG_BYTES).digest(), zlib.crc32(payload), 1,
+                        len(payload))
 
 
 def plant(forger, keys: list[str], block_bytes: int, forgery: str) -> None:
@@ -46,15 +46,16 @@ def plant(forger, keys: list[str], block_bytes: int, forgery: str) -> None:
     store = forger.raw()
     payload = bytes([FORGED]) * block_bytes
     for key in keys:
-        real = store.get(key)
-        assert len(real) == block_bytes + TRAILER_BYTES and store.remove(key, True) == 0
+        real = store.get(trailer_key(key))
+        assert len(store.get(key)) == block_bytes and len(real) == TRAILER_BYTES
+        assert store.remove(key, True) == 0 and store.remove(trailer_key(key), True) == 0
         if forgery == "sealed with another secret":
             buffer = torch.full((block_bytes,), FORGED, dtype=torch.uint8).numpy()
             trailer = np.zeros(TRAILER_BYTES, dtype=np.uint8)
             assert not isinstance(forger.write_back([key], [buffer], [trailer]).wait(10.0)[0], Exception)
             continue
-        trailer = old_style_trailer(key, payload) if forgery == "old-style trailer" else bytes(real[block_bytes:])
-        assert store.put(key, payload + trailer) == 0
+        trailer = old_style_trailer(key, payload) if forgery == "old-style trailer" else bytes(real)
+        assert store.put(key, payload) == 0 and store.put(trailer_key(key), trailer) == 0
 
 
 def forged_bytes_on_gpu(harness: Harness) -> int:

@@ -47,7 +47,7 @@ def test_parts_cannot_be_shifted_across_field_boundaries(a: tuple[str, str], b: 
 def test_keys_are_stable_and_short() -> None:
     key = object_key(BASE, 123456789)
     assert key == object_key(KvNamespace(**BASE.model_dump()), 123456789)
-    assert key.startswith("kvfsm3-") and len(key) == len("kvfsm3-") + 40
+    assert key.startswith("kvfsm4-") and len(key) == len("kvfsm4-") + 40
 
 
 def test_a_rank_outside_its_world_is_refused() -> None:
@@ -76,10 +76,10 @@ def test_a_head_key_is_never_a_block_key() -> None:
     assert not blocks & {head_key(BASE, 7, head, salt) for head in range(4) for salt in (None, "s")}
 
 
-def test_the_keys_of_scheme_kvfsm3_and_namespaces_of_kvfsm2_never_change() -> None:
+def test_the_keys_of_scheme_kvfsm4_and_namespaces_of_kvfsm2_never_change() -> None:
     """Stored values and shared disk directories outlive the process that named them: another process, or a later
     kvfsm, finds them only by the same names. A change of any store key bumps `KEY_PREFIX`, of a namespace name
-    `NAMESPACE_PREFIX` (and this test); the digests are those of scheme 2, whose parts scheme 3 kept."""
-    assert object_key(BASE, 7) == "kvfsm3-e5ad19804514c8390d31776a44fddfae8fb36931"
-    assert head_key(BASE, 7, 3) == "kvfsm3-89801e7a35c10cc63164b4f6a1542cb5ec6d3858"
+    `NAMESPACE_PREFIX` (and this test); the digests are those of scheme 2, whose parts schemes 3 and 4 kept."""
+    assert object_key(BASE, 7) == "kvfsm4-e5ad19804514c8390d31776a44fddfae8fb36931"
+    assert head_key(BASE, 7, 3) == "kvfsm4-89801e7a35c10cc63164b4f6a1542cb5ec6d3858"
     assert namespace_name(BASE) == "kvfsm2-0644c3645991f163d6c0d3400abeba9ad047fec0"

@@ -1,23 +1,16 @@
-"""How a batch is cut into Mooncake calls (`kvfsm.mooncake.pipeline`): what each put and get carries."""
+"""How a fetch is cut into Mooncake calls (`kvfsm.mooncake.pipeline`): what each get carries."""
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfsm.mooncake.pipeline import (
-    CHECK_OVER_GET, HASH_THREADS_RANGE, default_hash_threads, fetch_runs, round_values, sealed_run,
+    CHECK_OVER_GET, HASH_THREADS_RANGE, default_hash_threads, fetch_runs, round_values,
 )
-
-
-def done(value: int = 0) -> Future[int]:
-    future: Future[int] = Future()
-    future.set_result(value)
-    return future
 
 
 @given(count=st.integers(1, 300), last=st.integers(1, 40), threads=st.integers(1, 16))
@@ -36,23 +29,7 @@ def test_fast_mac_threads_leave_a_fetch_two_gets_where_slow_ones_keep_even_runs(
     assert [len(run) for run in fetch_runs(32, 4, 2)] == [4] * 8
 
 
-def test_a_run_waits_for_one_round_of_seals_and_takes_every_value_sealed_without_a_gap() -> None:
-    pending: Future[int] = Future()
-    sealed = [done(), done(), done(), pending, done()]
-    assert sealed_run(sealed, 0, 2) == range(0, 3)
-    pending.set_result(0)
-    assert sealed_run(sealed, 3, 2) == range(3, 5)
-
-
-def test_a_failed_seal_raises_before_its_run_is_put_and_no_run_carries_it() -> None:
-    failed: Future[int] = Future()
-    failed.set_exception(ValueError("seal failed"))
-    with pytest.raises(ValueError):
-        sealed_run([done(), failed], 0, 2)
-    assert sealed_run([done(), failed, done()], 0, 1) == range(0, 1)
-
-
-def test_a_call_carries_one_value_per_mac_thread_and_at_least_pipeline_bytes() -> None:
+def test_a_get_carries_one_value_per_mac_thread_and_at_least_pipeline_bytes() -> None:
     assert round_values([2 << 20] * 32, 8, 8 << 20) == 8
     assert round_values([2 << 20] * 32, 2, 8 << 20) == 4
     assert round_values([64 << 10] * 32, 2, 1 << 20) == 16

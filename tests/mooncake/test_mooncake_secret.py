@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("cryptography")
+pytest.importorskip("blake3")
 
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
+from blake3 import blake3  # noqa: E402
 
 from kvfsm.mooncake.errors import ChecksumMismatch  # noqa: E402
 from kvfsm.mooncake.secret import SecretUnavailable, ValueKey, load_value_key  # noqa: E402
-from kvfsm.mooncake.value import NONCE_BYTES, TAG_BYTES, TRAILER, TRAILER_BYTES, ValueMac  # noqa: E402
+from kvfsm.mooncake.value import TAG_BYTES, TRAILER, TRAILER_BYTES, ValueMac  # noqa: E402
 
 KEY = ValueKey.derive(b"a secret of thirty-two bytes or more, for tests", "tenant")
 
@@ -79,13 +79,13 @@ def test_a_tenant_left_unset_is_the_empty_tenant_name() -> None:
 RAW_KEY = bytes(range(32))
 
 
-def documented_trailer(key: str, payload: bytes, carried: int | None, nonce: bytes) -> bytes:
-    """A trailer built from the format kvfsm.mooncake.value documents, with `cryptography`'s AES-GCM alone: the
-    tag of GCM under the value key and `nonce`, with the header and key as plaintext and the payload as associated
-    data; then the tag, the nonce, the carried checksum (0 if none), whether one is carried, the payload's length."""
-    header = struct.pack("<8sIIQI", b"kvfsm-v3", carried is not None, carried or 0, len(payload), len(key))
-    tag = AESGCM(RAW_KEY).encrypt(nonce, header + key.encode(), payload)[-TAG_BYTES:]
-    return TRAILER.pack(tag, nonce, carried or 0, carried is not None, len(payload))
+def documented_trailer(key: str, payload: bytes, carried: int | None) -> bytes:
+    """A trailer built from the format kvfsm.mooncake.value documents, with the `blake3` package alone: keyed BLAKE3
+    under the value key of the header, the key and the payload; then the tag, the carried checksum (0 if none),
+    whether one is carried, the payload's length."""
+    header = struct.pack("<8sIIQI", b"kvfsm-v4", carried is not None, carried or 0, len(payload), len(key))
+    tag = blake3(header + key.encode() + payload, key=RAW_KEY).digest(TAG_BYTES)
+    return TRAILER.pack(tag, carried or 0, carried is not None, len(payload))
 
 
 @pytest.mark.parametrize("carried", [None, 0xC0FFEE])
@@ -93,13 +93,22 @@ def test_a_value_of_the_documented_format_verifies_and_a_seal_writes_that_format
     """Values outlive the process that wrote them (other engines, later kvfsm versions read them): the format is
     what the module documents, checked against an independent construction, not only against itself."""
     mac, payload = ValueMac(ValueKey(RAW_KEY)), np.arange(64, dtype=np.uint8)
-    nonce = bytes(range(NONCE_BYTES))
-    built = np.frombuffer(documented_trailer("k", payload.tobytes(), carried, nonce), np.uint8)
+    built = np.frombuffer(documented_trailer("k", payload.tobytes(), carried), np.uint8)
     assert mac.check(built, "k", payload) == carried
     sealed = np.zeros(TRAILER_BYTES, np.uint8)
     mac.seal(sealed, "k", payload, carried)
-    written_nonce = TRAILER.unpack(sealed.tobytes())[1]
-    assert sealed.tobytes() == documented_trailer("k", payload.tobytes(), carried, written_nonce)
+    assert sealed.tobytes() == built.tobytes()
+
+
+def test_a_value_key_is_blake3s_derivation_of_the_tenant_and_the_secret_under_kvfsms_context() -> None:
+    """Engines of one tenant on other hosts, and later kvfsm versions, must derive the same key from the same
+    secret: the derivation is the documented one, built independently here."""
+    secret = b"a secret of thirty-two bytes or more, for tests"
+    material = len(b"tenant").to_bytes(4, "little") + b"tenant" + secret
+    raw = blake3(material, derive_key_context="kvfsm 2026-11-28 mooncake value MAC key v4").digest()
+    payload, trailer = np.arange(8, dtype=np.uint8), np.zeros(TRAILER_BYTES, np.uint8)
+    ValueMac(ValueKey(raw)).seal(trailer, "k", payload, None)
+    assert ValueMac(KEY).check(trailer, "k", payload) is None
 
 
 SECRET = "s" * 32

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("mooncake.store")
 
 from kvfsm.executor.pool import HostPool  # noqa: E402
-from kvfsm.mooncake.value import TRAILER_BYTES  # noqa: E402
+from kvfsm.mooncake.value import TRAILER_BYTES, trailer_key  # noqa: E402
 from kvfsm.tiers.base import TierCompletion, TierFailure  # noqa: E402
 from kvfsm.tiers.mooncake import MooncakeTier  # noqa: E402
 from test_mooncake_heads import completion  # noqa: E402
@@ -40,7 +40,9 @@ def write(tier_: MooncakeTier, pool: HostPool, key: int) -> TierCompletion:
 
 def forge(tier_: MooncakeTier, key: int) -> None:
     """Another client of the master puts a value of the right length under `key` that no MAC of the tenant seals."""
-    assert tier_.client.raw().put(tier_.store_key(key), bytes([FORGED]) * (tier_.block_bytes + TRAILER_BYTES)) == 0
+    store, name = tier_.client.raw(), tier_.store_key(key)
+    assert store.put(name, bytes([FORGED]) * tier_.block_bytes) == 0
+    assert store.put(trailer_key(name), bytes([FORGED]) * TRAILER_BYTES) == 0
 
 
 def reject(tier_: MooncakeTier, pool: HostPool, key: int) -> None:

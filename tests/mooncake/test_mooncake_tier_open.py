@@ -17,7 +17,7 @@ from kvfsm.machines import MachineSet  # noqa: E402
 from kvfsm.mooncake.client import ClientSettings  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress  # noqa: E402
 from kvfsm.mooncake.secret import load_value_key  # noqa: E402
-from kvfsm.mooncake.value import ValueMac  # noqa: E402
+from kvfsm.mooncake.value import ValueMac, trailer_key  # noqa: E402
 from kvfsm.tiers.mooncake import SHADOW_CHUNK_BYTES, MooncakeTier  # noqa: E402
 from test_mooncake_heads import completion  # noqa: E402
 from test_mooncake_tier_reads import JOB_IDS, open_tier, view  # noqa: E402
@@ -70,9 +70,10 @@ def test_a_tier_seals_its_values_under_its_secret_file_s_key_for_its_tenant(moon
         job = next(JOB_IDS)
         tier_.submit_write(job, [KEY], [view(pool, 0)], [CHECKSUM])
         assert completion(tier_, job).ok
-        raw = np.frombuffer(tier_.client.raw().get(tier_.store_key(KEY)), np.uint8)
+        name = tier_.store_key(KEY)
+        payload, trailer = (np.frombuffer(tier_.client.raw().get(n), np.uint8) for n in (name, trailer_key(name)))
         mac = ValueMac(load_value_key(secret_file, "UNUSED", tier_.tenant))
-        assert mac.check(raw[tier_.block_bytes:], tier_.store_key(KEY), raw[:tier_.block_bytes]) == CHECKSUM
+        assert mac.check(trailer, name, payload) == CHECKSUM
     finally:
         tier_.close()
 

@@ -1,0 +1,168 @@
+"""A value is two objects, its payload and then its trailer, and only a whole one counts: a lookup holds a key only
+when both are there, no payload waits for a seal, a trailer is put only over a stored payload, a half left in the
+store (by a write-back that stopped between its puts, an eviction, a plant) is removed before this tenant writes
+the key, and removing a value removes both objects."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mooncake.store")
+
+from test_mooncake_client import SLOT, WAIT_S, faults, moved, read, registered, write  # noqa: E402
+
+from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreRejected  # noqa: E402
+from kvfsm.mooncake.secret import ValueKey  # noqa: E402
+from kvfsm.mooncake.value import TRAILER_BYTES, ValueMac, trailer_key  # noqa: E402
+
+FORGED = 0xA5
+TRANSFER_FAIL = -800
+OBJECT_HAS_LEASE = -706
+
+
+class Wrapped:
+    """The client's store, with some calls answered otherwise (a store gone wrong at one step)."""
+
+    def __init__(self, store: Any, **calls: Any) -> None:
+        self._store = store
+        self.__dict__.update(calls)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def held(client: Any, key: str) -> tuple[int, int]:
+    """Whether the store holds the payload and the trailer of `key` (1 or 0 each)."""
+    return tuple(client.raw().batch_is_exist([key, trailer_key(key)]))  # type: ignore[return-value]
+
+
+def test_a_lookup_holds_a_key_only_while_both_its_objects_are_there(mooncake, connect, request) -> None:
+    client, key = connect(mooncake), request.node.name
+    assert moved(write(client, registered(client), [key], [0]))
+    assert faults(client.contains([key])) == [True]
+    assert client.raw().remove(trailer_key(key), True) == 0
+    assert faults(client.contains([key])) == [False]
+    [missing] = faults(read(client, registered(client), [key], [0]))
+    assert isinstance(missing, KeyMissing)
+
+
+def plant_half(client: Any, key: str, half: str) -> None:
+    """Another client of the master left one object of `key`: FORGED bytes of a payload's or a trailer's length."""
+    name, size = (key, SLOT) if half == "payload" else (trailer_key(key), TRAILER_BYTES)
+    assert client.raw().put(name, bytes([FORGED]) * size) == 0
+
+
+@pytest.mark.parametrize("half", ["payload", "trailer"])
+def test_a_key_the_store_holds_half_of_is_cleared_and_written_whole(mooncake, connect, request, half: str) -> None:
+    client, key = connect(mooncake), request.node.name
+    source, target = registered(client, seed=1), registered(client, seed=2)
+    plant_half(client, key, half)
+    assert moved(write(client, source, [key], [0]))
+    assert moved(read(client, target, [key], [0])) and (target.payload(0) == source.payload(0)).all()
+
+
+@pytest.mark.parametrize("half", ["payload", "trailer"])
+def test_control_without_clearing_a_planted_half_stays_and_every_fetch_of_the_key_fails(mooncake, connect, request,
+                                                                                        half: str) -> None:
+    """Mooncake keeps the object a put finds present: the planted half is what readers get beside this tenant's."""
+    client, key = connect(mooncake), request.node.name
+    client._cleared = lambda keys, halves: {}
+    plant_half(client, key, half)
+    assert moved(write(client, registered(client, seed=1), [key], [0]))
+    [refused] = faults(read(client, registered(client, seed=2), [key], [0]))
+    assert isinstance(refused, ChecksumMismatch)
+
+
+def test_a_half_the_store_will_not_remove_leaves_its_key_unwritten_naming_the_removal(mooncake, connect,
+                                                                                      request) -> None:
+    client, key = connect(mooncake), request.node.name
+    plant_half(client, key, "payload")
+    client._store = Wrapped(client._store, batch_remove=lambda names, force: [OBJECT_HAS_LEASE] * len(names))
+    [refused] = faults(write(client, registered(client), [key], [0]))
+    assert type(refused) is StoreRejected
+    assert str(refused) == f"removal of half a value under {key}: OBJECT_HAS_LEASE"
+    assert held(client, key) == (1, 0)
+
+
+class GatedSeal(ValueMac):
+    """A sealer whose seals wait until the payloads' put has started."""
+
+    def __init__(self, key: ValueKey, gate: threading.Event) -> None:
+        super().__init__(key)
+        self.gate = gate
+
+    def seal(self, *args: Any, **kwargs: Any) -> int:
+        assert self.gate.wait(WAIT_S), "no put started while the seals waited"
+        return super().seal(*args, **kwargs)
+
+
+def test_a_write_back_puts_its_payloads_while_their_seals_still_run_and_then_the_trailers(mooncake, connect,
+                                                                                         request) -> None:
+    gate = threading.Event()
+    client = connect(mooncake, mac=GatedSeal(ValueKey.derive(b"a test tenant's secret, 32 bytes or more", None), gate))
+    puts: list[list[str]] = []
+
+    def put(names: list[str], *args: Any) -> list[int]:
+        puts.append(list(names))
+        gate.set()
+        return store.batch_put_from(names, *args)
+
+    store = client._store
+    client._store = Wrapped(store, batch_put_from=put)
+    keys = [f"{request.node.name}-{i}" for i in range(3)]
+    try:
+        assert moved(write(client, registered(client), keys, [0, 1, 2]))
+    finally:
+        gate.set()
+    assert puts == [keys, [trailer_key(key) for key in keys]]
+
+
+def failing_puts(client: Any, of: str) -> None:
+    """The store refuses every put of payloads, or of trailers."""
+    store = client._store
+
+    def put(names: list[str], *args: Any) -> list[int]:
+        trailers = names[0].endswith(trailer_key(""))
+        if trailers == (of == "trailers"):
+            return [TRANSFER_FAIL] * len(names)
+        return store.batch_put_from(names, *args)
+
+    client._store = Wrapped(store, batch_put_from=put)
+
+
+def test_a_payload_the_store_refuses_gets_no_trailer_and_its_fault_is_the_answer(mooncake, connect, request) -> None:
+    client, key = connect(mooncake), request.node.name
+    failing_puts(client, "payloads")
+    [refused] = faults(write(client, registered(client), [key], [0]))
+    assert str(refused) == f"write-back of {key}: TRANSFER_FAIL" and held(client, key) == (0, 0)
+
+
+def test_a_trailer_the_store_refuses_leaves_the_value_unpublished_naming_the_trailer(mooncake, connect,
+                                                                                     request) -> None:
+    client, key = connect(mooncake), request.node.name
+    failing_puts(client, "trailers")
+    [refused] = faults(write(client, registered(client), [key], [0]))
+    assert str(refused) == f"write-back of {trailer_key(key)}: TRANSFER_FAIL"
+    assert faults(client.contains([key])) == [False]
+
+
+class FailingSeal(ValueMac):
+    def seal(self, *args: Any, **kwargs: Any) -> int:
+        raise RuntimeError("the MAC failed")
+
+
+def test_a_seal_that_fails_puts_no_trailer_and_the_write_back_raises_its_error(mooncake, connect, request) -> None:
+    client = connect(mooncake, mac=FailingSeal(ValueKey.derive(b"a test tenant's secret, 32 bytes or more", None)))
+    key = request.node.name
+    with pytest.raises(RuntimeError, match="^the MAC failed$"):
+        write(client, registered(client), [key], [0]).wait(WAIT_S)
+    assert held(client, key)[1] == 0
+
+
+def test_removing_a_value_removes_its_payload_and_its_trailer(mooncake, connect, request) -> None:
+    client, key = connect(mooncake), request.node.name
+    assert moved(write(client, registered(client), [key], [0]))
+    assert faults(client.remove([key])) == [None] and held(client, key) == (0, 0)
