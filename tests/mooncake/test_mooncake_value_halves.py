@@ -14,7 +14,7 @@ pytest.importorskip("mooncake.store")
 
 from test_mooncake_client import SLOT, WAIT_S, faults, moved, read, registered, write  # noqa: E402
 
-from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreRejected  # noqa: E402
+from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreRejected, StoreUnavailable  # noqa: E402
 from kvfsm.mooncake.secret import ValueKey  # noqa: E402
 from kvfsm.mooncake.value import TRAILER_BYTES, ValueMac, trailer_key  # noqa: E402
 
@@ -166,3 +166,27 @@ def test_removing_a_value_removes_its_payload_and_its_trailer(mooncake, connect,
     client, key = connect(mooncake), request.node.name
     assert moved(write(client, registered(client), [key], [0]))
     assert faults(client.remove([key])) == [None] and held(client, key) == (0, 0)
+
+
+def test_a_lookup_whose_trailer_the_store_does_not_answer_is_a_fault_and_backs_off(mooncake, connect,
+                                                                                   request) -> None:
+    """An error for either object is no answer about the value: a fault (a miss) that refuses the store a while, not
+    a 'not held' that would send the scheduler on asking."""
+    client, key = connect(mooncake), request.node.name
+    assert moved(write(client, registered(client), [key], [0]))
+    store = client._store
+    client._store = Wrapped(store, batch_is_exist=lambda names: [1] * (len(names) // 2) + [-900] * (len(names) // 2))
+    [fault] = faults(client.contains([key]))
+    assert type(fault) is StoreUnavailable and str(fault) == f"lookup of {key} failed"
+    client._store = store
+    [refused] = faults(client.contains([key]))
+    assert type(refused) is StoreUnavailable, "no back-off after the failed lookup"
+
+
+def test_removing_values_answers_each_key_with_the_fault_of_its_own_trailer(mooncake, connect, request) -> None:
+    client = connect(mooncake)
+    whole, half = f"{request.node.name}-whole", f"{request.node.name}-half"
+    assert moved(write(client, registered(client), [whole, half], [0, 1]))
+    assert client.raw().remove(trailer_key(half), True) == 0
+    gone, missing = faults(client.remove([whole, half]))
+    assert gone is None and isinstance(missing, KeyMissing) and trailer_key(half) in str(missing)
