@@ -1,6 +1,7 @@
 """The scheduler's index of a disk tier under vLLM's real Scheduler, as the workers' reports reach it: a fetched key
 stays offered, a job's outcome is applied when its own ranks all reported it (not when the jobs ordered before it
-did). Every run is traced, checked after every step and drained. Skipped when vLLM is not installed.
+did), and a key a rank evicted while a fetch of it still runs on another rank is forgotten when that fetch ends.
+Every run is traced, checked after every step and drained. Skipped when vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvfsm.states import TierJobState  # noqa: E402
-from kvfsm.tiers.blockfile import BlockFiles  # noqa: E402
+from kvfsm.integrations.vllm.tier_index import ReportedTier  # noqa: E402
+from kvfsm.states import TierEntryState, TierJobState  # noqa: E402
+from kvfsm.testing.census import census  # noqa: E402
+from kvfsm.tiers.blockfile import BlockFiles, DiskIo  # noqa: E402
+from kvfsm.tiers.disk import DiskTier  # noqa: E402
 from test_vllm_tiers import (  # noqa: E402
     MAX_STEPS,
     OTHERS,
@@ -25,7 +29,7 @@ from test_vllm_tiers import (  # noqa: E402
     push_below_cpu,
     tiered,
 )
-from vllm_harness import Driver  # noqa: E402
+from vllm_harness import AdapterWorker, Driver  # noqa: E402
 from vllm_support import model  # noqa: E402,F401
 
 __all__ = ["model", "tiered"]
@@ -110,3 +114,57 @@ def test_a_fetch_that_ended_unpins_its_keys_while_one_ordered_before_it_still_ru
     released.set()
     d.run(MAX_STEPS)
     assert offered == len(fast)
+
+
+class _HeldReads(DiskIo):
+    """One rank's disk, whose reads wait until `released` is set (30 s at most)."""
+
+    def __init__(self, released: threading.Event) -> None:
+        self.released = released
+
+    def read(self, fd: int, parts: Any) -> int:
+        self.released.wait(30)
+        return super().read(fd, parts)
+
+
+def _disk(worker: AdapterWorker) -> DiskTier:
+    (disk,) = worker.connector.worker_side.kvfsm.lower_tiers
+    assert isinstance(disk, DiskTier)
+    return disk
+
+
+def evicted_by_rank_0_while_rank_1_reads(tiered, path: Path) -> tuple[Driver, ReportedTier, list[int]]:
+    """Two ranks fetch PREFIX; rank 1's reads wait while rank 0, its reads done, evicts the prefix's last key on its
+    own (as a write needing room would: `TierFaults.evict_one`'s way), and its report reaches the scheduler while
+    the fetch is still in flight there. Then rank 1 reads and the run drains. The index and the prefix's keys."""
+    d, workers = tiered(disk_tier(path), ranks=2)
+    push_below_cpu(d, workers)
+    keys, index = prefix_keys(d, PREFIX), d.connector.scheduler_side.tier_index.tiers[0]
+    released = threading.Event()
+    rank0, rank1 = _disk(workers[0]), _disk(workers[1])
+    rank1.files.disk = _HeldReads(released)
+    d.add("reader", PREFIX + [9])
+
+    def rank_0_read_them() -> bool:
+        return bool(index.reads_in_flight()) and all(
+            (entry := rank0.entries.get(key)) is not None and entry.state == TierEntryState.PUBLISHED for key in keys)
+
+    step_until(d, rank_0_read_them, "rank 0 never read the prefix")
+    rank0.discard(keys[-1:])
+    d.step()  # rank 0's report of the eviction
+    assert index.reads_in_flight(), "the fetch ended before the eviction reached the scheduler"
+    released.set()
+    d.run(MAX_STEPS)
+    return d, index, keys
+
+
+def test_a_key_a_rank_evicted_while_another_still_fetched_it_is_forgotten_when_the_fetch_ends(
+        tiered, tmp_path: Path) -> None:
+    _, index, keys = evicted_by_rank_0_while_rank_1_reads(tiered, tmp_path)
+    assert index.lookup(keys) == len(keys) - 1
+
+
+def test_the_index_keeps_no_deferred_eviction_once_the_fetch_ended(tiered, tmp_path: Path) -> None:
+    """Bounded bookkeeping: a key kept for eviction after a fetch is let go once it was evicted."""
+    _, index, _ = evicted_by_rank_0_while_rank_1_reads(tiered, tmp_path)
+    assert census(index)[f"ReportedTier[{index.name}]._evict_after_read"] == 0
