@@ -63,11 +63,6 @@ def engine_b(tiered, path: Path) -> tuple[Driver, AdapterWorker, ReportedTier]:
     return b, worker, index
 
 
-def read_prefix(b: Driver, req_id: str = "reader") -> None:
-    b.add(req_id, PREFIX + [9])
-    b.run(MAX_STEPS)
-
-
 def until_a_fetch_failed(b: Driver) -> None:
     """Step B until a fetch of the tier failed (the index settled it in the same step)."""
     while not sum(b.connector.scheduler_side.kvfsm.tiers.stats.failures.values()):
@@ -87,7 +82,8 @@ def test_keys_adopted_from_the_directory_are_offered_by_the_index_alone(tiered, 
     """Once B loaded A's prefix, its index holds every key: a lookup answers them all without asking the directory."""
     engine_a_writes_prefix(tiered, tmp_path)
     b, worker, index = engine_b(tiered, tmp_path)
-    read_prefix(b)
+    b.add("reader", PREFIX + [9])
+    b.run(MAX_STEPS)
     (load,) = loads_of(b, "reader")
     assert holds_prefix(worker, load)
     asked: list[tuple[int, ...]] = []
