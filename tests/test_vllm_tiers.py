@@ -338,10 +338,11 @@ def test_a_write_back_in_flight_at_a_cache_reset_is_never_offered(tiered, tmp_pa
     assert d.connector.scheduler_side.moving_between_tiers
     d.connector.reset_cache()
     reset.set()
-    d.run(MAX_STEPS)
-    keys = prefix_keys(d, PREFIX)
+    keys, index = prefix_keys(d, PREFIX), d.connector.scheduler_side.tier_index.tiers[0]
+    offered: list[int] = []
+    d.run(MAX_STEPS, after_step=lambda: offered.append(index.lookup(keys)))  # not even for a step in between
     (disk,) = worker.connector.worker_side.kvfsm.lower_tiers
-    assert d.connector.scheduler_side.tier_index.tiers[0].lookup(keys) == 0 and disk.lookup(keys) == 0
+    assert not any(offered) and disk.lookup(keys) == 0
 
 
 def test_disk_tier_under_data_parallel_engines_is_refused_by_name(model, tmp_path: Path) -> None:

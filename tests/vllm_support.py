@@ -85,6 +85,20 @@ def hold_disk_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return released
 
 
+def hold_disk_reads(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every disk tier's block reads wait (on the tier's I/O threads) until the returned event is set, 30 s at most:
+    a fetch stays in flight for as long as a test says."""
+    released = threading.Event()
+    read = DiskIo.read
+
+    def held(self: DiskIo, fd: int, parts: Any) -> int:
+        released.wait(30)
+        return read(self, fd, parts)
+
+    monkeypatch.setattr(DiskIo, "read", held)
+    return released
+
+
 def hide_preemptions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Control: the adapter's scheduler half never hears of vLLM's preemptions (each step's `preempted` emptied), so
     it cannot flush the stores still reading the blocks vLLM takes back."""
