@@ -177,6 +177,7 @@ def test_closing_a_tier_waits_for_hung_io_no_longer_than_its_deadline(
     tier.close()
     assert time.monotonic() - started < 2.0, "close waited on the hung disk"
     assert tier._closing.daemon, "the release left waiting on the disk would hold the process's exit"  # type: ignore
+    assert tier._closing.name == "kvfsm-disk-close", "a thread dump of the stuck process names the tier"  # type: ignore
     assert ("disk tier 'disk': I/O still running 0.2s after close; its directory is released when it returns"
             in caplog.messages)
     rescue.cancel()

@@ -134,6 +134,15 @@ def test_a_process_that_ignores_sigterm_is_killed_once_its_grace_ran_out(tmp_pat
         os.kill(pid, 0)  # type: ignore[arg-type]
 
 
+def test_a_process_that_ignores_sigterm_is_given_three_seconds_by_default(tmp_path) -> None:
+    """The default grace: long enough for a master to flush and exit, short enough for a test's teardown."""
+    child = local._Child("stubborn", tmp_path, timeout_s=5.0)
+    child.start(serving("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)"))
+    started = time.monotonic()
+    child.stop()
+    assert 3.0 <= time.monotonic() - started < 3.8 and not child.running
+
+
 def test_each_process_of_a_deployment_logs_to_a_file_named_after_it(fresh_mooncake) -> None:
     """A deployment of the test's own: the module's, shared, may have started a process again (its log numbered 2)."""
     deployment = fresh_mooncake

@@ -120,6 +120,17 @@ def test_a_lookup_adopts_the_keys_the_store_holds_up_to_the_first_it_lacks(tier)
     assert tier_.lookup([FIRST, SECOND, ABSENT]) == 2
 
 
+def test_a_lookup_the_store_answers_for_its_first_key_but_not_its_second_adopts_the_first(tier, monkeypatch) -> None:
+    """The fault stops the walk at the key it names: the keys shown before it are adopted all the same."""
+    tier_, pool = tier
+    held_elsewhere(tier_, pool, [FIRST, SECOND])
+    store, unanswered = tier_.client._store, {tier_.store_key(SECOND), trailer_key(tier_.store_key(SECOND))}
+    monkeypatch.setattr(tier_.client, "_store", type("Answers", (), {"batch_is_exist": staticmethod(
+        lambda names: [-900 if name in unanswered else code for name, code in zip(names, store.batch_is_exist(names))])
+    })())
+    assert tier_.lookup([FIRST, SECOND]) == 1
+
+
 def test_a_lookup_adopts_no_key_past_one_being_written_here(tier) -> None:
     """Even when the store shows the key being written already (its put ended; this tier has not polled it)."""
     tier_, pool = tier
@@ -171,3 +182,20 @@ def test_a_key_this_tier_writes_itself_after_its_value_failed_its_check_is_adopt
     assert write(tier_, pool, FIRST).ok
     tier_.discard([FIRST])
     assert tier_.lookup([FIRST]) == 1
+
+
+def test_a_key_whose_value_failed_its_check_stays_shunned_when_this_tiers_own_write_of_it_fails(tier,
+                                                                                                  monkeypatch) -> None:
+    """Only a write that succeeded makes the key this tier's again: after a failed one, a bad value another engine
+    puts back is still never adopted."""
+    tier_, pool = tier
+    reject(tier_, pool, FIRST)
+    assert removed(tier_, FIRST)
+    store = tier_.client._store
+    monkeypatch.setattr(tier_.client, "_store", type("Full", (), {  # every put answered NO_AVAILABLE_HANDLE
+        "__getattr__": lambda self, name: getattr(store, name),
+        "batch_put_from": staticmethod(lambda names, *args: [-200] * len(names))})())
+    assert write(tier_, pool, FIRST).failed == {FIRST: TierFailure.full}
+    monkeypatch.setattr(tier_.client, "_store", store)
+    forge(tier_, FIRST)
+    assert tier_.lookup([FIRST]) == 0

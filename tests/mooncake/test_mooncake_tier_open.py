@@ -78,6 +78,19 @@ def test_a_tier_seals_its_values_under_its_secret_file_s_key_for_its_tenant(moon
         tier_.close()
 
 
+def test_a_per_head_tier_registers_each_shadow_chunk_whole_with_the_call_that_first_uses_it(mooncake) -> None:
+    """As the pool: one registration covers every head value cut from the chunk, not one per value on first use."""
+    tier_, pool = open_tier(mooncake, kv_heads=4)
+    try:
+        job = next(JOB_IDS)
+        tier_.submit_write(job, [KEY], [view(pool, 0)])
+        assert completion(tier_, job).ok
+        _, chunk = tier_._shadows.item_for(pool.slot(0).numpy())
+        assert tier_.client._registered.covers(int(chunk.ctypes.data), chunk.nbytes)
+    finally:
+        tier_.close()
+
+
 def test_a_block_bigger_than_a_shadow_chunk_gets_a_chunk_of_its_own(mooncake) -> None:
     """Not two: a per-head tier of big blocks holds one block's shadow per chunk, never twice the memory."""
     tier_, pool = open_tier(mooncake)
