@@ -10,7 +10,8 @@ memory it was handed, so its answer is reported only once it returned (a dead ma
 seconds). Either way the client then refuses new calls for `retry_after_s` instead of queueing behind the store,
 and refuses calls beyond `max_pending` with `StoreBusy`.
 
-Threads: `connect`, `register` and `close` run on the caller's thread at start-up and shut-down; `write_back`,
+Threads: `connect`, `register` and `close` run on the caller's thread at start-up and shut-down (`connect` tries the
+set-up in a child process first: Mooncake's holds the GIL while it waits); `write_back`,
 `fetch` and `remove` are submitted from the tier's thread (the worker's) and run on the I/O executor, in order,
 followed at `close` by the teardown that unregisters memory and drops the store handle; `contains` is submitted
 from the scheduler's thread and runs on the client's own lookup thread. The back-off and backlog counters are the
@@ -49,6 +50,7 @@ from kvfsm.mooncake.errors import (
 from kvfsm.mooncake.host_memory import Registrations, address
 from kvfsm.mooncake.io_thread import CancellableCall, IoThread, Pending
 from kvfsm.mooncake.local import LOOPBACK, MasterAddress, port_accepts
+from kvfsm.mooncake.setup_probe import setup_answers
 from kvfsm.mooncake.value import ValueMac
 
 log = logging.getLogger(__name__)
@@ -122,22 +124,23 @@ class MooncakeClient:
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Set up the Mooncake client within `connect_timeout_s`, or raise `StoreUnavailable`. Blocking: call it
-        at start-up, on the caller's thread (a hung set-up is abandoned to a daemon thread, not waited for)."""
+        """Set up the Mooncake client within `connect_timeout_s`, or raise `StoreUnavailable`. Blocking: call it at
+        start-up, on the caller's thread. Mooncake's set-up holds the GIL while it waits for the master, so no thread
+        here could end that wait: the same set-up is first tried in a child process under the deadline
+        (`kvfsm.mooncake.setup_probe`), and only a master that answered it is set up with in this process."""
         from mooncake.store import MooncakeDistributedStore
 
         s = self.settings
         if not port_accepts(s.master.host, s.master.port, timeout_s=min(1.0, s.connect_timeout_s)):
             raise StoreUnavailable(f"no Mooncake master listens on {s.master}")
+        if not setup_answers(s.local_hostname, str(s.master), s.connect_timeout_s):
+            raise StoreUnavailable(f"the Mooncake master at {s.master} did not answer a client's set-up within "
+                                   f"{s.connect_timeout_s}s")
         store = MooncakeDistributedStore()
-        outcome: list[int] = []
-        setup = threading.Thread(target=lambda: outcome.append(store.setup(
-            s.local_hostname, "P2PHANDSHAKE", s.segment_bytes, s.transfer_buffer_bytes, "tcp", "", str(s.master))),
-            name="kvfsm-mooncake-setup", daemon=True)
-        setup.start()
-        setup.join(s.connect_timeout_s)
-        if outcome != [0]:
-            raise StoreUnavailable(f"Mooncake client set-up with {s.master} failed: {outcome or 'timed out'}")
+        code = store.setup(s.local_hostname, "P2PHANDSHAKE", s.segment_bytes, s.transfer_buffer_bytes, "tcp", "",
+                           str(s.master))
+        if code != 0:
+            raise StoreUnavailable(f"Mooncake client set-up with {s.master} failed: {code}")
         self._store = store
 
     def register(self, buffer: torch.Tensor | np.ndarray) -> None:
