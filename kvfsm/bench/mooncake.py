@@ -32,10 +32,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvfsm.mooncake.client import ClientSettings, MooncakeClient
+from kvfsm.mooncake.client import MooncakeClient
 from kvfsm.mooncake.host_memory import SlotRegion, address
 from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
 from kvfsm.mooncake.secret import ValueKey
+from kvfsm.mooncake.settings import ClientSettings
 from kvfsm.mooncake.value import ValueMac
 
 WAIT_S = 120.0

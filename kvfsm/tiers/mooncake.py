@@ -45,13 +45,14 @@ from kvfsm.executor.layouts import KVCaches
 from kvfsm.io_executor import IoExecutor
 from kvfsm.machines import MachineSet
 from kvfsm.mooncake import value
-from kvfsm.mooncake.client import ClientSettings, KeyResult, MooncakeClient
+from kvfsm.mooncake.client import KeyResult, MooncakeClient
 from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreFull, StoreTimeout, TierFault
 from kvfsm.mooncake.heads import HeadCalls, HeadsDoNotSplit, HeadSplit
 from kvfsm.mooncake.io_thread import Pending
 from kvfsm.mooncake.keys import KvNamespace, head_key, object_key
 from kvfsm.mooncake.local import MasterAddress
 from kvfsm.mooncake.secret import load_value_key
+from kvfsm.mooncake.settings import ClientSettings
 from kvfsm.mooncake.value import ValueMac
 from kvfsm.tier_records import TierEntry
 from kvfsm.states import TierEntryState as Entry

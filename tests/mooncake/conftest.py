@@ -15,8 +15,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-from kvfsm.mooncake.client import ClientSettings, MooncakeClient
+from kvfsm.mooncake.client import MooncakeClient
 from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
+from kvfsm.mooncake.settings import ClientSettings
 from kvfsm.mooncake.value import ValueMac
 from kvfsm.testing.mooncake_store import tenant_mac
 

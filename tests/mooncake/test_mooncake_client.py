@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("mooncake.store")
 
-from kvfsm.mooncake.client import ClientSettings, MooncakeClient  # noqa: E402
+from kvfsm.mooncake.client import MooncakeClient  # noqa: E402
 from kvfsm.mooncake.errors import (  # noqa: E402
     ChecksumMismatch, KeyMissing, StoreBusy, StoreFull, StoreTimeout, StoreUnavailable,
 )
@@ -17,6 +17,7 @@ from kvfsm.mooncake.host_memory import SlotRegion  # noqa: E402
 from kvfsm.mooncake.io_thread import Pending  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress, free_loopback_port  # noqa: E402
 from kvfsm.mooncake.secret import ValueKey  # noqa: E402
+from kvfsm.mooncake.settings import ClientSettings  # noqa: E402
 from kvfsm.mooncake.value import TRAILER_BYTES, ValueMac, trailer_key  # noqa: E402
 from kvfsm.testing.mooncake_store import tenant_mac  # noqa: E402
 from kvfsm.tiers.io import ManualIo  # noqa: E402

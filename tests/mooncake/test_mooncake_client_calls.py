@@ -14,9 +14,10 @@ pytest.importorskip("mooncake.store")
 
 from test_mooncake_client import WAIT_S, faults, moved, read, registered, write  # noqa: E402
 
-from kvfsm.mooncake.client import ClientSettings, MooncakeClient  # noqa: E402
+from kvfsm.mooncake.client import MooncakeClient  # noqa: E402
 from kvfsm.mooncake.errors import ChecksumMismatch, KeyMissing, StoreUnavailable  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress  # noqa: E402
+from kvfsm.mooncake.settings import ClientSettings  # noqa: E402
 from kvfsm.mooncake.value import TRAILER_BYTES, trailer_key  # noqa: E402
 from kvfsm.testing.mooncake_store import tenant_mac  # noqa: E402
 

@@ -19,10 +19,11 @@ pytest.importorskip("mooncake.store")
 from test_mooncake_client import WAIT_S, faults, moved, registered, write  # noqa: E402
 
 from kvfsm.mooncake import client as client_module  # noqa: E402
-from kvfsm.mooncake.client import ClientSettings, MooncakeClient  # noqa: E402
+from kvfsm.mooncake.client import MooncakeClient  # noqa: E402
 from kvfsm.mooncake.errors import StoreTimeout, StoreUnavailable  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress  # noqa: E402
 from kvfsm.mooncake.secret import ValueKey  # noqa: E402
+from kvfsm.mooncake.settings import ClientSettings  # noqa: E402
 from kvfsm.mooncake.value import ValueMac  # noqa: E402
 from kvfsm.testing.mooncake_store import tenant_mac  # noqa: E402
 from kvfsm.tiers.io import ManualIo  # noqa: E402

@@ -13,8 +13,9 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from kvfsm.mooncake.client import ClientSettings, MooncakeClient  # noqa: E402
+from kvfsm.mooncake.client import MooncakeClient  # noqa: E402
 from kvfsm.mooncake.errors import StoreUnavailable  # noqa: E402
+from kvfsm.mooncake.settings import ClientSettings  # noqa: E402
 from kvfsm.mooncake.setup_probe import setup_answers  # noqa: E402
 from kvfsm.testing.mooncake_store import tenant_mac  # noqa: E402
 

@@ -14,9 +14,9 @@ pytest.importorskip("mooncake.store")
 
 from kvfsm.bindings import default_spec  # noqa: E402
 from kvfsm.machines import MachineSet  # noqa: E402
-from kvfsm.mooncake.client import ClientSettings  # noqa: E402
 from kvfsm.mooncake.local import MasterAddress  # noqa: E402
 from kvfsm.mooncake.secret import load_value_key  # noqa: E402
+from kvfsm.mooncake.settings import ClientSettings  # noqa: E402
 from kvfsm.mooncake.value import ValueMac, trailer_key  # noqa: E402
 from kvfsm.tiers.mooncake import SHADOW_CHUNK_BYTES, MooncakeTier  # noqa: E402
 from test_mooncake_heads import completion  # noqa: E402

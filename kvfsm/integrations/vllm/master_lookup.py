@@ -24,11 +24,12 @@ import logging
 from typing import NamedTuple, Sequence
 
 from kvfsm.config import MooncakeTierConfig
-from kvfsm.mooncake.client import ClientSettings, MooncakeClient
+from kvfsm.mooncake.client import MooncakeClient
 from kvfsm.mooncake.errors import TierFault
 from kvfsm.mooncake.keys import KvNamespace, head_key, object_key
 from kvfsm.mooncake.local import MasterAddress
 from kvfsm.mooncake.secret import load_value_key
+from kvfsm.mooncake.settings import ClientSettings
 from kvfsm.mooncake.value import ValueMac
 
 log = logging.getLogger(__name__)
