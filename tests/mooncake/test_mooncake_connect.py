@@ -93,3 +93,28 @@ def test_control_in_process_the_set_up_with_a_master_that_never_answers_stops_ev
     finally:
         fresh_mooncake.resume_master()
     assert output.splitlines() == ["setting up"], output
+
+
+class FailingSetUp:
+    """Mooncake's store whose set-up answers an error code: a master that went away after the probe answered."""
+
+    def setup(self, *args: object) -> int:
+        return -1
+
+
+def test_a_set_up_that_fails_here_after_the_probe_answered_is_refused_naming_the_master_and_the_code(
+        mooncake, monkeypatch) -> None:
+    import mooncake.store as bindings
+
+    monkeypatch.setattr(bindings, "MooncakeDistributedStore", FailingSetUp)
+    client = MooncakeClient(ClientSettings(master=mooncake.address), tenant_mac())
+    with pytest.raises(StoreUnavailable) as refused:
+        client.connect()
+    assert str(refused.value) == f"Mooncake client set-up with {mooncake.address} failed: -1"
+    assert not client.connected and client.close()
+
+
+def test_the_probe_keeps_the_child_s_mooncake_log_out_of_this_process_s_output(mooncake, capfd) -> None:
+    """The child's set-up logs a screenful to stderr (glog); an engine's own log must not carry it at every start."""
+    assert setup_answers("127.0.0.1", str(mooncake.address), 30.0)
+    assert capfd.readouterr() == ("", "")
