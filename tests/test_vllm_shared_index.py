@@ -70,6 +70,18 @@ def until_a_fetch_failed(b: Driver) -> None:
         b.step()
 
 
+def b_after_a_failed_fetch(tiered, path: Path, monkeypatch: pytest.MonkeyPatch
+                           ) -> tuple[Driver, AdapterWorker, ReportedTier, threading.Event]:
+    """A wrote PREFIX to the directory; B's reader of it was stepped until B's fetch of it failed (reads fail until
+    the returned event is set)."""
+    engine_a_writes_prefix(tiered, path)
+    b, worker, index = engine_b(tiered, path)
+    healed = reads_fail(monkeypatch)
+    b.add("reader", PREFIX + [9])
+    until_a_fetch_failed(b)
+    return b, worker, index, healed
+
+
 def forget_everything(b: Driver) -> None:
     """A cache reset on B: its index forgets the tier's keys, and its worker removes their files."""
     b.reset_gpu_prefix_cache()
@@ -116,11 +128,7 @@ def test_a_lookup_that_stops_at_a_key_being_fetched_does_not_ask_the_directory(
 def test_a_key_whose_fetch_from_the_directory_failed_is_not_adopted_from_it_again(
         tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The directory still holds the files whole: adopting them again would order a fetch that fails every step."""
-    engine_a_writes_prefix(tiered, tmp_path)
-    b, _, index = engine_b(tiered, tmp_path)
-    healed = reads_fail(monkeypatch)
-    b.add("reader", PREFIX + [9])
-    until_a_fetch_failed(b)
+    b, _, index, healed = b_after_a_failed_fetch(tiered, tmp_path, monkeypatch)
     assert index.lookup(prefix_keys(b, PREFIX)) == 0
     healed.set()
     b.run(MAX_STEPS)
@@ -131,11 +139,7 @@ def test_a_key_whose_fetch_failed_is_adopted_from_the_directory_again_once_this_
         tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """B's reader recomputed the prefix and B wrote it back: the directory's files are B's own now, good to adopt
     (after a cache reset made B forget them, once their files are back)."""
-    engine_a_writes_prefix(tiered, tmp_path)
-    b, worker, index = engine_b(tiered, tmp_path)
-    healed = reads_fail(monkeypatch)
-    b.add("reader", PREFIX + [9])
-    until_a_fetch_failed(b)
+    b, worker, index, healed = b_after_a_failed_fetch(tiered, tmp_path, monkeypatch)
     healed.set()
     b.run(MAX_STEPS)
     (disk,) = worker.connector.worker_side.kvfsm.lower_tiers
@@ -152,11 +156,7 @@ def test_past_the_bound_only_the_oldest_key_a_fetch_failed_on_may_be_adopted_aga
         tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With room for 3 shunned keys, a fetch of 4 that all fail leaves the first (the oldest) adoptable."""
     monkeypatch.setattr(tier_index, "SHUNNED_KEYS", 3)
-    engine_a_writes_prefix(tiered, tmp_path)
-    b, _, index = engine_b(tiered, tmp_path)
-    healed = reads_fail(monkeypatch)
-    b.add("reader", PREFIX + [9])
-    until_a_fetch_failed(b)
+    b, _, index, healed = b_after_a_failed_fetch(tiered, tmp_path, monkeypatch)
     assert index.lookup(prefix_keys(b, PREFIX)) == 1
     healed.set()
     b.run(MAX_STEPS)

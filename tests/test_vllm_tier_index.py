@@ -81,35 +81,21 @@ def test_a_fetched_key_is_still_offered_after_its_fetch(tiered, tmp_path: Path) 
     assert d.connector.scheduler_side.tier_index.tiers[0].lookup(keys) == len(keys)
 
 
-def test_a_write_back_that_ended_is_offered_while_one_ordered_before_it_still_runs(
-        tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    d, _ = tiered(disk_tier(tmp_path))
-    slow, fast = prefix_keys(d, PREFIX), prefix_keys(d, OTHERS[0])
-    released = hold_block_files(monkeypatch, slow[:1])
-    d.add("slow", PREFIX + [1])
-    step_until(d, lambda: tier_jobs(d, "write-back", slow), "the slow write-back was never ordered")
-    d.add("fast", OTHERS[0] + [1])
-    step_until(d, lambda: any(job.state in _ENDED for job in tier_jobs(d, "write-back", fast)),
-               "the fast write-back never ended")
-    assert not any(job.state in _ENDED for job in tier_jobs(d, "write-back", slow))
-    offered = d.connector.scheduler_side.tier_index.tiers[0].lookup(fast)
-    released.set()
-    d.run(MAX_STEPS)
-    assert offered == len(fast)
-
-
-def test_a_fetch_that_ended_unpins_its_keys_while_one_ordered_before_it_still_runs(
-        tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kind", ["write-back", "fetch"])
+def test_a_tier_job_that_ended_is_settled_while_one_ordered_before_it_still_runs(
+        tiered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A write-back that ended is offered, a fetch that ended unpins its keys, while the same kind of job ordered
+    before it still runs (its block file held)."""
     d, (worker,) = tiered(disk_tier(tmp_path))
-    push_below_cpu(d, [worker])  # PREFIX, then OTHERS[0] too, are out of the CPU pool, on the disk
+    if kind == "fetch":
+        push_below_cpu(d, [worker])  # PREFIX, then OTHERS[0] too, are out of the CPU pool, on the disk
     slow, fast = prefix_keys(d, PREFIX), prefix_keys(d, OTHERS[0])
     released = hold_block_files(monkeypatch, slow[:1])
     d.add("slow", PREFIX + [9])
-    step_until(d, lambda: tier_jobs(d, "fetch", slow), "the slow fetch was never ordered")
+    step_until(d, lambda: tier_jobs(d, kind, slow), f"the slow {kind} was never ordered")
     d.add("fast", OTHERS[0] + [9])
-    step_until(d, lambda: any(job.state in _ENDED for job in tier_jobs(d, "fetch", fast)),
-               "the fast fetch never ended")
-    assert not any(job.state in _ENDED for job in tier_jobs(d, "fetch", slow))
+    step_until(d, lambda: any(job.state in _ENDED for job in tier_jobs(d, kind, fast)), f"the fast {kind} never ended")
+    assert not any(job.state in _ENDED for job in tier_jobs(d, kind, slow))
     offered = d.connector.scheduler_side.tier_index.tiers[0].lookup(fast)
     released.set()
     d.run(MAX_STEPS)
