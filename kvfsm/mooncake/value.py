@@ -13,8 +13,9 @@ accidental corruption as well as forgery.
 Why keyed BLAKE3: every byte of every value is MACed on the path of a transfer, on the client's MAC threads, and
 `blake3` releases the GIL while it hashes, so those threads run on as many cores as there are threads and never
 hold up the I/O thread or the engine's own Python between two store calls. (AES-GMAC from `cryptography`, which
-kvfsm used in between, hashes about twice as fast per core but holds the GIL throughout, so eight threads sealed no
-faster than one and stalled every other thread of the process: docs/mooncake.md.) Keyed BLAKE3 is a PRF, so its tag
+kvfsm used in between, hashes faster per core, but whether it releases the GIL depends on the build: on CPython 3.11
+with `cryptography` 50 two threads sealed no faster than one, while on the GPU host's 3.12 eight did scale:
+docs/mooncake.md.) Keyed BLAKE3 is a PRF, so its tag
 is a MAC with no nonce to manage: the same bytes under the same key seal to the same trailer.
 
 The block's own checksum (`OffloadConfig.checksum`: the CRC-32 the CPU pool took when the block was first stored)
