@@ -1,13 +1,17 @@
 """The adapter's conversions between vLLM's types and kvfsm's (`kvfsm.integrations.vllm.convert`): block hashes and
-the workers' metadata, each refusal naming what it got."""
+the workers' metadata, each refusal naming what it got; the block tables kept from vLLM's scheduler outputs."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from kvfsm.integrations.vllm.convert import HashCodec, HashWidthMismatch, KvfsmWorkerMetadata  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+
+from kvfsm.integrations.vllm.convert import BlockTables, HashCodec, HashWidthMismatch, KvfsmWorkerMetadata  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -31,3 +35,39 @@ def test_worker_metadata_aggregates_every_field_and_refuses_another_connectors_n
     assert (both.evicted, both.namespaces) == ((("disk", 1), ("disk", 2)), (("disk", 0, None), ("disk", 1, None)))
     with pytest.raises(TypeError, match="^cannot aggregate kvfsm worker metadata with object$"):
         one.aggregate(object())  # type: ignore[arg-type]
+
+
+def _step(new: dict[str, list[int]] | None = None, finished: frozenset[str] = frozenset(),
+          preempted: set[str] | None = None) -> SchedulerOutput:
+    """A scheduler output of only what `BlockTables` reads: new requests' blocks, finished and preempted ids."""
+    output = SchedulerOutput.make_empty()
+    output.scheduled_new_reqs = [SimpleNamespace(req_id=r, block_ids=(blocks,)) for r, blocks in (new or {}).items()]
+    output.finished_req_ids = set(finished)
+    output.preempted_req_ids = preempted
+    return output
+
+
+def test_a_finished_requests_block_table_is_dropped() -> None:
+    tables = BlockTables()
+    tables.update(_step(new={"a": [1, 2], "b": [3]}))
+    tables.update(_step(finished={"a"}))
+    assert tables["b"] == (3,)
+    with pytest.raises(KeyError):
+        tables["a"]
+
+
+def test_a_request_finished_before_it_got_a_block_table_is_passed_over() -> None:
+    """vLLM finishes a request aborted while waiting, which never had blocks scheduled."""
+    tables = BlockTables()
+    tables.update(_step(new={"b": [3]}))
+    tables.update(_step(finished={"never-scheduled"}))
+    assert tables["b"] == (3,)
+
+
+def test_a_preempted_requests_block_table_is_dropped() -> None:
+    tables = BlockTables()
+    tables.update(_step(new={"a": [1, 2], "b": [3]}))
+    tables.update(_step(preempted={"a"}))
+    assert tables["b"] == (3,)
+    with pytest.raises(KeyError):
+        tables["a"]
