@@ -47,10 +47,11 @@ def _step(new: dict[str, list[int]] | None = None, finished: frozenset[str] = fr
     return output
 
 
-def test_a_finished_requests_block_table_is_dropped() -> None:
+@pytest.mark.parametrize("ended", ["finished", "preempted"])
+def test_a_finished_or_preempted_requests_block_table_is_dropped(ended: str) -> None:
     tables = BlockTables()
     tables.update(_step(new={"a": [1, 2], "b": [3]}))
-    tables.update(_step(finished={"a"}))
+    tables.update(_step(**{ended: {"a"}}))
     assert tables["b"] == (3,)
     with pytest.raises(KeyError):
         tables["a"]
@@ -62,12 +63,3 @@ def test_a_request_finished_before_it_got_a_block_table_is_passed_over() -> None
     tables.update(_step(new={"b": [3]}))
     tables.update(_step(finished={"never-scheduled"}))
     assert tables["b"] == (3,)
-
-
-def test_a_preempted_requests_block_table_is_dropped() -> None:
-    tables = BlockTables()
-    tables.update(_step(new={"a": [1, 2], "b": [3]}))
-    tables.update(_step(preempted={"a"}))
-    assert tables["b"] == (3,)
-    with pytest.raises(KeyError):
-        tables["a"]
