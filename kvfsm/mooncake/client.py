@@ -289,7 +289,7 @@ class MooncakeClient:
 
     def _halves(self, keys: list[str]) -> list[tuple[int, int]]:
         """Per key, the store's answers (1 held, 0 not, negative: no answer) for its payload and its trailer."""
-        codes = self._store.batch_is_exist(keys + [value.trailer_key(key) for key in keys])
+        codes = self._store.batch_is_exist(value.object_names(keys))
         return list(zip(codes[:len(keys)], codes[len(keys):], strict=True))
 
     def _cleared(self, keys: list[str], halves: list[int]) -> dict[int, KeyResult]:
@@ -297,14 +297,11 @@ class MooncakeClient:
         half of which could not be removed: its value is not written."""
         if not halves:
             return {}
-        names = [keys[i] for i in halves] + [value.trailer_key(keys[i]) for i in halves]
+        names = value.object_names([keys[i] for i in halves])
         codes = [StoreCode.OK if code == StoreCode.OBJECT_NOT_FOUND else code
                  for code in self._store.batch_remove(names, True)]
-        answers: dict[int, KeyResult] = {}
-        for i, fault in zip(halves * 2, self._faults(names, codes, "removal of half a value under"), strict=True):
-            if fault is not None:
-                answers.setdefault(i, fault)  # the payload's fault first
-        return answers
+        faults = self._faults(names, codes, "removal of half a value under")
+        return {i: fault for i, fault in zip(halves, self._key_faults(faults)) if fault is not None}
 
     def _put(self, indices: list[int], names: list[str], buffers: list[np.ndarray],
              answers: dict[int, KeyResult]) -> list[int]:
@@ -331,13 +328,17 @@ class MooncakeClient:
              ) -> list[tuple[int, TierFault | None]]:
         """One get of each key's payload and trailer into `payloads` and `trailers`; per key, the bytes read (both
         halves) and the first fault of its halves."""
-        count = len(keys)
-        codes = self._store.batch_get_into(
-            keys + [value.trailer_key(key) for key in keys],
-            [address(p) for p in payloads] + [address(t) for t in trailers],
-            [p.nbytes for p in payloads] + [value.TRAILER_BYTES] * count)
-        faults = self._faults(keys + keys, codes, what)
-        return [(codes[j] + codes[count + j], faults[j] or faults[count + j]) for j in range(count)]
+        buffers = payloads + trailers
+        codes = self._store.batch_get_into(value.object_names(keys), [address(b) for b in buffers],
+                                           [b.nbytes for b in buffers])
+        faults = self._key_faults(self._faults(keys + keys, codes, what))
+        return [(codes[j] + codes[len(keys) + j], faults[j]) for j in range(len(keys))]
+
+    @staticmethod
+    def _key_faults(faults: Sequence[TierFault | None]) -> list[TierFault | None]:
+        """Per key, the first fault of its payload's and its trailer's (`faults` of a call on `value.object_names`)."""
+        count = len(faults) // 2
+        return [faults[j] or faults[count + j] for j in range(count)]
 
     def _verify_present(self, key: str, nbytes: int) -> KeyResult:
         """The own checksum of the value already stored under `key` once it verifies, else the fault: a key another
@@ -387,9 +388,8 @@ class MooncakeClient:
         keys = list(keys)
 
         def call() -> list[TierFault | None]:
-            names = keys + [value.trailer_key(key) for key in keys]
-            faults = self._faults(names, self._store.batch_remove(names, True), "removal of")
-            return [faults[i] or faults[len(keys) + i] for i in range(len(keys))]
+            names = value.object_names(keys)
+            return self._key_faults(self._faults(names, self._store.batch_remove(names, True), "removal of"))
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 

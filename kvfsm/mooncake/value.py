@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hmac
 import struct
+from typing import Sequence
 
 import numpy as np
 
@@ -56,6 +57,12 @@ TRAILER_SUFFIX = "/trailer"
 def trailer_key(key: str) -> str:
     """The store key of the trailer of the value stored under `key`."""
     return key + TRAILER_SUFFIX
+
+
+def object_names(keys: Sequence[str]) -> list[str]:
+    """The store objects of the values under `keys`: every payload, then every trailer, in `keys`' order (the
+    order the client's batch calls and their answers take)."""
+    return list(keys) + [trailer_key(key) for key in keys]
 
 
 class ValueMac:
