@@ -104,11 +104,13 @@ def mooncake_part(ctx: typer.Context, out: Path | None = OUT, quick: bool = QUIC
                   hash_threads: list[int] = typer.Option([], min=1, help="the tier client's MAC threads "
                                                                           "(repeatable: one row per count, each with "
                                                                           "its own baselines; default: the client's "
-                                                                          "default, half the cores, 2 to 8)")
+                                                                          "default, half the cores, 2 to 8)"),
+                  blocks: int | None = typer.Option(None, min=1, help="blocks one call moves (default 32 of 2 MiB, "
+                                                                     "8 of 256 KiB with --quick)")
                   ) -> None:
     """Run only the mooncake part."""
     chosen: tuple[int | None, ...] = tuple(hash_threads) or (None,)
-    runners = {**RUNNERS, "mooncake": partial(RUNNERS["mooncake"], hash_threads=chosen)}
+    runners = {**RUNNERS, "mooncake": partial(RUNNERS["mooncake"], hash_threads=chosen, blocks=blocks)}
     _exit(collect(("mooncake",), *_settings(ctx, out, quick), runners))
 
 

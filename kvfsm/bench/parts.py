@@ -126,11 +126,13 @@ def _vllm_layers(result: dict[str, Any], quick: bool) -> None:
     _free_gpu()
 
 
-def _mooncake(result: dict[str, Any], quick: bool, hash_threads: Sequence[int | None] = (None,)) -> None:
-    """Both placements, each with every count of MAC threads in `hash_threads` (None: the client's default)."""
+def _mooncake(result: dict[str, Any], quick: bool, hash_threads: Sequence[int | None] = (None,),
+              blocks: int | None = None) -> None:
+    """Both placements, each with every count of MAC threads in `hash_threads` (None: the client's default), calls
+    of `blocks` blocks (None: the bench's default)."""
     from kvfsm.bench import mooncake
 
-    result["mooncake"] = [mooncake.run(quick, segment, threads) for segment in ("segment host", "own")
+    result["mooncake"] = [mooncake.run(quick, segment, threads, blocks) for segment in ("segment host", "own")
                           for threads in hash_threads]
 
 

@@ -111,13 +111,13 @@ def show(result: dict[str, Any]) -> None:
     if "mooncake" in result:
         table = Table(title="Mooncake tier, GB/s (median; baseline = the store's put_batch / get_batch of the same "
                             "bytes, same run)")
-        for column in ("objects live in", "block", "MAC threads", "baseline put", "zero-copy put", "tier write-back",
+        for column in ("objects live in", "blocks a call", "MAC threads", "baseline put", "zero-copy put", "tier write-back",
                        "share", "of zero-copy", "MACs alone", "baseline get", "zero-copy get", "tier fetch", "share",
                        "of zero-copy"):
             table.add_column(column, justify="right")
         for r in result["mooncake"]:
             g = r["gbps"]
-            table.add_row(r["segment"], f"{r['block_bytes'] >> 10} KiB", str(r["hash_threads"]),
+            table.add_row(r["segment"], f"{r['blocks']} × {r['block_bytes'] >> 10} KiB", str(r["hash_threads"]),
                           f"{g['baseline put']:.2f}", f"{g['zero-copy put']:.2f}", f"{g['tier write-back']:.2f}",
                           f"{r['write_back_share_of_baseline']:.2f}", f"{r['write_back_share_of_zero_copy']:.2f}",
                           f"{g['MACs alone']:.2f}", f"{g['baseline get']:.2f}", f"{g['zero-copy get']:.2f}", f"{g['tier fetch']:.2f}",
