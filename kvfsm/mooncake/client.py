@@ -62,6 +62,12 @@ checksum the verified value carries (None if its writer carried none)."""
 Verify = Callable[[np.ndarray, str, np.ndarray], int | None]
 
 
+def _key_faults(faults: Sequence[TierFault | None]) -> list[TierFault | None]:
+    """Per key, the first fault of its payload's and its trailer's (`faults` of a call on `value.object_names`)."""
+    count = len(faults) // 2
+    return [faults[j] or faults[count + j] for j in range(count)]
+
+
 @contextmanager
 def _settling(futures: list[Future[Any]]) -> Iterator[None]:
     """Leave only once every MAC submitted for the call finished, however the call ends: a call's answer means
@@ -301,7 +307,7 @@ class MooncakeClient:
         codes = [StoreCode.OK if code == StoreCode.OBJECT_NOT_FOUND else code
                  for code in self._store.batch_remove(names, True)]
         faults = self._faults(names, codes, "removal of half a value under")
-        return {i: fault for i, fault in zip(halves, self._key_faults(faults)) if fault is not None}
+        return {i: fault for i, fault in zip(halves, _key_faults(faults)) if fault is not None}
 
     def _put(self, indices: list[int], names: list[str], buffers: list[np.ndarray],
              answers: dict[int, KeyResult]) -> list[int]:
@@ -331,14 +337,8 @@ class MooncakeClient:
         buffers = payloads + trailers
         codes = self._store.batch_get_into(value.object_names(keys), [address(b) for b in buffers],
                                            [b.nbytes for b in buffers])
-        faults = self._key_faults(self._faults(keys + keys, codes, what))
+        faults = _key_faults(self._faults(keys + keys, codes, what))
         return [(codes[j] + codes[len(keys) + j], faults[j]) for j in range(len(keys))]
-
-    @staticmethod
-    def _key_faults(faults: Sequence[TierFault | None]) -> list[TierFault | None]:
-        """Per key, the first fault of its payload's and its trailer's (`faults` of a call on `value.object_names`)."""
-        count = len(faults) // 2
-        return [faults[j] or faults[count + j] for j in range(count)]
 
     def _verify_present(self, key: str, nbytes: int) -> KeyResult:
         """The own checksum of the value already stored under `key` once it verifies, else the fault: a key another
@@ -389,7 +389,7 @@ class MooncakeClient:
 
         def call() -> list[TierFault | None]:
             names = value.object_names(keys)
-            return self._key_faults(self._faults(names, self._store.batch_remove(names, True), "removal of"))
+            return _key_faults(self._faults(names, self._store.batch_remove(names, True), "removal of"))
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 
