@@ -230,13 +230,15 @@ class MooncakeClient:
                     raise StoreUnavailable(f"register_buffer of {size} bytes failed: {code}")
                 self._registered.add(start, size)
 
-    def _faults(self, keys: Sequence[str], codes: Sequence[int], what: str) -> list[TierFault | None]:
+    def _faults(self, keys: Sequence[str], codes: Sequence[int], what: str, read: bool = False
+                ) -> list[TierFault | None]:
+        """Per key, the fault of its answer in `codes` (of a read if `read`: `kvfsm.mooncake.errors.fault_of`)."""
         faults: list[TierFault | None] = []
         for key, code in zip(keys, codes, strict=True):
             if code < 0 and code != StoreCode.OBJECT_ALREADY_EXISTS:
                 if code == StoreCode.RPC_FAIL:
                     self._back_off()
-                faults.append(fault_of(code, f"{what} {key}"))
+                faults.append(fault_of(code, f"{what} {key}", read))
             else:
                 faults.append(None)
         return faults
@@ -337,7 +339,7 @@ class MooncakeClient:
         buffers = payloads + trailers
         codes = self._store.batch_get_into(value.object_names(keys), [address(b) for b in buffers],
                                            [b.nbytes for b in buffers])
-        faults = _key_faults(self._faults(keys + keys, codes, what))
+        faults = _key_faults(self._faults(keys + keys, codes, what, read=True))
         return [(codes[j] + codes[len(keys) + j], faults[j]) for j in range(len(keys))]
 
     def _verify_present(self, key: str, nbytes: int) -> KeyResult:

@@ -64,18 +64,21 @@ _FAULT_OF_CODE: dict[int, type[TierFault]] = {
     StoreCode.REPLICA_IS_NOT_READY: KeyMissing,
     StoreCode.OBJECT_NOT_FOUND: KeyMissing,
     StoreCode.LEASE_EXPIRED: KeyMissing,
-    StoreCode.INVALID_PARAMS: ChecksumMismatch,
-    StoreCode.TRANSFER_FAIL: ChecksumMismatch,
     StoreCode.RPC_FAIL: StoreUnavailable,
 }
-"""Why a size error is a checksum fault: Mooncake answers INVALID_PARAMS / TRANSFER_FAIL when the buffers handed to
-a read are smaller / larger than the object, i.e. the value is not one the tier wrote for this layout."""
+_SIZE_CODES = frozenset({StoreCode.INVALID_PARAMS, StoreCode.TRANSFER_FAIL})
+"""Why these are a checksum fault of a read: Mooncake answers INVALID_PARAMS / TRANSFER_FAIL when the buffers handed
+to a read are smaller / larger than the object, i.e. the value is not one the tier wrote for this layout. Of a write
+or a removal they say only that the call failed (`StoreRejected`): nothing was read, so nothing is corrupt, and the
+tier must not count a forged value or shun the key for it."""
 
 
-def fault_of(code: int, what: str) -> TierFault:
-    """The named fault for a negative Mooncake status `code`, its message naming `what` failed."""
+def fault_of(code: int, what: str, read: bool = False) -> TierFault:
+    """The named fault for a negative Mooncake status `code` of a read (`read`) or any other call, its message naming
+    `what` failed."""
     try:
         name = StoreCode(code).name
     except ValueError:
         name = f"code {code}"
-    return _FAULT_OF_CODE.get(code, StoreRejected)(f"{what}: {name}")
+    kind = ChecksumMismatch if read and code in _SIZE_CODES else _FAULT_OF_CODE.get(code, StoreRejected)
+    return kind(f"{what}: {name}")

@@ -199,3 +199,19 @@ def test_a_key_whose_value_failed_its_check_stays_shunned_when_this_tiers_own_wr
     monkeypatch.setattr(tier_.client, "_store", store)
     forge(tier_, FIRST)
     assert tier_.lookup([FIRST]) == 0
+
+
+def test_a_write_whose_transfer_fails_is_an_io_error_counting_no_rejected_value_nor_shunning_the_key(tier,
+                                                                                                   monkeypatch) -> None:
+    """Nothing was read, so nothing is corrupt: the forged-value counter and the shunned keys are for values that
+    failed their check, and a key the store later holds (written by another engine of the tenant) is adopted."""
+    tier_, pool = tier
+    store = tier_.client._store
+    monkeypatch.setattr(tier_.client, "_store", type("Failing", (), {  # every put answered TRANSFER_FAIL
+        "__getattr__": lambda self, name: getattr(store, name),
+        "batch_put_from": staticmethod(lambda names, *args: [-800] * len(names))})())
+    assert write(tier_, pool, FIRST).failed == {FIRST: TierFailure.io_error}
+    monkeypatch.setattr(tier_.client, "_store", store)
+    assert tier_.rejected_values == 0
+    held_elsewhere(tier_, pool, [FIRST])
+    assert tier_.lookup([FIRST]) == 1

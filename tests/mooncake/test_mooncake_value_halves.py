@@ -138,6 +138,7 @@ def test_a_payload_the_store_refuses_gets_no_trailer_and_its_fault_is_the_answer
     failing_puts(client, "payloads")
     [refused] = faults(write(client, registered(client), [key], [0]))
     assert str(refused) == f"write-back of {key}: TRANSFER_FAIL" and held(client, key) == (0, 0)
+    assert type(refused) is StoreRejected  # a failed put read nothing: not a corrupt value
 
 
 def test_a_trailer_the_store_refuses_leaves_the_value_unpublished_naming_the_trailer(mooncake, connect,
@@ -145,7 +146,7 @@ def test_a_trailer_the_store_refuses_leaves_the_value_unpublished_naming_the_tra
     client, key = connect(mooncake), request.node.name
     failing_puts(client, "trailers")
     [refused] = faults(write(client, registered(client), [key], [0]))
-    assert str(refused) == f"write-back of {trailer_key(key)}: TRANSFER_FAIL"
+    assert str(refused) == f"write-back of {trailer_key(key)}: TRANSFER_FAIL" and type(refused) is StoreRejected
     assert faults(client.contains([key])) == [False]
 
 
