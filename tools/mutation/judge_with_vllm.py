@@ -58,7 +58,10 @@ def prepare(tests: list[str]) -> None:
         zipfile.ZipFile(MUTMUT_WHEEL).extractall(site)
     os.chdir("mutants")
     sys.path[:0] = [str(Path("tests").resolve()), str(Path.cwd()), str(site)]
-    os.environ.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path[:3]))
+    # a process a test starts (the Mooncake set-up probe) imports the mutated code too: its path first, then the
+    # caller's own (where a device host's packages live)
+    inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    os.environ.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path[:3] + inherited))
     importlib.import_module("pytest")
     importlib.import_module("conftest")
     for path in sorted({test.split("::")[0] for test in tests}):
