@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 MUTMUT_WHEEL = Path(".mutwhl/mutmut-3.8.1-py3-none-any.whl")
@@ -187,9 +187,9 @@ def main() -> None:
         started = time.monotonic()
         return f"{verdict(name, reach, args.timeout)}  [{time.monotonic() - started:.1f} s]"
 
-    with ThreadPoolExecutor(args.parallel) as pool:
-        for line in pool.map(timed, names):
-            print(line, flush=True)
+    with ThreadPoolExecutor(args.parallel) as pool:  # each verdict as it comes: a run cut short keeps what it judged
+        for done in as_completed([pool.submit(timed, name) for name in names]):
+            print(done.result(), flush=True)
 
 
 if __name__ == "__main__":
