@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvfsm.integrations.vllm.rig import BLOCK_SIZE  # noqa: E402
+from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker  # noqa: E402
 from test_vllm_groups import hybrid  # noqa: E402,F401
 from test_vllm_window_hit import LONG, READER  # noqa: E402
 from vllm_harness import Driver  # noqa: E402
@@ -72,4 +72,21 @@ def test_a_shorter_hit_after_a_gpu_prefix_is_offered_from_the_gpu_prefixs_end(hy
     assert first_computed(d, "reader") == 4 * BLOCK_SIZE
     assert [len(order.gpu_blocks) for order in loads_of(d, "reader")] == [2]
     assert [len(order.gpu_blocks) for order in loads_of(d, "reader@g1")] == [2]
+    assert d.cpu_pool_drained()
+
+
+def test_a_request_whose_window_blocks_another_request_still_loads_waits_for_that_load(hybrid) -> None:
+    """The first reader's full-attention load has landed, its window's has not: the second reader, asked while that
+    window is loading, is deferred (`None`) rather than offered blocks being written, and once the first reader's
+    load is told it finds them in vLLM's own prefix cache, loading nothing."""
+    d = hybrid(FakeWorker(load_steps_of={"first@g1": 4}))
+    store_prefix(d)
+    d.add("first", PREFIX + [9])
+    d.step()
+    d.add("second", PREFIX + [9])
+    deferrals = d.connector.scheduler_side.kvfsm.stats.deferrals
+    d.run()
+    assert d.connector.scheduler_side.kvfsm.stats.deferrals > deferrals
+    assert loaded_blocks(d, "first") == len(PREFIX) // BLOCK_SIZE + 2
+    assert loaded_blocks(d, "second") == 0
     assert d.cpu_pool_drained()
