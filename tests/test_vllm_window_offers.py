@@ -1,0 +1,92 @@
+"""What a request with sliding-window groups is offered and counted (`kvfsm.integrations.vllm.window_hit`), under
+vLLM's real Scheduler, the hybrid allocator on: the window groups are looked up once each when their windows are whole
+where the full-attention hit ends; a shorter hit is counted once, as the blocks it loads; and a shorter hit after a GPU
+prefix is offered from that prefix's end. Skipped without vLLM.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker  # noqa: E402
+from test_vllm_groups import hybrid  # noqa: E402,F401
+from test_vllm_window_hit import LONG, READER  # noqa: E402
+from vllm_harness import Driver  # noqa: E402
+from vllm_support import PREFIX, loads_of, model, store_prefix  # noqa: E402,F401
+
+pytestmark = pytest.mark.vllm
+
+
+def loaded_blocks(d: Driver, req_id: str) -> int:
+    """GPU blocks loaded for the request, in every group."""
+    return sum(len(order.gpu_blocks) for tracked in (req_id, f"{req_id}@g1") for order in loads_of(d, tracked))
+
+
+def first_computed(d: Driver, req_id: str) -> int:
+    """The tokens the request had computed when first scheduled (its GPU prefix and what it loaded)."""
+    return next(log.first_computed[req_id] for log in d.log if req_id in log.first_computed)
+
+
+def test_a_hit_whose_windows_are_whole_where_the_full_hit_ends_is_looked_up_once_per_group(hybrid) -> None:
+    """The writer's window ends where the reader's full hit does: no shorter end is searched, and kvfsm's lookup
+    counter (`kvfsm_lookups_total`) counts one lookup per group."""
+    d = hybrid()
+    store_prefix(d)
+    stats = d.connector.scheduler_side.kvfsm.stats
+    before = stats.lookups
+    d.add("reader", PREFIX + [9])
+    d.run()
+    assert loaded_blocks(d, "reader") == len(PREFIX) // BLOCK_SIZE + 2
+    assert stats.lookups - before == 2, f"{stats.lookups - before} lookups for one request of two groups"
+
+
+def test_a_shorter_hit_counts_as_hit_blocks_only_the_blocks_it_loads(hybrid) -> None:
+    """The window ending at the reader's full hit (blocks 0 and 1) lacks block 1, and the window ending at block 1 is
+    held: the window group's first lookup found block 0, and only the blocks loaded count
+    (`kvfsm_hit_blocks_total{tier="cpu"}`), not that first lookup's as well."""
+    d = hybrid()
+    store_prefix(d, PREFIX[:BLOCK_SIZE] + [1, 2, 3], "short")  # both groups hold block 0
+    store_prefix(d, PREFIX + [7] * BLOCK_SIZE + [1, 2, 3])  # the full group holds blocks 0-4, the window 3 and 4
+    stats = d.connector.scheduler_side.kvfsm.stats
+    before = stats.cpu_hit_blocks
+    d.add("reader", PREFIX[:2 * BLOCK_SIZE] + [9])
+    d.run()
+    assert first_computed(d, "reader") == BLOCK_SIZE
+    assert stats.cpu_hit_blocks - before == loaded_blocks(d, "reader") == 2
+    assert d.cpu_pool_drained()
+
+
+def test_a_shorter_hit_after_a_gpu_prefix_is_offered_from_the_gpu_prefixs_end(hybrid) -> None:
+    """The GPU holds blocks 0 and 1 (a request of that prefix ran after the stores); the CPU pool's full hit ends at
+    block 6, whose window lacks block 4, and the window ending at block 4 is held: the reader loads blocks 2 and 3 in
+    each group and computes from block 4."""
+    d = hybrid()
+    store_prefix(d)
+    store_prefix(d, LONG + [1, 2, 3], "long")
+    d.add("warm", LONG[:2 * BLOCK_SIZE] + [5])
+    d.run()
+    d.add("reader", READER)
+    d.run()
+    assert first_computed(d, "reader") == 4 * BLOCK_SIZE
+    assert [len(order.gpu_blocks) for order in loads_of(d, "reader")] == [2]
+    assert [len(order.gpu_blocks) for order in loads_of(d, "reader@g1")] == [2]
+    assert d.cpu_pool_drained()
+
+
+def test_a_request_whose_window_blocks_another_request_still_loads_waits_for_that_load(hybrid) -> None:
+    """The first reader's full-attention load has landed, its window's has not: the second reader, asked while that
+    window is loading, is deferred (`None`) rather than offered blocks being written, and once the first reader's
+    load is told it finds them in vLLM's own prefix cache, loading nothing."""
+    d = hybrid(FakeWorker(load_steps_of={"first@g1": 4}))
+    store_prefix(d)
+    d.add("first", PREFIX + [9])
+    d.step()
+    d.add("second", PREFIX + [9])
+    deferrals = d.connector.scheduler_side.kvfsm.stats.deferrals
+    d.run()
+    assert d.connector.scheduler_side.kvfsm.stats.deferrals > deferrals
+    assert loaded_blocks(d, "first") == len(PREFIX) // BLOCK_SIZE + 2
+    assert loaded_blocks(d, "second") == 0
+    assert d.cpu_pool_drained()
