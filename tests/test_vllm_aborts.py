@@ -35,8 +35,6 @@ def test_a_request_aborted_while_waiting_for_room_leaves_no_lookup_behind(make_d
 
 
 
-@pytest.mark.xfail(strict=True, reason="kvfsm refuses the step: a request finished before its preemption is told is "
-                   "no longer running (UnknownRequest, or RequestStateForbids while its stores run); left to the lead")
 @pytest.mark.parametrize("store_steps", [1, 6], ids=["stores-ended", "stores-in-flight"])
 def test_a_request_preempted_by_a_cache_reset_and_aborted_before_the_next_step_ends_cleanly(make_driver,
                                                                                            store_steps: int) -> None:

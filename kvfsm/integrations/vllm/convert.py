@@ -179,10 +179,15 @@ def scheduler_output(output: VllmSchedulerOutput, tables: BlockTables, before: d
     (`computed_before` of the same output, which the caller also needs).
 
     Built from vLLM's own typed scheduler output: constructed without re-validating, column by column at C speed
-    (no object per request: building a record per running request per step was the adapter's largest cost)."""
+    (no object per request: building a record per running request per step was the adapter's largest cost).
+
+    A request both preempted and finished in the output (vLLM's `reset_prefix_cache(reset_running_requests=True)`
+    preempts it, then it is aborted before the next step) is not passed on as preempted: kvfsm heard of its end first
+    (`request_finished`), which gave its GPU blocks back fenced where stores still read them (lazy-fence), so there is
+    nothing of it left to preempt."""
     req_ids = tuple(output.num_scheduled_tokens)
     computed = tuple(map(operator.add, map(before.__getitem__, req_ids), output.num_scheduled_tokens.values()))
-    preempted = sorted(output.preempted_req_ids or ())
+    preempted = sorted(set(output.preempted_req_ids or ()).difference(output.finished_req_ids))
     if len(tables.groups) > 1:
         groups = tables.groups
         req_ids = tuple(g.request_id(r) for g in groups for r in req_ids)
