@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 
@@ -184,6 +186,17 @@ def test_a_key_this_tier_writes_itself_after_its_value_failed_its_check_is_adopt
     assert tier_.lookup([FIRST]) == 1
 
 
+@contextmanager
+def puts_answered(tier_: MooncakeTier, monkeypatch: pytest.MonkeyPatch, code: int) -> Iterator[None]:
+    """Inside the block, the store answers `code` to every put of the tier's client (and is itself again after)."""
+    store = tier_.client._store
+    monkeypatch.setattr(tier_.client, "_store", type("Refusing", (), {
+        "__getattr__": lambda self, name: getattr(store, name),
+        "batch_put_from": staticmethod(lambda names, *args: [code] * len(names))})())
+    yield
+    monkeypatch.setattr(tier_.client, "_store", store)
+
+
 def test_a_key_whose_value_failed_its_check_stays_shunned_when_this_tiers_own_write_of_it_fails(tier,
                                                                                                   monkeypatch) -> None:
     """Only a write that succeeded makes the key this tier's again: after a failed one, a bad value another engine
@@ -191,12 +204,8 @@ def test_a_key_whose_value_failed_its_check_stays_shunned_when_this_tiers_own_wr
     tier_, pool = tier
     reject(tier_, pool, FIRST)
     assert removed(tier_, FIRST)
-    store = tier_.client._store
-    monkeypatch.setattr(tier_.client, "_store", type("Full", (), {  # every put answered NO_AVAILABLE_HANDLE
-        "__getattr__": lambda self, name: getattr(store, name),
-        "batch_put_from": staticmethod(lambda names, *args: [-200] * len(names))})())
-    assert write(tier_, pool, FIRST).failed == {FIRST: TierFailure.full}
-    monkeypatch.setattr(tier_.client, "_store", store)
+    with puts_answered(tier_, monkeypatch, -200):  # NO_AVAILABLE_HANDLE
+        assert write(tier_, pool, FIRST).failed == {FIRST: TierFailure.full}
     forge(tier_, FIRST)
     assert tier_.lookup([FIRST]) == 0
 
@@ -206,12 +215,8 @@ def test_a_write_whose_transfer_fails_is_an_io_error_counting_no_rejected_value_
     """Nothing was read, so nothing is corrupt: the forged-value counter and the shunned keys are for values that
     failed their check, and a key the store later holds (written by another engine of the tenant) is adopted."""
     tier_, pool = tier
-    store = tier_.client._store
-    monkeypatch.setattr(tier_.client, "_store", type("Failing", (), {  # every put answered TRANSFER_FAIL
-        "__getattr__": lambda self, name: getattr(store, name),
-        "batch_put_from": staticmethod(lambda names, *args: [-800] * len(names))})())
-    assert write(tier_, pool, FIRST).failed == {FIRST: TierFailure.io_error}
-    monkeypatch.setattr(tier_.client, "_store", store)
+    with puts_answered(tier_, monkeypatch, -800):  # TRANSFER_FAIL
+        assert write(tier_, pool, FIRST).failed == {FIRST: TierFailure.io_error}
     assert tier_.rejected_values == 0
     held_elsewhere(tier_, pool, [FIRST])
     assert tier_.lookup([FIRST]) == 1
