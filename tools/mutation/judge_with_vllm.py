@@ -58,8 +58,8 @@ def prepare(tests: list[str]) -> None:
         zipfile.ZipFile(MUTMUT_WHEEL).extractall(site)
     os.chdir("mutants")
     sys.path[:0] = [str(Path("tests").resolve()), str(Path.cwd()), str(site)]
-    # a process a test starts (the Mooncake set-up probe) imports the mutated code too: its path first, then the
-    # caller's own (where a device host's packages live)
+    # a process a test starts (the Mooncake set-up probe's child) needs the caller's packages too (on a device host
+    # Mooncake lives on the caller's PYTHONPATH): the mutated code's paths first, then the caller's
     inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     os.environ.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path[:3] + inherited))
     importlib.import_module("pytest")
