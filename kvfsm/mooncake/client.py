@@ -23,10 +23,11 @@ the first time it is seen (`register` registers a whole buffer up front, which c
 
 Integrity at transfer speed: every value is sealed and checked with the tenant's MAC (`kvfsm.mooncake.value`), a
 pass over every byte, on `hash_threads` threads of its own (`blake3` releases the GIL while it hashes), overlapped
-with the transfers: a write-back puts every payload while the MAC threads seal, then the trailers that publish them;
-a fetch checks each run of values while the I/O thread gets the next (`kvfsm.mooncake.pipeline` says how it is
-cut). The I/O thread waits for the last MACs before it answers, so a `Pending` never settles while a MAC thread
-still reads a slot.
+with the transfers: a write-back puts every payload while the MAC threads seal, and a MAC thread puts the trailers
+that publish them as soon as the last seal is done, beside the payloads' put; a fetch checks each run of values
+while the I/O thread gets the next (`kvfsm.mooncake.pipeline` says how it is cut). A call's values reach the MAC
+threads through one `kvfsm.mooncake.mac_crew.Crew`. The I/O thread waits for the last MACs and the trailers' put
+before it answers, so a `Pending` never settles while another thread still reads a slot.
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from concurrent.futures import wait
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -46,11 +46,11 @@ from kvfsm.mooncake import pipeline, value
 from kvfsm.mooncake.errors import (
     ChecksumMismatch, StoreBusy, StoreCode, StoreTimeout, StoreUnavailable, TierFault, fault_of,
 )
-from kvfsm.mooncake.host_memory import Registrations, address
+from kvfsm.mooncake.host_memory import Buffers, Registrations
 from kvfsm.mooncake.io_thread import CancellableCall, IoThread, Pending
-from kvfsm.mooncake.local import port_accepts
+from kvfsm.mooncake.mac_crew import Crew, MacThreads
 from kvfsm.mooncake.settings import ClientSettings
-from kvfsm.mooncake.setup_probe import setup_answers
+from kvfsm.mooncake.setup_probe import set_up_store
 from kvfsm.mooncake.value import ValueMac
 
 log = logging.getLogger(__name__)
@@ -64,18 +64,7 @@ Verify = Callable[[np.ndarray, str, np.ndarray], int | None]
 
 def _key_faults(faults: Sequence[TierFault | None]) -> list[TierFault | None]:
     """Per key, the first fault of its payload's and its trailer's (`faults` of a call on `value.object_names`)."""
-    count = len(faults) // 2
-    return [faults[j] or faults[count + j] for j in range(count)]
-
-
-@contextmanager
-def _settling(futures: list[Future[Any]]) -> Iterator[None]:
-    """Leave only once every MAC submitted for the call finished, however the call ends: a call's answer means
-    nothing touches its memory any more."""
-    try:
-        yield
-    finally:
-        wait(futures)
+    return [payload or trailer for payload, trailer in value.per_key(faults)]
 
 
 class MooncakeClient:
@@ -100,7 +89,7 @@ class MooncakeClient:
         """How a value read from the store is checked against its trailer, for a fetch and for a key found present
         by a write-back (an attribute so a test's control can drop the MAC)."""
         self.hash_threads = settings.hash_threads or pipeline.default_hash_threads()
-        self._hashing = ThreadPoolExecutor(self.hash_threads, thread_name_prefix="kvfsm-mooncake-mac")
+        self._macs = MacThreads(self.hash_threads)
         self._scratch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         """Per payload size, memory a write-back reads a value already in the store into, to verify it."""
 
@@ -110,27 +99,14 @@ class MooncakeClient:
         start-up, on the caller's thread. Mooncake's set-up holds the GIL while it waits for the master, so no thread
         here could end that wait: the same set-up is first tried in a child process under the deadline
         (`kvfsm.mooncake.setup_probe`), and only a master that answered it is set up with in this process."""
-        from mooncake.store import MooncakeDistributedStore
-
-        s = self.settings
-        if not port_accepts(s.master.host, s.master.port, timeout_s=min(1.0, s.connect_timeout_s)):
-            raise StoreUnavailable(f"no Mooncake master listens on {s.master}")
-        if not setup_answers(s.local_hostname, str(s.master), s.connect_timeout_s):
-            raise StoreUnavailable(f"the Mooncake master at {s.master} did not answer a client's set-up within "
-                                   f"{s.connect_timeout_s}s")
-        store = MooncakeDistributedStore()
-        code = store.setup(s.local_hostname, "P2PHANDSHAKE", s.segment_bytes, s.transfer_buffer_bytes, "tcp", "",
-                           str(s.master))
-        if code != 0:
-            raise StoreUnavailable(f"Mooncake client set-up with {s.master} failed: {code}")
-        self._store = store
+        self._store = set_up_store(self.settings)
 
     def register(self, buffer: torch.Tensor | np.ndarray) -> None:
         """Register a whole host buffer now, so that views into it need no registration later."""
         array = buffer.numpy() if isinstance(buffer, torch.Tensor) else buffer
 
         def call() -> TierFault | bool:
-            self._ensure_registered([array])
+            self._located([array])
             return True
 
         result = self._submit(call, fallback=lambda fault: fault).wait(
@@ -166,7 +142,7 @@ class MooncakeClient:
         if isinstance(self._io, IoThread):
             self._io.shutdown(wait=False)
         self._queries.shutdown(wait=False)
-        self._hashing.shutdown(wait=False)
+        self._macs.shutdown()
         return True
 
     @property
@@ -221,14 +197,13 @@ class MooncakeClient:
     def _back_off(self) -> None:
         self._refuse_until = time.monotonic() + self.settings.retry_after_s
 
-    def _ensure_registered(self, arrays: Sequence[np.ndarray]) -> None:
-        for array in arrays:
-            start, size = address(array), array.nbytes
-            if not self._registered.covers(start, size):
-                code = self._store.register_buffer(start, size)
-                if code != 0:
-                    raise StoreUnavailable(f"register_buffer of {size} bytes failed: {code}")
-                self._registered.add(start, size)
+    def _located(self, arrays: Sequence[np.ndarray]) -> Buffers:
+        return self._registered.locate(arrays, self._register)
+
+    def _register(self, start: int, size: int) -> None:
+        code = self._store.register_buffer(start, size)
+        if code != 0:
+            raise StoreUnavailable(f"register_buffer of {size} bytes failed: {code}")
 
     def _faults(self, keys: Sequence[str], codes: Sequence[int], what: str, read: bool = False
                 ) -> list[TierFault | None]:
@@ -244,16 +219,15 @@ class MooncakeClient:
         return faults
 
     # -- operations -----------------------------------------------------------------------------------------------
-    def _least(self, payloads: Sequence[np.ndarray]) -> int:
-        return pipeline.round_values([p.nbytes for p in payloads], self.hash_threads, self.settings.pipeline_bytes)
-
     def write_back(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
                    units: Sequence[np.ndarray] = (), carried: Sequence[int | None] = ()
                    ) -> Pending[list[KeyResult]]:
         """Store each payload under its key and its trailer, sealed with the tenant's MAC and carrying `carried[i]`
         (the block's own checksum) if given, under the key's trailer key (`kvfsm.mooncake.value`): the payloads in
-        one put while the MAC threads seal, then the trailers, whose presence publishes the values, so no payload
-        waits for a seal. `units` are buffers to register whole before the first use of views into them.
+        one put while the MAC threads seal, and the trailers, whose presence publishes the values, in a second put
+        a MAC thread makes once every seal is done, while the payloads still move: no payload waits for a seal.
+        A trailer put over a payload the store then refused is removed again. `units` are buffers to register
+        whole before the first use of views into them.
 
         What the store holds already is asked first (one `batch_is_exist`): Mooncake answers success to a put onto
         a present key and keeps the value there. A key held whole counts as written only once the value there
@@ -268,12 +242,13 @@ class MooncakeClient:
             return self.mac.seal(trailers[i], keys[i], payloads[i], sums[i])
 
         def call() -> list[KeyResult]:
-            sealed = [self._hashing.submit(seal, i) for i in range(len(keys))]  # first: the MAC threads start now
-            with _settling(sealed):
-                self._ensure_registered(list(units) + payloads + trailers)
-                return put(sealed)
+            with self._macs.crew(seal) as sealing:  # first: the MAC threads start now
+                sealing.hand(range(len(keys)))
+                sealing.close()
+                self._located(units)
+                return put(sealing, self._located(payloads), self._located(trailers))
 
-        def put(sealed: list[Future[int]]) -> list[KeyResult]:
+        def put(sealing: Crew[int], payload_at: Buffers, trailer_at: Buffers) -> list[KeyResult]:
             answers: dict[int, KeyResult] = {}
             whole, halves = [], []
             for i, (payload, trailer) in enumerate(self._halves(keys)):
@@ -285,11 +260,25 @@ class MooncakeClient:
                     halves.append(i)
             answers.update(self._cleared(keys, halves))
             fresh = [i for i in range(len(keys)) if i not in answers and i not in whole]
-            stored = self._put(fresh, [keys[i] for i in fresh], [payloads[i] for i in fresh], answers)
-            for i in stored:  # a seal that failed raises here: no trailer of this call is put
-                sealed[i].result()
-            self._put(stored, [value.trailer_key(keys[i]) for i in stored], [trailers[i] for i in stored], answers)
-            answers.update((i, sealed[i].result()) for i in stored if i not in answers)
+            trailer_names = [value.trailer_key(keys[i]) for i in fresh]
+
+            def publish() -> tuple[dict[int, int], list[TierFault | None]]:
+                sealed = sealing.results()  # a seal that failed raises here: no trailer of this call is put
+                return sealed, self._put(trailer_names, trailer_at.pick(fresh))
+
+            published = self._macs.submit(publish)
+            try:
+                payload_faults = self._put([keys[i] for i in fresh], payload_at.pick(fresh))
+            finally:
+                wait([published])
+            sealed, trailer_faults = published.result()
+            orphans = []
+            for i, name, payload_fault, trailer_fault in zip(fresh, trailer_names, payload_faults, trailer_faults):
+                answers[i] = payload_fault or trailer_fault or sealed[i]
+                if payload_fault is not None and trailer_fault is None:
+                    orphans.append(name)
+            if orphans:  # not removed (its answer lost), such a trailer is a half the key's next write-back clears
+                self._store.batch_remove(orphans, True)
             answers.update((i, self._verify_present(keys[i], payloads[i].nbytes)) for i in whole)
             return [answers[i] for i in range(len(keys))]
 
@@ -297,8 +286,7 @@ class MooncakeClient:
 
     def _halves(self, keys: list[str]) -> list[tuple[int, int]]:
         """Per key, the store's answers (1 held, 0 not, negative: no answer) for its payload and its trailer."""
-        codes = self._store.batch_is_exist(value.object_names(keys))
-        return list(zip(codes[:len(keys)], codes[len(keys):], strict=True))
+        return value.per_key(self._store.batch_is_exist(value.object_names(keys)))
 
     def _cleared(self, keys: list[str], halves: list[int]) -> dict[int, KeyResult]:
         """Remove both halves of `halves`' keys (the missing one is answered not found); the fault of each key a
@@ -311,20 +299,11 @@ class MooncakeClient:
         faults = self._faults(names, codes, "removal of half a value under")
         return {i: fault for i, fault in zip(halves, _key_faults(faults)) if fault is not None}
 
-    def _put(self, indices: list[int], names: list[str], buffers: list[np.ndarray],
-             answers: dict[int, KeyResult]) -> list[int]:
-        """One put of `buffers` under `names` (of the batch's `indices`): each fault goes into `answers`; the indices
-        stored are returned."""
-        if not indices:
+    def _put(self, names: list[str], buffers: Buffers) -> list[TierFault | None]:
+        """One put of `buffers` under `names`; per name, its fault."""
+        if not names:
             return []
-        codes = self._store.batch_put_from(names, [address(b) for b in buffers], [b.nbytes for b in buffers])
-        stored = []
-        for i, fault in zip(indices, self._faults(names, codes, "write-back of"), strict=True):
-            if fault is None:
-                stored.append(i)
-            else:
-                answers[i] = fault
-        return stored
+        return self._faults(names, self._store.batch_put_from(names, buffers.at, buffers.sizes), "write-back of")
 
     def _unanswered(self, key: str) -> TierFault:
         """A key whose presence the store did not answer is not put (a stalled master would make the put wait out
@@ -332,15 +311,14 @@ class MooncakeClient:
         self._back_off()
         return StoreUnavailable(f"write-back of {key}: the store did not say whether it holds the key")
 
-    def _get(self, keys: list[str], payloads: list[np.ndarray], trailers: list[np.ndarray], what: str
+    def _get(self, keys: list[str], payloads: Buffers, trailers: Buffers, what: str
              ) -> list[tuple[int, TierFault | None]]:
         """One get of each key's payload and trailer into `payloads` and `trailers`; per key, the bytes read (both
         halves) and the first fault of its halves."""
-        buffers = payloads + trailers
-        codes = self._store.batch_get_into(value.object_names(keys), [address(b) for b in buffers],
-                                           [b.nbytes for b in buffers])
+        codes = self._store.batch_get_into(value.object_names(keys), payloads.at + trailers.at,
+                                           payloads.sizes + trailers.sizes)
         faults = _key_faults(self._faults(keys + keys, codes, what, read=True))
-        return [(codes[j] + codes[len(keys) + j], faults[j]) for j in range(len(keys))]
+        return [(payload + trailer, fault) for (payload, trailer), fault in zip(value.per_key(codes), faults)]
 
     def _verify_present(self, key: str, nbytes: int) -> KeyResult:
         """The own checksum of the value already stored under `key` once it verifies, else the fault: a key another
@@ -349,8 +327,8 @@ class MooncakeClient:
             scratch = torch.zeros(nbytes + value.TRAILER_BYTES, dtype=torch.uint8).numpy()
             self._scratch[nbytes] = (scratch[:nbytes], scratch[nbytes:])
         payload, trailer = self._scratch[nbytes]
-        self._ensure_registered([payload, trailer])
-        [(read, fault)] = self._get([key], [payload], [trailer], "check of the value present under")
+        [(read, fault)] = self._get([key], self._located([payload]), self._located([trailer]),
+                                    "check of the value present under")
         answer = fault if fault is not None else self._verified(key, payload, trailer, read)
         return answer if isinstance(answer, TierFault) else self.mac.checksum_of(trailer)
 
@@ -368,19 +346,25 @@ class MooncakeClient:
         """Read each key's payload and trailer and verify its MAC; a payload whose result is a fault holds garbage
         and must not be used."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
+        landed: dict[int, tuple[int, TierFault | None]] = {}
+        """Per key whose get returned, the bytes it read and its fault (written before the key is handed over)."""
 
-        def verify(i: int, read: int, fault: TierFault | None) -> KeyResult:
+        def check(i: int) -> KeyResult:
+            read, fault = landed[i]
             return fault if fault is not None else self._verified(keys[i], payloads[i], trailers[i], read)
 
         def call() -> list[KeyResult]:
-            self._ensure_registered(list(units) + payloads + trailers)
-            checked: list[Future[KeyResult]] = []
-            with _settling(checked):
-                for run in pipeline.fetch_runs(len(keys), self._least(payloads), self.hash_threads):
-                    got = self._get([keys[i] for i in run], [payloads[i] for i in run], [trailers[i] for i in run],
-                                    "fetch of")
-                    checked += [self._hashing.submit(verify, i, read, fault) for i, (read, fault) in zip(run, got)]
-                return [future.result() for future in checked]
+            self._located(units)
+            payload_at, trailer_at = self._located(payloads), self._located(trailers)
+            least = pipeline.round_values(payload_at.sizes, self.hash_threads, self.settings.pipeline_bytes)
+            with self._macs.crew(check) as checking:
+                for run in pipeline.fetch_runs(len(keys), least, self.hash_threads):
+                    landed.update(zip(run, self._get([keys[i] for i in run], payload_at.pick(run),
+                                                     trailer_at.pick(run), "fetch of")))
+                    checking.hand(run)
+                checking.close()
+                checked = checking.results()
+            return [checked[i] for i in range(len(keys))]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 

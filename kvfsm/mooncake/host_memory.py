@@ -9,7 +9,7 @@ trailer each, which tests and the benchmark use as their source and target memor
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -47,6 +47,16 @@ def address(array: np.ndarray) -> int:
     return int(array.ctypes.data)
 
 
+class Buffers(NamedTuple):
+    """Host buffers as a store call takes them: their addresses and their lengths."""
+
+    at: list[int]
+    sizes: list[int]
+
+    def pick(self, indices: Sequence[int]) -> Buffers:
+        return Buffers([self.at[i] for i in indices], [self.sizes[i] for i in indices])
+
+
 class Registrations:
     """Host ranges registered with Mooncake; a view inside one needs no registration of its own."""
 
@@ -57,6 +67,19 @@ class Registrations:
     def covers(self, start: int, size: int) -> bool:
         i = bisect.bisect_right(self._starts, start) - 1
         return i >= 0 and start + size <= self._ends[self._starts[i]]
+
+    def locate(self, arrays: Sequence[np.ndarray], register: Callable[[int, int], None]) -> Buffers:
+        """Where `arrays` are, each first registered whole by `register(start, size)` unless it lies inside a range
+        registered already (a call takes its buffers' addresses once, for this check and its store calls both)."""
+        located = Buffers([], [])
+        for array in arrays:
+            start, size = address(array), array.nbytes
+            if not self.covers(start, size):
+                register(start, size)
+                self.add(start, size)
+            located.at.append(start)
+            located.sizes.append(size)
+        return located
 
     def add(self, start: int, size: int) -> None:
         bisect.insort(self._starts, start)

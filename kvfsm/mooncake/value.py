@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hmac
 import struct
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 import numpy as np
 
@@ -52,6 +52,7 @@ _HEADER = struct.Struct("<8sIIQI")
 """What the MAC covers beside the payload: format, carried flag and checksum, payload length, key length."""
 _FORMAT = b"kvfsm-v4"
 TRAILER_SUFFIX = "/trailer"
+T = TypeVar("T")
 
 
 def trailer_key(key: str) -> str:
@@ -63,6 +64,12 @@ def object_names(keys: Sequence[str]) -> list[str]:
     """The store objects of the values under `keys`: every payload, then every trailer, in `keys`' order (the
     order the client's batch calls and their answers take)."""
     return list(keys) + [trailer_key(key) for key in keys]
+
+
+def per_key(answers: Sequence[T]) -> list[tuple[T, T]]:
+    """Answers of a call on `object_names(keys)` paired per key: (its payload's, its trailer's)."""
+    count = len(answers) // 2
+    return list(zip(answers[:count], answers[count:], strict=True))
 
 
 class ValueMac:

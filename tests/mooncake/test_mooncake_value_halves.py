@@ -1,7 +1,7 @@
-"""A value is two objects, its payload and then its trailer, and only a whole one counts: a lookup holds a key only
-when both are there, no payload waits for a seal, a trailer is put only over a stored payload, a half left in the
-store (by a write-back that stopped between its puts, an eviction, a plant) is removed before this tenant writes
-the key, and removing a value removes both objects."""
+"""A value is two objects, its payload and its trailer, and only a whole one counts: a lookup holds a key only
+when both are there, no payload waits for a seal, the trailers' put runs beside the payloads', a trailer outlives
+its call only over a stored payload, a half left in the store (by a write-back that stopped between its puts, an
+eviction, a plant) is removed before this tenant writes the key, and removing a value removes both objects."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ class GatedSeal(ValueMac):
         return super().seal(*args, **kwargs)
 
 
-def test_a_write_back_puts_its_payloads_while_their_seals_still_run_and_then_the_trailers(mooncake, connect,
+def test_a_write_back_puts_its_payloads_while_their_seals_still_run_and_its_trailers_once_sealed(mooncake, connect,
                                                                                          request) -> None:
     gate = threading.Event()
     client = connect(mooncake, mac=GatedSeal(ValueKey.derive(b"a test tenant's secret, 32 bytes or more", None), gate))
@@ -120,6 +120,27 @@ def test_a_write_back_puts_its_payloads_while_their_seals_still_run_and_then_the
     assert puts == [keys, [trailer_key(key) for key in keys]]
 
 
+def test_a_write_back_puts_its_trailers_while_its_payloads_still_move(mooncake, connect, request) -> None:
+    """Once sealed, the trailers need not wait for the payloads' put to return: their put (a master round trip)
+    runs beside it, and a payload the store refuses has its trailer removed again (the test after this one)."""
+    trailers_put = threading.Event()
+    overlapped: list[bool] = []
+
+    def put(names: list[str], *args: Any) -> list[int]:
+        if names[0].endswith(trailer_key("")):
+            trailers_put.set()
+        else:
+            overlapped.append(trailers_put.wait(WAIT_S))
+        return store.batch_put_from(names, *args)
+
+    client = connect(mooncake)
+    store = client._store
+    client._store = Wrapped(store, batch_put_from=put)
+    keys = [f"{request.node.name}-{i}" for i in range(3)]
+    assert moved(write(client, registered(client), keys, [0, 1, 2]))
+    assert overlapped == [True]
+
+
 def failing_puts(client: Any, of: str) -> None:
     """The store refuses every put of payloads, or of trailers."""
     store = client._store
@@ -133,7 +154,7 @@ def failing_puts(client: Any, of: str) -> None:
     client._store = Wrapped(store, batch_put_from=put)
 
 
-def test_a_payload_the_store_refuses_gets_no_trailer_and_its_fault_is_the_answer(mooncake, connect, request) -> None:
+def test_a_payload_the_store_refuses_keeps_no_trailer_and_its_fault_is_the_answer(mooncake, connect, request) -> None:
     client, key = connect(mooncake), request.node.name
     failing_puts(client, "payloads")
     [refused] = faults(write(client, registered(client), [key], [0]))
