@@ -105,7 +105,7 @@ def mooncake_part(ctx: typer.Context, out: Path | None = OUT, quick: bool = QUIC
                                                                           "(repeatable: one row per count, each with "
                                                                           "its own baselines; default: the client's "
                                                                           "default, half the cores, 2 to 8)"),
-                  blocks: int | None = typer.Option(None, min=1, help="blocks one call moves (default 32 of 2 MiB, "
+                  blocks: int | None = typer.Option(None, min=1, help="blocks one call moves (default 128 of 2 MiB, "
                                                                      "8 of 256 KiB with --quick)")
                   ) -> None:
     """Run only the mooncake part."""

@@ -40,6 +40,14 @@ from kvfsm.mooncake.settings import ClientSettings
 from kvfsm.mooncake.value import ValueMac
 
 WAIT_S = 120.0
+CALL_BLOCKS = 128
+"""Blocks one call moves by default: 128 blocks of 2 MiB, the KV of a 2,048-token prefix of a Llama-3-8B-sized model,
+which a tier job fetches whole. That is about where a shared tier starts to pay: recomputing 2k tokens takes about
+63 ms on an H100 (docs/benchmarks.md), fetching their 256 MiB from Mooncake 45 to 70 ms on the H200 hosts measured
+(5.8 GB/s from local memory, 3.8 over TCP), while 512 tokens (32 blocks) are recomputed in about the time their
+fetch takes. Smaller calls are one option away (`--blocks`): each call also pays fixed costs (a master round trip
+per get or put, hand-offs between the I/O and MAC threads, the last values' checks), which at 32 blocks are a tenth
+of the call (docs/mooncake.md)."""
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -120,9 +128,9 @@ def run(quick: bool, segment: str = "segment host", hash_threads: int | None = N
         ) -> dict[str, Any]:
     """`segment`: where the objects live, `"segment host"` (another process: bytes cross the transfer engine's
     TCP path) or `"own"` (memory this client lends: the path a single-host deployment takes). `blocks`: how many
-    blocks one call moves (default 32 of 2 MiB, 512 tokens of a Llama-3-8B-sized model; 8 of 256 KiB when quick)."""
+    blocks one call moves (default `CALL_BLOCKS` of 2 MiB; 8 of 256 KiB when quick)."""
     block_bytes = (256 << 10) if quick else (2 << 20)
-    blocks = blocks or (8 if quick else 32)
+    blocks = blocks or (8 if quick else CALL_BLOCKS)
     reps = 2 if quick else 16  # a multiple of the four ways, so each leads as often
     total = blocks * block_bytes
     generator = torch.Generator().manual_seed(0)

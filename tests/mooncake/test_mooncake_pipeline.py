@@ -24,8 +24,8 @@ def test_fetch_runs_get_every_value_once_in_order_and_end_with_one_round(count: 
         assert len(earlier) < (shrink + 1) * len(later), "a run whose checks would outlast the next run's get"
 
 
-def test_fast_mac_threads_leave_a_fetch_two_gets_where_slow_ones_keep_even_runs() -> None:
-    assert [len(run) for run in fetch_runs(32, 8, 8)] == [24, 8]
+def test_fast_mac_threads_leave_a_fetch_few_gets_where_slow_ones_keep_even_runs() -> None:
+    assert [len(run) for run in fetch_runs(128, 8, 8)] == [72, 32, 16, 8]
     assert [len(run) for run in fetch_runs(32, 4, 2)] == [4] * 8
 
 
