@@ -72,6 +72,25 @@ def test_shared_prefix_loads_once_and_every_reader_starts_the_step_after_the_loa
     assert d.cpu_pool_drained()
 
 
+def test_a_request_that_reads_no_prefix_cache_is_never_deferred(make_driver) -> None:
+    """vLLM's `Scheduler.schedule` asks about a request that reads no prefix cache (`skip_reading_prefix_cache`, here
+    for its prompt logprobs), then sets the answer aside, "not yet" included, and schedules it at once with no external
+    tokens. Arriving while another request loads the prefix it shares, it is offered nothing and not deferred, so kvfsm
+    tracks it as vLLM runs it: deferred, it would still be deferred when it finishes, and its finish refused."""
+    d = make_driver(FakeWorker(load_steps=3))
+    store_prefix(d)
+    d.add("loader", PREFIX + [9])
+    d.step()
+    stats = d.connector.scheduler_side.kvfsm.stats
+    deferrals = stats.deferrals
+    d.add("logprobs", PREFIX + [9], prompt_logprobs=1)
+    d.run()
+    assert stats.deferrals == deferrals
+    assert loads_of(d, "logprobs") == []
+    assert d.steps_to_first_token("logprobs") == 1
+    assert d.cpu_pool_drained()
+
+
 def readers_hash_conversions(d: Driver, monkeypatch) -> int:
     """Block hashes converted in a run of a writer, then four readers deferred behind one load (three lookups each
     before their own)."""

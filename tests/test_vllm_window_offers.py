@@ -1,7 +1,8 @@
 """What a request with sliding-window groups is offered and counted (`kvfsm.integrations.vllm.window_hit`), under
 vLLM's real Scheduler, the hybrid allocator on: the window groups are looked up once each when their windows are whole
 where the full-attention hit ends; a shorter hit is counted once, as the blocks it loads; and a shorter hit after a GPU
-prefix is offered from that prefix's end. Skipped without vLLM.
+prefix is offered from that prefix's end; a hit vLLM sets aside after it was offered loads nothing in any group.
+Skipped without vLLM.
 """
 
 from __future__ import annotations
@@ -10,8 +11,17 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker  # noqa: E402
-from test_vllm_groups import hybrid  # noqa: E402,F401
+import torch  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
+from test_vllm_groups import SHAPE, WINDOW, hybrid  # noqa: E402,F401
 from test_vllm_window_hit import LONG, READER  # noqa: E402
 from vllm_harness import Driver  # noqa: E402
 from vllm_support import PREFIX, loads_of, model, store_prefix  # noqa: E402,F401
@@ -90,3 +100,47 @@ def test_a_request_whose_window_blocks_another_request_still_loads_waits_for_tha
     assert loaded_blocks(d, "first") == len(PREFIX) // BLOCK_SIZE + 2
     assert loaded_blocks(d, "second") == 0
     assert d.cpu_pool_drained()
+
+
+REPLAY = 3 * WINDOW
+"""Tokens of the bounded-replay window: longer than PREFIX, so vLLM replays a hit of PREFIX rather than load it."""
+
+
+def replay_cache(num_blocks: int) -> KVCacheConfig:
+    """A full-attention group, a sliding window of WINDOW tokens, and a DeepSeek-V4.1 style sliding window vLLM
+    replays instead of caching (`bounded_replay`), its latent as many bytes a block as the others' K and V."""
+    replayed = SlidingWindowMLASpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=2 * NUM_KV_HEADS * HEAD_SIZE,
+                                    dtype=torch.float16, sliding_window=REPLAY, bounded_replay=True)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layers.0.attn"], FullAttentionSpec(**SHAPE)),
+        KVCacheGroupSpec(["layers.1.attn"], SlidingWindowSpec(**SHAPE, sliding_window=WINDOW)),
+        KVCacheGroupSpec(["layers.2.attn"], replayed)])
+
+
+def test_a_hit_vllm_replays_instead_of_loading_loads_nothing_in_any_group(model, monkeypatch) -> None:
+    """vLLM's `Scheduler.schedule` sets aside a connector's hit no longer than its bounded-replay window when the load
+    would not restore that window's group (kvfsm restores vLLM's prefix-cacheable groups only), and allocates the
+    request no external tokens: it recomputes the prompt. kvfsm had offered the whole PREFIX, the WINDOW group its
+    blocks 2 and 3: every group is told it loads nothing, not a count taken from where its window starts (negative,
+    and refused), and the reader computes its whole prompt."""
+    d = Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), replay_cache(48))
+    try:
+        store_prefix(d)
+        offered: list[int | None] = []
+        lookup = d.connector.get_num_new_matched_tokens
+
+        def recorded(request, computed: int) -> tuple[int | None, bool]:  # type: ignore[no-untyped-def]
+            found = lookup(request, computed)
+            offered.append(found[0])
+            return found
+
+        monkeypatch.setattr(d.connector, "get_num_new_matched_tokens", recorded)
+        d.add("reader", PREFIX + [9])
+        d.run()
+        assert offered == [len(PREFIX)]
+        assert first_computed(d, "reader") == 0
+        assert [order for g in d.connector.scheduler_side.groups
+                for order in loads_of(d, g.request_id("reader"))] == []
+        assert d.cpu_pool_drained()
+    finally:
+        d.close()

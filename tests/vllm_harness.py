@@ -155,10 +155,13 @@ class Driver:
         assert isinstance(self.scheduler.connector, KvfsmConnector)
         return self.scheduler.connector
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, cache_salt: str | None = None) -> None:
-        """`cache_salt` is the tenant's, as a vLLM API request carries it: vLLM mixes it into the block hashes."""
-        request = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                          cache_salt=cache_salt, block_hasher=self.hasher)
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 2, cache_salt: str | None = None,
+            prompt_logprobs: int | None = None) -> None:
+        """`cache_salt` is the tenant's, as a vLLM API request carries it: vLLM mixes it into the block hashes.
+        `prompt_logprobs`: the request asks for its prompt's logprobs, so vLLM reads no prefix cache for it (its own
+        nor the connector's: `skip_reading_prefix_cache`)."""
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+        request = Request(req_id, prompt, params, None, cache_salt=cache_salt, block_hasher=self.hasher)
         self.scheduler.add_request(request)
         self.arrived[req_id] = self.step_no
         self.owners.update((g.request_id(req_id), (req_id, g.index)) for g in self.connector.scheduler_side.groups)

@@ -1,9 +1,12 @@
 """The connector's scheduler role: vLLM's scheduler calls in, kvfsm's `SchedulerConnector` decides.
 
-Two places where vLLM's protocol differs from kvfsm's, bridged here and nowhere else:
+Three places where vLLM's protocol differs from kvfsm's, bridged here and nowhere else:
 - vLLM calls `update_state_after_alloc` a second time when a request whose load finished is admitted, and looks a
   request up again when a failed load left it nothing valid; kvfsm allocated and ran that request already, so the
   second call is ignored and the repeated lookup answers "nothing to load".
+- vLLM asks about a request that reads no prefix cache (`skip_reading_prefix_cache`: prompt logprobs, pooling) and
+  then sets the answer aside, a deferral included, scheduling it at once with no external tokens; kvfsm looks it up as
+  one whose whole prompt is computed, so it is tracked as vLLM runs it (matched, then allocated) and never deferred.
 - vLLM learns which requests finished loading (`finished_recving`) or may free their blocks (`finished_sending`)
   from the workers' output; kvfsm decides both once every worker reported the job, so the scheduler role writes its
   answer into that output before vLLM reads it (`update_connector_output` runs first). With `layer_loads` a CPU hit
@@ -120,6 +123,8 @@ class SchedulerSide:
         if record is not None and record.state == RequestState.RUNNING:
             return 0, False
         view, windows = self._views_of(request)
+        if request.skip_reading_prefix_cache:  # vLLM sets any answer aside, "not yet" too, and computes it all now
+            num_computed_tokens = request.num_tokens  # so nothing is offered, and nothing waited on
         match = self.kvfsm.get_num_new_matched_tokens(view, num_computed_tokens)
         if match is None:
             self._matched.pop(request.request_id, None)
