@@ -51,7 +51,6 @@ class Crew(Generic[T]):
     def __init__(self, pool: ThreadPoolExecutor, threads: int, work: Callable[[int], T]) -> None:
         self._work = work
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._closed = False
         self.tasks = [pool.submit(self._drain) for _ in range(threads)]
 
     def _drain(self) -> dict[int, T]:
@@ -66,10 +65,7 @@ class Crew(Generic[T]):
             self._queue.put(index)
 
     def close(self) -> None:
-        """No more values: each task ends once the queue is empty."""
-        if self._closed:
-            return
-        self._closed = True
+        """No more values: each task ends once the queue is empty (closing again leaves markers nothing reads)."""
         for _ in self.tasks:
             self._queue.put(None)
 

@@ -63,6 +63,14 @@ def test_the_store_of_a_client_not_connected_is_refused_by_name() -> None:
         client.close()
 
 
+def test_the_store_of_a_closed_client_is_refused_by_name(mooncake, connect) -> None:
+    """A closed store's handle must never be called (it crashes): after `close`, no caller gets it."""
+    client = connect(mooncake)
+    assert client.close()
+    with pytest.raises(StoreUnavailable, match="^the Mooncake client is not connected$"):
+        client.raw()
+
+
 def test_write_back_then_fetch_round_trips_bytes_exactly(mooncake, connect, request) -> None:
     client = connect(mooncake)
     source, target = registered(client, seed=1), registered(client, seed=2)

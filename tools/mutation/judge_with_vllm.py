@@ -11,8 +11,10 @@ vLLM's interpreter, in `mutants/` (mutmut's trampolines, from `tools/mutation/ge
    reused by later runs over the same tests). If a test fails unmutated, nothing is judged.
 3. Per mutant, a child forked from the parent sets `MUTANT_UNDER_TEST` (the trampolines read it at call time) and
    runs only the tests that reach the mutant's function, stopping at the first failure; a mutant whose function no
-   test reaches is `NO TESTS` without a run. A child still running at `--timeout` is killed with its process group
-   (`TIMEOUT`, counted as killed: the tests did not pass).
+   test reaches is `NO TESTS` without a run. A child still running at `--timeout`, or at twice its tests' clean
+   duration if that is longer, is killed with its process group, and so is one a single test of which runs past
+   twice its clean duration (at least a minute): `TIMEOUT`, counted as killed, the tests did not pass in the time
+   they take unmutated.
 
 The test modules are imported before pytest starts, so their asserts are not rewritten: a failure still fails, with
 a terser message. `--parallel N` judges N mutants at a time, each in its own child; its threads do little but wait for
@@ -35,6 +37,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -49,6 +52,13 @@ PYTEST_ARGS = ["-q", "-x", "--tb=no", "-p", "no:cacheprovider", "-p", "no:unrais
 STATS = Path("vllm-stats.json")
 """In `mutants/`: which tests reach which function, and each test's duration, from the clean run."""
 CLEAN_TIMEOUT_S = 1800
+CLEAN_SLOWDOWN = 2.0
+"""A mutant's tests may run this many times as long as they ran clean (or `--timeout`, whichever is longer) before
+it is a `TIMEOUT`: a mutant whose tests all pass but take longer than a fixed timeout (a function a hundred tests
+reach) would otherwise be counted as killed."""
+TEST_DEADLINE_FLOOR_S = 60.0
+HUNG_EXIT = 86
+"""The exit code of a child one of whose tests ran past its deadline (`TestDeadline`)."""
 
 
 def prepare(tests: list[str]) -> None:
@@ -110,6 +120,24 @@ def wait_or_kill(pid: int, timeout_s: float) -> int | None:
     return None
 
 
+class TestDeadline:
+    """A pytest plugin for a mutant's run: a test still running `CLEAN_SLOWDOWN` times its clean duration (at least
+    `TEST_DEADLINE_FLOOR_S`) ends the child with `HUNG_EXIT`, so a mutant that hangs one test is a `TIMEOUT` at once
+    instead of holding a slot for its whole budget."""
+
+    def __init__(self, durations: dict[str, float]) -> None:
+        self.durations = durations
+
+    def pytest_runtest_setup(self, item: object) -> None:
+        limit = max(TEST_DEADLINE_FLOOR_S, CLEAN_SLOWDOWN * self.durations.get(item.nodeid, 0.0))  # type: ignore
+        self.timer = threading.Timer(limit, os._exit, args=(HUNG_EXIT,))
+        self.timer.daemon = True
+        self.timer.start()
+
+    def pytest_runtest_teardown(self, item: object, nextitem: object) -> None:
+        self.timer.cancel()
+
+
 class Reach:
     """A pytest plugin for the stats run: which functions each test reaches (through the trampolines), and its time."""
 
@@ -163,8 +191,10 @@ def verdict(name: str, reach: dict, timeout_s: float) -> str:
     tests = sorted(reach["tests_by_function"].get(function, []), key=lambda test: reach["duration"][test])
     if not tests:
         return f"NO TESTS {name}"
-    state, code, text = run_child(name, PYTEST_ARGS + tests, timeout_s)
-    if state == "timeout":
+    clean_s = sum(reach["duration"][test] for test in tests)
+    state, code, text = run_child(name, PYTEST_ARGS + tests, max(timeout_s, CLEAN_SLOWDOWN * clean_s),
+                                  [TestDeadline(reach["duration"])])
+    if state == "timeout" or code == HUNG_EXIT:
         return f"TIMEOUT  {name}"
     if code == 0:
         return f"SURVIVED {name}"
