@@ -16,8 +16,8 @@ Three places where vLLM's protocol differs from kvfsm's, bridged here and nowher
   a failed load's token could not be taken back: CPU hits then load asynchronously whatever `layer_loads` says
   (`no-inline-load-under-async-scheduling`), and start-up logs it once.
 Under vLLM's hybrid allocator each KV-cache group of a request is a request of its own in kvfsm's scheduler
-(`groups`): a lookup offers the longest prefix every group holds (a sliding-window group its whole window ending
-there, a state-space group the state at its end: `window_hit`), vLLM hears of a load or a release once every group's
+(`groups`): a lookup offers the longest prefix every group holds (a later full-attention group all of it, a
+sliding-window group its whole window ending there, a state-space group the state at its end: `window_hit`), vLLM hears of a load or a release once every group's
 is done, and a sliding window's (or a state's) left-behind blocks are told to kvfsm (`slide`) before the step that
 may hand them out is planned.
 The lower tiers' bytes live in the workers; this process plans every write-back and fetch against an index of each
@@ -89,8 +89,11 @@ class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
         block_bytes = gpu_block_bytes(kv_cache_config)
         self.groups = offloaded_groups(kv_cache_config, config.gpu_block_size, config.block_size_factor)
-        self.windows = tuple(g for g in self.groups if g.trailing)
-        """The groups vLLM keeps only the end of (sliding windows, states): matched, stored and slid as windows."""
+        self.partners = self.groups[1:]
+        """Every group after the first: each looked up as a window ending where the first group's hit ends (a later
+        full-attention group's window is its whole prefix), loaded and told to vLLM with the first (`window_hit`)."""
+        self.windows = tuple(g for g in self.partners if g.trailing)
+        """The groups vLLM keeps only the end of (sliding windows, states, chunks): slid as the request runs."""
         machines = MachineSet(scheduler.default_spec())  # the spec the connector would load (tests swap it there)
         self.tier_index = TierIndexes(config, config.block_size_factor * block_bytes, machines)
         """The lower tiers' indexes: the workers hold the bytes, this process decides every write-back and fetch."""
@@ -114,7 +117,7 @@ class SchedulerSide:
         """Each tracked id's request, from its first lookup until nothing of it is left to report: a request's own id
         may hold `@g`, so a tracked id is never parsed back (`_whole`)."""
         self.block_tables = BlockTables(self.groups)
-        self.window_hits = WindowHits(self.kvfsm, self.windows)
+        self.window_hits = WindowHits(self.kvfsm, self.partners)
         """The hit offered a request with sliding-window groups (`longest-window-hit`)."""
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -122,23 +125,23 @@ class SchedulerSide:
         record = self.kvfsm.requests.get(request.request_id)
         if record is not None and record.state == RequestState.RUNNING:
             return 0, False
-        view, windows = self._views_of(request)
+        view, partners = self._views_of(request)
         if request.skip_reading_prefix_cache:  # vLLM sets any answer aside, "not yet" too, and computes it all now
             num_computed_tokens = request.num_tokens  # so nothing is offered, and nothing waited on
         match = self.kvfsm.get_num_new_matched_tokens(view, num_computed_tokens)
         if match is None:
             self._matched.pop(request.request_id, None)
             return None, False
-        if self.windows:
-            match = self.window_hits.match(view, windows, num_computed_tokens, match)
+        if self.partners:
+            match = self.window_hits.match(view, partners, num_computed_tokens, match)
             if match is None:
                 self._matched.pop(request.request_id, None)
                 return None, False
-        self._matched[request.request_id] = (view, *windows)
+        self._matched[request.request_id] = (view, *partners)
         return match
 
     def _views_of(self, request: "Request") -> tuple[RequestView, tuple[GroupView, ...]]:
-        """The request's view and its window groups' views, kept from its first lookup to its finish: a request looked
+        """The request's view and its partner groups' views, kept from its first lookup to its finish: a request looked
         up again (deferred, or waiting for room) converts only the block hashes vLLM appended since, where a view made
         anew converts its whole prompt's each time. Kept per `Request` object, so a request id reused by another
         request gets views of its own."""
@@ -146,7 +149,7 @@ class SchedulerSide:
         if views is None or not views[0].wraps(request):
             view = RequestView(request, self.codec)
             self.tracked.make_all(request.request_id, (g.label for g in self.groups))
-            views = (view, tuple(GroupView(view, g, self.codec) for g in self.windows))
+            views = (view, tuple(GroupView(view, g, self.codec) for g in self.partners))
             self._views[request.request_id] = views
         return views
 
@@ -230,7 +233,7 @@ class SchedulerSide:
     def _whole(self, tracked_ids: set[str]) -> set[str]:
         """The requests all of whose groups are done with what vLLM waits for (a load, or draining after one): a
         group's news alone is held back until the request's last group's arrives."""
-        if not self.windows:
+        if not self.partners:
             return tracked_ids
         done = set()
         for tracked in tracked_ids:
@@ -253,7 +256,7 @@ class SchedulerSide:
         aborted = request.status not in _NORMAL_FINISH
         held = {g.request_id(request.request_id) for g in self.groups
                 if self.kvfsm.request_finished(g.request_id(request.request_id), aborted=aborted)}
-        if self.windows and held:
+        if self.partners and held:
             self._waiting[request.request_id] = held
         else:
             self._waiting.pop(request.request_id, None)
