@@ -79,12 +79,6 @@ class Group:
     """Chunked local attention's chunk in tokens (a whole number of blocks); None for any other kind."""
 
     @property
-    def trailing(self) -> bool:
-        """Whether vLLM keeps only the blocks at the end of the request's tokens (a window, a state, a chunk): such a
-        group is stored and reloaded only there and slides while it runs."""
-        return self.window is not None or self.state or self.chunk is not None
-
-    @property
     def label(self) -> int | None:
         """The number its tracked ids carry (`tracked_id`): vLLM's index of the group; None for the first."""
         return None if self.rank == 0 else self.index

@@ -89,11 +89,9 @@ class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
         block_bytes = gpu_block_bytes(kv_cache_config)
         self.groups = offloaded_groups(kv_cache_config, config.gpu_block_size, config.block_size_factor)
-        self.partners = self.groups[1:]
-        """Every group after the first: each looked up as a window ending where the first group's hit ends (a later
-        full-attention group's window is its whole prefix), loaded and told to vLLM with the first (`window_hit`)."""
-        self.windows = tuple(g for g in self.partners if g.trailing)
-        """The groups vLLM keeps only the end of (sliding windows, states, chunks): slid as the request runs."""
+        self.windows = self.groups[1:]
+        """Every group after the first, each matched, stored and slid as a window: vLLM keeps only the end of a sliding
+        window, a state or a chunk, and all of a later full-attention group (a window that keeps every block)."""
         machines = MachineSet(scheduler.default_spec())  # the spec the connector would load (tests swap it there)
         self.tier_index = TierIndexes(config, config.block_size_factor * block_bytes, machines)
         """The lower tiers' indexes: the workers hold the bytes, this process decides every write-back and fetch."""
@@ -117,7 +115,7 @@ class SchedulerSide:
         """Each tracked id's request, from its first lookup until nothing of it is left to report: a request's own id
         may hold `@g`, so a tracked id is never parsed back (`_whole`)."""
         self.block_tables = BlockTables(self.groups)
-        self.window_hits = WindowHits(self.kvfsm, self.partners)
+        self.window_hits = WindowHits(self.kvfsm, self.windows)
         """The hit offered a request with sliding-window groups (`longest-window-hit`)."""
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -125,23 +123,23 @@ class SchedulerSide:
         record = self.kvfsm.requests.get(request.request_id)
         if record is not None and record.state == RequestState.RUNNING:
             return 0, False
-        view, partners = self._views_of(request)
+        view, windows = self._views_of(request)
         if request.skip_reading_prefix_cache:  # vLLM sets any answer aside, "not yet" too, and computes it all now
             num_computed_tokens = request.num_tokens  # so nothing is offered, and nothing waited on
         match = self.kvfsm.get_num_new_matched_tokens(view, num_computed_tokens)
         if match is None:
             self._matched.pop(request.request_id, None)
             return None, False
-        if self.partners:
-            match = self.window_hits.match(view, partners, num_computed_tokens, match)
+        if self.windows:
+            match = self.window_hits.match(view, windows, num_computed_tokens, match)
             if match is None:
                 self._matched.pop(request.request_id, None)
                 return None, False
-        self._matched[request.request_id] = (view, *partners)
+        self._matched[request.request_id] = (view, *windows)
         return match
 
     def _views_of(self, request: "Request") -> tuple[RequestView, tuple[GroupView, ...]]:
-        """The request's view and its partner groups' views, kept from its first lookup to its finish: a request looked
+        """The request's view and its window groups' views, kept from its first lookup to its finish: a request looked
         up again (deferred, or waiting for room) converts only the block hashes vLLM appended since, where a view made
         anew converts its whole prompt's each time. Kept per `Request` object, so a request id reused by another
         request gets views of its own."""
@@ -149,7 +147,7 @@ class SchedulerSide:
         if views is None or not views[0].wraps(request):
             view = RequestView(request, self.codec)
             self.tracked.make_all(request.request_id, (g.label for g in self.groups))
-            views = (view, tuple(GroupView(view, g, self.codec) for g in self.partners))
+            views = (view, tuple(GroupView(view, g, self.codec) for g in self.windows))
             self._views[request.request_id] = views
         return views
 
@@ -233,7 +231,7 @@ class SchedulerSide:
     def _whole(self, tracked_ids: set[str]) -> set[str]:
         """The requests all of whose groups are done with what vLLM waits for (a load, or draining after one): a
         group's news alone is held back until the request's last group's arrives."""
-        if not self.partners:
+        if not self.windows:
             return tracked_ids
         done = set()
         for tracked in tracked_ids:
@@ -256,7 +254,7 @@ class SchedulerSide:
         aborted = request.status not in _NORMAL_FINISH
         held = {g.request_id(request.request_id) for g in self.groups
                 if self.kvfsm.request_finished(g.request_id(request.request_id), aborted=aborted)}
-        if self.partners and held:
+        if self.windows and held:
             self._waiting[request.request_id] = held
         else:
             self._waiting.pop(request.request_id, None)
