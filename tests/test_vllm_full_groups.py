@@ -35,8 +35,9 @@ LAYERS = ("layers.0.attn", "layers.2.attn", "layers.1.attn")
 """One layer per group, in vLLM's group order: two full-attention groups, then a sliding-window group."""
 
 
-def two_full_groups(num_blocks: int, hash_block_size: int | None = None) -> KVCacheConfig:
-    """Groups `[Full, Full, SlidingWindow]`, as vLLM's hybrid allocator makes them for two full layers to one."""
+def two_full_groups(num_blocks: int, hash_block_size: int = BLOCK_SIZE) -> KVCacheConfig:
+    """Groups `[Full, Full, SlidingWindow]`, as vLLM's hybrid allocator makes them for two full layers to one, hashed
+    every `hash_block_size` tokens (vLLM's engine resolves it to the block size unless `prefix_match_unit` says)."""
     specs = (FullAttentionSpec(**SHAPE), FullAttentionSpec(**SHAPE), SlidingWindowSpec(**SHAPE, sliding_window=WINDOW))
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec([layer], spec) for layer, spec in zip(LAYERS, specs)])

@@ -108,7 +108,7 @@ def offloaded_groups(kv_cache_config: "KVCacheConfig", block_size: int, block_si
     groups = kv_cache_config.kv_cache_groups
     kinds = ", ".join(f"{i}: {type(g.kv_cache_spec).__name__}" for i, g in enumerate(groups))
     hashed = kv_cache_config.hash_block_size
-    if hashed is not None and hashed != block_size:
+    if hashed is not None and hashed < block_size:
         raise UnsupportedKVCache(
             f"vLLM hashes every {hashed} tokens (prefix_match_unit) and pages {block_size} tokens a block ({kinds}): "
             "kvfsm keys a block by one hash, the hash of the prefix up to its end; unset prefix_match_unit or set it "
