@@ -148,7 +148,7 @@ def test_control_without_the_shorter_hit_nothing_is_loaded(byte_rig) -> None:
 
 def test_a_hit_ending_at_a_chunks_boundary_needs_none_of_its_blocks() -> None:
     full, local = groups.offloaded_groups(hybrid_cache(48, chunked()), BLOCK_SIZE)
-    assert (full.chunk, local.chunk, local.trailing) == (None, CHUNK, True)
+    assert (full.chunk, local.chunk) == (None, CHUNK)
     assert [local.first_kept(tokens, BLOCK_SIZE) for tokens in (0, 47, 48, 64, 95, 96)] == [0, 0, 3, 3, 3, 6]
 
 

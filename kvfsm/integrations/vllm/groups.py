@@ -30,7 +30,11 @@ id space of jobs, and the GPU fences of a block whichever group reads or writes 
   `first_kept`; a hit ending at a chunk's boundary needs none of its blocks. A chunk that is not a whole number of
   blocks (a block split between two chunks, its first kept while the second's tokens are read) is refused by name:
   kvfsm's scenarios prove the arithmetic on whole-block chunks only.
-- Any other kind (cross-attention, attention sinks) is refused at start-up by name.
+- Several full-attention groups (vLLM makes them when full-attention layers outnumber the others): each holds the same
+  prefix's blocks for its own layers, so each after the first is stored and reloaded whole under its own keys, and a
+  hit needs every block of it (`window_hit`, a window that keeps every block).
+- Any other kind (cross-attention, attention sinks) is refused at start-up by name, and so are block hashes finer than
+  a block (vLLM's `prefix_match_unit` below the block size): kvfsm keys a block by one hash, its whole prefix's.
 """
 
 from __future__ import annotations
@@ -75,12 +79,6 @@ class Group:
     """Chunked local attention's chunk in tokens (a whole number of blocks); None for any other kind."""
 
     @property
-    def trailing(self) -> bool:
-        """Whether vLLM keeps only the blocks at the end of the request's tokens (a window, a state, a chunk): such a
-        group is stored and reloaded only there and slides while it runs."""
-        return self.window is not None or self.state or self.chunk is not None
-
-    @property
     def label(self) -> int | None:
         """The number its tracked ids carry (`tracked_id`): vLLM's index of the group; None for the first."""
         return None if self.rank == 0 else self.index
@@ -104,10 +102,17 @@ class Group:
 def offloaded_groups(kv_cache_config: "KVCacheConfig", block_size: int, block_size_factor: int = 1,
                      ) -> tuple[Group, ...]:
     """The groups of vLLM's configuration, the first full-attention group first; refuses by name what kvfsm cannot
-    serve (a state group outside "align" mode, or under a `block_size_factor`; a chunk not a whole number of blocks;
-    another kind; no full-attention group; groups of another block size or page)."""
+    serve (block hashes finer than a block; a state group outside "align" mode, or under a `block_size_factor`; a
+    chunk not a whole number of blocks; another kind; no full-attention group; groups of another block size or
+    page)."""
     groups = kv_cache_config.kv_cache_groups
     kinds = ", ".join(f"{i}: {type(g.kv_cache_spec).__name__}" for i, g in enumerate(groups))
+    hashed = kv_cache_config.hash_block_size
+    if hashed is not None and hashed < block_size:
+        raise UnsupportedKVCache(
+            f"vLLM hashes every {hashed} tokens (prefix_match_unit) and pages {block_size} tokens a block ({kinds}): "
+            "kvfsm keys a block by one hash, the hash of the prefix up to its end; unset prefix_match_unit or set it "
+            f"to {block_size}")
     windows: list[int | None] = []
     states: list[bool] = []
     chunks: list[int | None] = []

@@ -16,10 +16,10 @@ Three places where vLLM's protocol differs from kvfsm's, bridged here and nowher
   a failed load's token could not be taken back: CPU hits then load asynchronously whatever `layer_loads` says
   (`no-inline-load-under-async-scheduling`), and start-up logs it once.
 Under vLLM's hybrid allocator each KV-cache group of a request is a request of its own in kvfsm's scheduler
-(`groups`): a lookup offers the longest prefix every group holds (a sliding-window group its whole window ending
-there, a state-space group the state at its end: `window_hit`), vLLM hears of a load or a release once every group's
-is done, and a sliding window's (or a state's) left-behind blocks are told to kvfsm (`slide`) before the step that
-may hand them out is planned.
+(`groups`): a lookup offers the longest prefix every group holds (a later full-attention group all of it, a
+sliding-window group its whole window ending there, a state-space group the state at its end: `window_hit`), vLLM
+hears of a load or a release once every group's is done, and a sliding window's (or a state's) left-behind blocks are
+told to kvfsm (`slide`) before the step that may hand them out is planned.
 The lower tiers' bytes live in the workers; this process plans every write-back and fetch against an index of each
 tier fed by the workers' reports (`tier_index`), whose orders and discards go out in the step's metadata.
 """
@@ -89,8 +89,9 @@ class SchedulerSide:
     def __init__(self, config: OffloadConfig, kv_cache_config: "KVCacheConfig") -> None:
         block_bytes = gpu_block_bytes(kv_cache_config)
         self.groups = offloaded_groups(kv_cache_config, config.gpu_block_size, config.block_size_factor)
-        self.windows = tuple(g for g in self.groups if g.trailing)
-        """The groups vLLM keeps only the end of (sliding windows, states): matched, stored and slid as windows."""
+        self.windows = self.groups[1:]
+        """Every group after the first, each matched, stored and slid as a window: vLLM keeps only the end of a sliding
+        window, a state or a chunk, and all of a later full-attention group (a window that keeps every block)."""
         machines = MachineSet(scheduler.default_spec())  # the spec the connector would load (tests swap it there)
         self.tier_index = TierIndexes(config, config.block_size_factor * block_bytes, machines)
         """The lower tiers' indexes: the workers hold the bytes, this process decides every write-back and fetch."""

@@ -7,7 +7,9 @@ but no window ending where it does. The rule, `longest-window-hit`, has two halv
 
 - whole: the hit ends at a block E at which every sliding group holds its whole window (its blocks
   `[first_kept(E), E)`, those below the request's GPU prefix excepted: vLLM computed them). A hit past a partial
-  window would let vLLM compute on window blocks nobody loaded.
+  window would let vLLM compute on window blocks nobody loaded. A full-attention group after the first (vLLM makes
+  several when full-attention layers outnumber the others) is a window whose first kept block is 0: it holds the same
+  prefix's blocks under its own keys, its layers' bytes, so it needs every block of the hit.
 - longest: E is the largest such end up to where the full-attention group's hit ends. When the window is missing
   there, a shorter hit whose windows are whole is offered (an earlier prompt's window, or a running request's
   stored blocks), as vLLM's `OffloadingConnector` searches one; no hit only when no such end lies past the GPU prefix.
@@ -35,7 +37,8 @@ if TYPE_CHECKING:
 
 
 class WindowHits:
-    """`longest-window-hit` for one scheduler side: its sliding-window groups, looked up in its kvfsm scheduler."""
+    """`longest-window-hit` for one scheduler side: its groups after the first (`Group.first_kept` gives each one's
+    window), looked up in its kvfsm scheduler."""
 
     def __init__(self, kvfsm: "SchedulerConnector", windows: Sequence[Group]) -> None:
         self.kvfsm, self.windows = kvfsm, tuple(windows)
