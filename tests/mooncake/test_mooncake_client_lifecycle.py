@@ -278,6 +278,22 @@ def test_a_store_answering_fewer_codes_than_keys_fails_the_call_rather_than_answ
         client.remove(["a", "b"]).wait(WAIT_S)
 
 
+class ShortPresence(ShortAnswers):
+    """The real store, but a presence query answers one code fewer than it was given names."""
+
+    def batch_is_exist(self, names: list[str]) -> list[int]:
+        return self.store.batch_is_exist(names)[:-1]
+
+
+def test_a_presence_query_answered_short_fails_the_write_back_rather_than_write_some_keys(mooncake, connect,
+                                                                                           request) -> None:
+    client = connect(mooncake)
+    source = registered(client)
+    client._store = ShortPresence(client.raw())
+    with pytest.raises(ValueError):
+        write(client, source, [f"{request.node.name}-{i}" for i in range(2)], [0, 1]).wait(WAIT_S)
+
+
 def test_a_master_port_that_never_answers_is_given_up_after_a_second(unanswering_port: int) -> None:
     client = MooncakeClient(ClientSettings(master=MasterAddress(host="127.0.0.1", port=unanswering_port)), tenant_mac())
     started = time.monotonic()

@@ -27,6 +27,10 @@ def test_a_slot_region_refuses_what_does_not_cut_into_whole_byte_slots(buffer: t
     assert str(refused.value) == message
 
 
+def test_a_slot_region_of_one_byte_slots_holds_one_slot_per_byte() -> None:
+    assert SlotRegion(torch.zeros(3, dtype=torch.uint8), 1).num_slots == 3
+
+
 def test_a_slot_arena_gives_each_payload_a_buffer_of_its_own_and_a_fresh_chunk_every_per_chunk_payloads() -> None:
     arena = SlotArena(item_bytes=4, per_chunk=2)
     payloads = [np.zeros(8, dtype=np.uint8) for _ in range(3)]

@@ -212,3 +212,39 @@ def test_removing_values_answers_each_key_with_the_fault_of_its_own_trailer(moon
     assert client.raw().remove(trailer_key(half), True) == 0
     gone, missing = faults(client.remove([whole, half]))
     assert gone is None and isinstance(missing, KeyMissing) and trailer_key(half) in str(missing)
+
+
+def test_a_write_back_whose_store_leaves_one_half_of_a_key_unanswered_writes_nothing_and_says_why(mooncake, connect,
+                                                                                                   request) -> None:
+    """A half the store did not answer for is no answer about the key: not a half to clear and write over."""
+    client, key = connect(mooncake), request.node.name
+    store = client._store
+    client._store = Wrapped(store, batch_is_exist=lambda names: [0] * (len(names) // 2) + [-900] * (len(names) // 2))
+    [fault] = faults(write(client, registered(client), [key], [0]))
+    assert type(fault) is StoreUnavailable
+    assert str(fault) == f"write-back of {key}: the store did not say whether it holds the key"
+    assert tuple(store.batch_is_exist([key, trailer_key(key)])) == (0, 0)
+
+
+def test_a_trailer_put_over_a_payload_the_store_refused_is_removed_though_a_reader_leases_it(mooncake, connect,
+                                                                                              request) -> None:
+    """The trailers' put runs beside the payloads', so a refused payload can leave its trailer behind: removed
+    with force, since another engine may have read it meanwhile (a read leases an object for a while)."""
+    client, reader, key = connect(mooncake), connect(mooncake), request.node.name
+    store = client._store
+    trailers_put = threading.Event()
+
+    def put(names: list[str], *args: Any) -> list[int]:
+        if names[0].endswith(trailer_key("")):
+            codes = store.batch_put_from(names, *args)
+            trailers_put.set()
+            return codes
+        assert trailers_put.wait(WAIT_S)
+        assert reader.raw().get(trailer_key(key)), "the reader found no trailer to lease"
+        return [TRANSFER_FAIL] * len(names)
+
+    client._store = Wrapped(store, batch_put_from=put)
+    [refused] = faults(write(client, registered(client), [key], [0]))
+    assert type(refused) is StoreRejected
+    assert tuple(store.batch_is_exist([key, trailer_key(key)])) == (0, 0)
+

@@ -128,13 +128,14 @@ class TestDeadline:
     def __init__(self, durations: dict[str, float]) -> None:
         self.durations = durations
 
-    def pytest_runtest_setup(self, item: object) -> None:
-        limit = max(TEST_DEADLINE_FLOOR_S, CLEAN_SLOWDOWN * self.durations.get(item.nodeid, 0.0))  # type: ignore
+    def pytest_runtest_logstart(self, nodeid: str, location: object) -> None:
+        """At the start of a test's setup, call and teardown (a skipped test's too)."""
+        limit = max(TEST_DEADLINE_FLOOR_S, CLEAN_SLOWDOWN * self.durations.get(nodeid, 0.0))
         self.timer = threading.Timer(limit, os._exit, args=(HUNG_EXIT,))
         self.timer.daemon = True
         self.timer.start()
 
-    def pytest_runtest_teardown(self, item: object, nextitem: object) -> None:
+    def pytest_runtest_logfinish(self, nodeid: str, location: object) -> None:
         self.timer.cancel()
 
 
