@@ -86,6 +86,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+ONE_WORKER_MODULES = ("tests/mooncake/test_tier_soak.py",)
+"""Modules whose tests xdist sends to one worker together: each has a module-scoped fixture that costs minutes (the
+tier soak: about 280 s on CI's 2 cores), which plain `--dist load` ran once on every worker it sent a test of the
+module to."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist load` (what `-n` runs), except that each of `ONE_WORKER_MODULES` is one unit of work. (xdist's own
+    `xdist_group` marks do this under `--dist loadgroup`, but under pytest 9 they group nothing: xdist renames the
+    node ids through an attribute pytest no longer reads.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)  # type: ignore[arg-type]
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """How many workers `-n auto` (pyproject's addopts) starts: one per core this process may run on, or none with
     CUDA, where GPU tests share one device and their timed trials and race controls must not contend."""
