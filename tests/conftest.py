@@ -87,9 +87,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 ONE_WORKER_MODULES = ("tests/mooncake/test_tier_soak.py",)
-"""Modules whose tests xdist sends to one worker together: each has a module-scoped fixture that costs minutes (the
-tier soak: about 280 s on CI's 2 cores), which plain `--dist load` ran once on every worker it sent a test of the
-module to."""
+"""Modules whose tests xdist sends to one worker together: each has a costly module-scoped fixture (the tier soak and
+its Mooncake master: about 280 s on CI's 2 cores, before its engines ran on threads), which plain `--dist load` ran
+once on every worker it sent a test of the module to."""
 
 
 @pytest.hookimpl(tryfirst=True)

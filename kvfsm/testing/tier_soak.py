@@ -15,7 +15,8 @@ configuration sets: every record the connector keeps exists for something the co
 block, a disk slot, a published key the Mooncake index remembers, a call the Mooncake client queues, a request in
 flight), so a container holding more than all of them together keeps something whose reason ended, and grows with
 the run. Each of `CONTROLS` puts back one kind of growth, and the soak names what outgrew the bound. The production
-engine and the controls run in lockstep on one deployment, so they share the one outage (which costs seconds).
+engine and the controls run in lockstep on one deployment, so they share the one outage, and each round runs every
+engine at once on threads, so they wait out the outage's deadlines together.
 
 `python -m kvfsm.testing.tier_soak --rounds 300` prints the figures; `tests/mooncake/test_tier_soak.py` runs a short
 soak and its controls.
