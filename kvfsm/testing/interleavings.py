@@ -323,6 +323,7 @@ class OffloadInterleavings(RuleBasedStateMachine):
     def spec_holds(self) -> None:
         if self.harness is not None:
             assert not (found := self.h.violations()), "\n".join(found)
+            self.h.forget_checked()
 
     def teardown(self) -> None:
         if self.harness is None:
