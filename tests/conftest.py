@@ -7,10 +7,15 @@ project's bounds win. Every profile prints the reproduction blob of a failing ex
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+if TYPE_CHECKING:  # xdist is imported only where its hooks run
+    from xdist.remote import Producer
+    from xdist.scheduler.protocol import Scheduling
 
 _common = dict(print_blob=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -84,6 +89,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+ONE_WORKER_MODULES = ("tests/mooncake/test_tier_soak.py",)
+"""Modules whose tests xdist sends to one worker together: each has a costly module-scoped fixture (the tier soak and
+its Mooncake master: about 280 s on CI's 2 cores, before its engines ran on threads), which plain `--dist load` ran
+once on every worker it sent a test of the module to."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> Scheduling | None:
+    """`--dist load` (what `-n` runs), except that each of `ONE_WORKER_MODULES` is one unit of work: xdist's
+    scheduling by scope, each test its own scope but for those modules'. (xdist's own `xdist_group` marks do this
+    under `--dist loadgroup`, but under pytest 9 they group nothing: xdist renames the node ids through an attribute
+    pytest no longer reads.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

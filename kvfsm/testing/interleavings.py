@@ -323,6 +323,7 @@ class OffloadInterleavings(RuleBasedStateMachine):
     def spec_holds(self) -> None:
         if self.harness is not None:
             assert not (found := self.h.violations()), "\n".join(found)
+            self.h.forget_checked()
 
     def teardown(self) -> None:
         if self.harness is None:
@@ -357,13 +358,38 @@ for _trigger, _action in EXTERNAL.items():
     setattr(OffloadInterleavings, _rule.__name__, _rule)
 
 
+@rule(data=st.data(), steps=st.integers(1, 4))
+def lag_a_load(self: OffloadInterleavings, data: st.DataObject, steps: int) -> None:
+    """The load stream runs until the first layer of a load in flight landed, then stalls for `steps` engine steps
+    whose compute and stores run: a load taken as landed before its last layer did is computed on while that layer
+    is still on the wire. Only the hunts of mutants that need it (`Mutant.load_lags`) get this rule: it is one
+    weighting of stream choices every example may draw (`run_device` holding the load stream), so kvfsm's own
+    examples keep their draws."""
+    worker, device = self.h.connector.worker, self.h.device
+    segments = worker.events._segments
+    loads = [segments[job.job_id] for job in worker.jobs.values()
+             if job.kind == "load" and job.state in COPYING and job.segments > 1 and job.job_id in segments]
+    for _ in range(64):
+        if any(events and device.query(events[0]) for events in loads) or not (options := device.runnable()):
+            break
+        device.run_one("load" if "load" in options else data.draw(st.sampled_from(options), label="stream"))
+    if not any(events and device.query(events[0]) and not device.query(events[-1]) for events in loads):
+        return
+    self.h.poll_lag = 0
+    for _ in range(steps):
+        self._choose_with(data)
+        self.h.engine.step()
+        self.run_device(data, 12, frozenset({"load"}))
+
+
 def interleavings_for(mutant: str | None) -> type[OffloadInterleavings]:
     """The state machine against kvfsm (None) or against one of `kvfsm.testing.mutants.MUTANTS`; a mutant of a
-    lower tier's rule always runs with that tier."""
+    lower tier's rule always runs with that tier, and one that needs a lagging load stream gets `lag_a_load`."""
     tier = MUTANTS[mutant].tier if mutant is not None else None
     if mutant is None:
         tiers = OffloadInterleavings.lower_tiers
     else:  # a rule above the tiers shows without the (slower, networked) Mooncake tier
         tiers = (tier,) if tier is not None else ("none", "disk")
+    rules = {"lag_a_load": lag_a_load} if mutant is not None and MUTANTS[mutant].load_lags else {}
     return type(f"Interleavings_{mutant or 'kvfsm'}".replace("-", "_"), (OffloadInterleavings,),
-                {"mutant": mutant, "examples": 0, "lower_tiers": tiers})
+                {"mutant": mutant, "examples": 0, "lower_tiers": tiers, **rules})

@@ -51,6 +51,10 @@ class Mutant:
     max_cpu_blocks: int | None = None
     """The largest CPU pool the bug shows in: one it shows only when every slot is busy, which a roomy pool hardly
     is. Its interleavings draw pools no larger, and the explorer searches only such workloads."""
+    load_lags: bool = False
+    """Whether the bug needs the load stream stalled part-way through a load while compute runs on, which the
+    drawn stream choices and holds make rarely (once in hundreds to thousands of examples): its interleavings get a
+    rule that makes it (`OffloadInterleavings`' `lag_a_load`)."""
 
 
 def _no_compute_barrier(engine: Engine, connector: Connector) -> None:
@@ -300,7 +304,7 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("store-event-before-write", "layer-store-after-compute (the store event recorded before the write)",
                _store_event_before_write, per_layer=True, layer_stores=True),
         Mutant("partial-load-report", "load-before-use (a load reported when only its first segment landed)",
-               _partial_load_report, per_layer=False),
+               _partial_load_report, per_layer=False, load_lags=True),
         Mutant("flush-first-segment", "layer-stores-flushed (a flush waits for a store's first layer only)",
                _flush_first_segment, per_layer=True, layer_stores=True),
         *(Mutant(name, breaks, apply, tier="disk") for name, breaks, apply in TIER_MUTANTS),

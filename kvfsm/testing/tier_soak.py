@@ -15,7 +15,8 @@ configuration sets: every record the connector keeps exists for something the co
 block, a disk slot, a published key the Mooncake index remembers, a call the Mooncake client queues, a request in
 flight), so a container holding more than all of them together keeps something whose reason ended, and grows with
 the run. Each of `CONTROLS` puts back one kind of growth, and the soak names what outgrew the bound. The production
-engine and the controls run in lockstep on one deployment, so they share the one outage (which costs seconds).
+engine and the controls run in lockstep on one deployment, so they share the one outage, and each round runs every
+engine at once on threads, so they wait out the outage's deadlines together.
 
 `python -m kvfsm.testing.tier_soak --rounds 300` prints the figures; `tests/mooncake/test_tier_soak.py` runs a short
 soak and its controls.
@@ -27,6 +28,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -168,23 +170,27 @@ def store_serves(h: Harness, deadline_s: float) -> None:
 
 
 def soak(engines: Mapping[str, Harness], deployment: LocalMooncake, shape: SoakShape) -> dict[str, SoakReport]:
-    """Run `shape.rounds` rounds on each engine, in lockstep (a round of each in turn), killing `deployment`'s master
-    a third of the way in and restarting it two thirds in, so one outage serves every engine; measure each engine
-    after every `measure_every`-th round of it and its last."""
+    """Run `shape.rounds` rounds on each engine, in lockstep (a round of each at once, each engine on a thread of its
+    own), killing `deployment`'s master a third of the way in and restarting it two thirds in, so one outage serves
+    every engine; measure each engine after every `measure_every`-th round of it and its last, once every engine's
+    round ended. The threads are what keep the outage short: its rounds mostly wait for the store's deadlines (about
+    two seconds an engine's round), which the engines then wait out together, not one after another."""
     started = time.monotonic()
     before = {name: measure(h) for name, h in engines.items()}
     largest: dict[str, Counter[str]] = {name: Counter() for name in engines}
     kill_at, restart_at = shape.rounds // 3, 2 * shape.rounds // 3
-    for index in range(shape.rounds):
-        if index == kill_at:
-            deployment.kill_master()
-        if index == restart_at:
-            deployment.restart_master()
-            store_serves(next(iter(engines.values())), STORE_BACK_S)
-        for name, h in engines.items():
-            one_round(h, index, shape)
+    with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="kvfsm-soak") as pool:
+        for index in range(shape.rounds):
+            if index == kill_at:
+                deployment.kill_master()
+            if index == restart_at:
+                deployment.restart_master()
+                store_serves(next(iter(engines.values())), STORE_BACK_S)
+            for _ in pool.map(lambda h: one_round(h, index, shape), engines.values()):
+                pass  # a round that failed raises here
             if index % shape.measure_every == 0 or index == shape.rounds - 1:
-                largest[name] |= measure(h)
+                for name, h in engines.items():
+                    largest[name] |= measure(h)
     seconds = time.monotonic() - started
     return {name: SoakReport(shape.rounds, retention_bound(h, shape.live_requests), largest[name] - before[name],
                              Counter(h.connector.scheduler.tiers.stats.failures), seconds)  # type: ignore[union-attr]
