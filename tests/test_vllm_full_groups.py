@@ -13,8 +13,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -22,11 +20,10 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from kvfsm.integrations.vllm import KvfsmConnector, UnsupportedKVCache  # noqa: E402
-from kvfsm.integrations.vllm.convert import computed_before  # noqa: E402
-from kvfsm.integrations.vllm.rig import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, FakeWorker, vllm_config  # noqa: E402
-from test_vllm_groups import SHAPE, WINDOW, prefix_block  # noqa: E402
-from vllm_harness import AdapterWorker, Driver  # noqa: E402
+from kvfsm.integrations.vllm import UnsupportedKVCache  # noqa: E402
+from kvfsm.integrations.vllm.rig import BLOCK_SIZE, FakeWorker, vllm_config  # noqa: E402
+from test_vllm_groups import SHAPE, WINDOW, HybridWorker, prefix_block  # noqa: E402
+from vllm_harness import Driver  # noqa: E402
 from vllm_support import PREFIX, loads_of, model, store_prefix  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
@@ -45,32 +42,14 @@ def two_full_groups(num_blocks: int, hash_block_size: int = BLOCK_SIZE) -> KVCac
     return config
 
 
-class ThreeGroupWorker(AdapterWorker):
-    """The adapter's worker role on one tensor every group's layer pages from, as vLLM's hybrid allocator shares it;
-    its forward writes each position's token id (mod 251) plus 256 times the group's index into that group's block,
-    so a reloaded block's bytes say which prefix and which group they came from."""
+class ThreeGroupWorker(HybridWorker):
+    """`HybridWorker` over groups `[Full, Full, SlidingWindow]`: each position's token id (mod 251) plus 256 times its
+    group's index lands in that group's block, so a reloaded block's bytes say which prefix and group they came from."""
+
+    layers = LAYERS
 
     def __init__(self, config) -> None:  # type: ignore[no-untyped-def]
-        blocks = config.cache_config.num_gpu_blocks
-        self.connector = KvfsmConnector(config, KVConnectorRole.WORKER, two_full_groups(blocks))
-        shared = torch.zeros(2, blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
-        self.caches = dict.fromkeys(LAYERS, shared)
-        self.connector.register_kv_caches(self.caches)
-
-    def forward(self, output, scheduler) -> None:  # type: ignore[no-untyped-def]
-        """Each group's layer in turn, its hooks around its write, as vLLM runs every attention layer."""
-        before = computed_before(output)
-        cache = self.caches[LAYERS[0]]
-        for group, name in enumerate(LAYERS):
-            self.connector.wait_for_layer_load(name)
-            for req_id, count in output.num_scheduled_tokens.items():
-                blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[group]
-                tokens = scheduler.requests[req_id].all_token_ids
-                for position in range(before[req_id], before[req_id] + count):
-                    if blocks[position // BLOCK_SIZE]:  # vLLM's null block is never written
-                        cache[:, blocks[position // BLOCK_SIZE], position % BLOCK_SIZE] = float(
-                            tokens[position] % 251 + 256 * group)
-            self.connector.save_kv_layer(name, cache, None)  # type: ignore[arg-type]
+        self.open(config, two_full_groups(config.cache_config.num_gpu_blocks))
 
 
 def test_each_full_attention_group_reloads_its_own_whole_prefix(model) -> None:

@@ -261,20 +261,27 @@ class HybridWorker(AdapterWorker):
     hybrid allocator shares it. Its forward writes each position's token id (mod 251), plus 256 in the sliding group,
     into that group's block: a reloaded block's bytes say which prefix and which group they came from."""
 
+    layers: tuple[str, ...] = (FULL, SLIDING)
+    """One layer per group, in vLLM's group order."""
+
     def __init__(self, config, second: object | None = None) -> None:  # type: ignore[no-untyped-def]
         """`second`: the second group's spec (`hybrid_cache`'s), a sliding window unless told."""
+        self.open(config, hybrid_cache(config.cache_config.num_gpu_blocks, second))
+
+    def open(self, config, groups: KVCacheConfig) -> None:  # type: ignore[no-untyped-def]
+        """The worker role over `groups`, every layer of `layers` paging from one shared tensor."""
         blocks = config.cache_config.num_gpu_blocks
-        self.connector = KvfsmConnector(config, KVConnectorRole.WORKER, hybrid_cache(blocks, second))
+        self.connector = KvfsmConnector(config, KVConnectorRole.WORKER, groups)
         shared = torch.zeros(2, blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
-        self.caches = {FULL: shared, SLIDING: shared}
+        self.caches = dict.fromkeys(self.layers, shared)
         self.connector.register_kv_caches(self.caches)
 
     def forward(self, output, scheduler) -> None:  # type: ignore[no-untyped-def]
-        """Each layer's hooks run around its write, as vLLM calls them for every attention layer of every group (the
-        sliding layer's name is an alias of the tensor the full layer registered)."""
+        """Each layer's hooks run around its write, as vLLM calls them for every attention layer of every group (a
+        later group's layer name is an alias of the tensor the first layer registered)."""
         before = computed_before(output)
-        cache = self.caches[FULL]
-        for group, name in enumerate((FULL, SLIDING)):
+        cache = self.caches[self.layers[0]]
+        for group, name in enumerate(self.layers):
             self.connector.wait_for_layer_load(name)
             for req_id, count in output.num_scheduled_tokens.items():
                 blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[group]
