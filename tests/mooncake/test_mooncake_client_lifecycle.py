@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("mooncake.store")
 
 from test_mooncake_client import WAIT_S, faults, moved, registered, write  # noqa: E402
+from test_mooncake_value_halves import Wrapped  # noqa: E402
 
 from kvfsm.mooncake import client as client_module  # noqa: E402
 from kvfsm.mooncake.client import MooncakeClient  # noqa: E402
@@ -184,6 +185,23 @@ def test_values_are_sealed_on_hash_threads_threads_named_for_kvfsm(mooncake, con
     assert moved(write(client, registered(client), [f"{request.node.name}-{i}" for i in range(4)], [0, 1, 2, 3]))
     [name] = mac.threads
     assert name.startswith("kvfsm-mooncake-mac")
+
+
+def test_the_trailers_put_runs_on_a_mac_thread_so_a_client_runs_no_more_than_hash_threads(mooncake, connect,
+                                                                                            request) -> None:
+    """`hash_threads` bounds the cores a client's integrity work takes beside the engine: the task that puts the
+    trailers waits its turn on the MAC threads rather than starting one more."""
+    mac = RecordedSeal(ValueKey.derive(b"a test tenant's secret, 32 bytes or more", None))
+    client = connect(mooncake, mac=mac, hash_threads=1)
+    store, putting = client._store, set()
+
+    def put(names: list[str], *args: Any) -> list[int]:
+        putting.add(threading.current_thread().name)
+        return store.batch_put_from(names, *args)
+
+    client._store = Wrapped(store, batch_put_from=put)
+    assert moved(write(client, registered(client), [f"{request.node.name}-{i}" for i in range(4)], [0, 1, 2, 3]))
+    assert {name for name in putting | mac.threads if name.startswith("kvfsm-mooncake-mac")} == mac.threads
 
 
 class Clock:
