@@ -108,7 +108,8 @@ def test_a_value_key_is_blake3s_derivation_of_the_tenant_and_the_secret_under_kv
     raw = blake3(material, derive_key_context="kvfsm 2026-11-28 mooncake value MAC key v4").digest()
     payload, trailer = np.arange(8, dtype=np.uint8), np.zeros(TRAILER_BYTES, np.uint8)
     ValueMac(ValueKey(raw)).seal(trailer, "k", payload, None)
-    assert ValueMac(KEY).check(trailer, "k", payload) is None
+    derived = ValueKey.derive(secret, "tenant")  # derived here, not at import: the derivation under test runs now
+    assert ValueMac(derived).check(trailer, "k", payload) is None
 
 
 SECRET = "s" * 32
