@@ -193,6 +193,20 @@ def test_kv_heads_on_a_layout_without_heads_is_refused_by_name_at_open(mooncake,
                       MachineSet(default_spec()))
 
 
+def test_kv_heads_over_layers_of_unequal_rows_is_refused_by_name_at_open(mooncake, tenant) -> None:
+    """A head's value is one row of every layer: layers whose K and V rows differ in width have no such row."""
+    device = SimDevice()
+    caches = register_kv_caches({"layer.0": torch.zeros(2, 4, SHAPE.block_size, 2, 4),
+                                 "layer.1": torch.zeros(2, 4, SHAPE.block_size, 4, 4)}, "kv-first")
+    pool = HostPool(device, 1, caches.gpu_block_bytes)
+    config = MooncakeTierConfig(master=str(mooncake.address), model_id="m", kv_dtype="float32", kv_heads=4)
+    offload = OffloadConfig(cpu_blocks=1, gpu_block_size=SHAPE.block_size, lower_tiers=(config,))
+    refusal = f"^layers whose blocks are not K and V of {SHAPE.block_size} equal rows$"
+    with pytest.raises(HeadsDoNotSplit, match=refusal):
+        open_mooncake(config, TierSite(offload, pool.slot_bytes, 0, caches, pool), None, False,
+                      MachineSet(default_spec()))
+
+
 def test_an_engine_storing_one_value_per_head_serves_and_reloads_with_every_check_holding(mooncake,
                                                                                          tenant) -> None:
     """The reference engine (TP=1, two heads) through per-head values: stored, then loaded by a second engine;
