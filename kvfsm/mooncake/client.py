@@ -11,11 +11,11 @@ seconds). Either way the client then refuses new calls for `retry_after_s` inste
 and refuses calls beyond `max_pending` with `StoreBusy`.
 
 Threads: `connect`, `register` and `close` run on the caller's thread at start-up and shut-down (`connect` tries the
-set-up in a child process first: Mooncake's holds the GIL while it waits); `write_back`,
-`fetch` and `remove` are submitted from the tier's thread (the worker's) and run on the I/O executor, in order,
-followed at `close` by the teardown that unregisters memory and drops the store handle; `contains` is submitted
-from the scheduler's thread and runs on the client's own lookup thread. The back-off and backlog counters are the
-only state both sides write (the backlog under a lock).
+set-up in a child process first: Mooncake's holds the GIL while it waits); `write_back`, `fetch` and `remove` are
+submitted from the tier's thread (the worker's) and run on the I/O executor, in order, followed at `close` by the
+teardown that unregisters memory and drops the store handle; `contains` is submitted from the scheduler's thread and
+runs on the client's own lookup thread. The back-off (which a MAC thread reading a fetch's answers sets too) and the
+backlog (under a lock) are the only state several threads write.
 
 Zero-copy: payloads and trailers are handed over as numpy views of host memory; each is registered with Mooncake
 the first time it is seen (`register` registers a whole buffer up front, which covers every view into it;
@@ -88,17 +88,15 @@ class MooncakeClient:
         self.verify_value: Verify = mac.check
         """How a value read from the store is checked against its trailer, for a fetch and for a key found present
         by a write-back (an attribute so a test's control can drop the MAC)."""
-        self.hash_threads = settings.hash_threads or pipeline.default_hash_threads()
-        self._macs = MacThreads(self.hash_threads)
+        self._macs = MacThreads(settings.hash_threads or pipeline.default_hash_threads())
         self._scratch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         """Per payload size, memory a write-back reads a value already in the store into, to verify it."""
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Set up the Mooncake client within `connect_timeout_s`, or raise `StoreUnavailable`. Blocking: call it at
-        start-up, on the caller's thread. Mooncake's set-up holds the GIL while it waits for the master, so no thread
-        here could end that wait: the same set-up is first tried in a child process under the deadline
-        (`kvfsm.mooncake.setup_probe`), and only a master that answered it is set up with in this process."""
+        """Set up the Mooncake client within `connect_timeout_s`, or raise `StoreUnavailable`; at start-up, on the
+        caller's thread. Mooncake's set-up holds the GIL while it waits for the master, so it is first tried in a
+        child process under the deadline (`kvfsm.mooncake.setup_probe`), and done here only if the master answered."""
         self._store = set_up_store(self.settings)
 
     def register(self, buffer: torch.Tensor | np.ndarray) -> None:
@@ -144,6 +142,11 @@ class MooncakeClient:
         self._queries.shutdown(wait=False)
         self._macs.shutdown()
         return True
+
+    @property
+    def hash_threads(self) -> int:
+        """The client's MAC threads."""
+        return self._macs.count
 
     @property
     def connected(self) -> bool:
@@ -224,10 +227,9 @@ class MooncakeClient:
                    ) -> Pending[list[KeyResult]]:
         """Store each payload under its key and its trailer, sealed with the tenant's MAC and carrying `carried[i]`
         (the block's own checksum) if given, under the key's trailer key (`kvfsm.mooncake.value`): the payloads in
-        one put while the MAC threads seal, and the trailers, whose presence publishes the values, in a second put
-        a MAC thread makes once every seal is done, while the payloads still move: no payload waits for a seal.
-        A trailer put over a payload the store then refused is removed again. `units` are buffers to register
-        whole before the first use of views into them.
+        one put while the MAC threads seal, and the trailers, which publish the values, in a second put a MAC thread
+        makes once every seal is done, while the payloads still move. A trailer put over a payload the store then
+        refused is removed again. `units` are buffers to register whole before the first use of views into them.
 
         What the store holds already is asked first (one `batch_is_exist`): Mooncake answers success to a put onto
         a present key and keeps the value there. A key held whole counts as written only once the value there
@@ -289,8 +291,7 @@ class MooncakeClient:
         return value.per_key(self._store.batch_is_exist(value.object_names(keys)))
 
     def _cleared(self, keys: list[str], halves: list[int]) -> dict[int, KeyResult]:
-        """Remove both halves of `halves`' keys (the missing one is answered not found); the fault of each key a
-        half of which could not be removed: its value is not written."""
+        """Remove both halves of `halves`' keys; the fault of each key a half of which could not be removed."""
         if not halves:
             return {}
         names = value.object_names([keys[i] for i in halves])
@@ -311,14 +312,16 @@ class MooncakeClient:
         self._back_off()
         return StoreUnavailable(f"write-back of {key}: the store did not say whether it holds the key")
 
-    def _get(self, keys: list[str], payloads: Buffers, trailers: Buffers, what: str
-             ) -> list[tuple[int, TierFault | None]]:
-        """One get of each key's payload and trailer into `payloads` and `trailers`; per key, the bytes read (both
-        halves) and the first fault of its halves."""
-        codes = self._store.batch_get_into(value.object_names(keys), payloads.at + trailers.at,
-                                           payloads.sizes + trailers.sizes)
-        faults = _key_faults(self._faults(keys + keys, codes, what, read=True))
-        return [(payload + trailer, fault) for (payload, trailer), fault in zip(value.per_key(codes), faults)]
+    def _get(self, keys: list[str], payloads: Buffers, trailers: Buffers) -> list[tuple[int, int]]:
+        """One get of each key's payload and trailer into `payloads` and `trailers`; per key, the store's answers
+        for its payload and its trailer (`_read` reads them)."""
+        return value.per_key(self._store.batch_get_into(value.object_names(keys), payloads.at + trailers.at,
+                                                        payloads.sizes + trailers.sizes))
+
+    def _read(self, key: str, halves: tuple[int, int], what: str) -> tuple[int, TierFault | None]:
+        """From the store's answers for `key`'s two halves, the bytes read (both) and the first fault of its halves."""
+        [fault] = _key_faults(self._faults([key, key], halves, what, read=True))
+        return sum(halves), fault
 
     def _verify_present(self, key: str, nbytes: int) -> KeyResult:
         """The own checksum of the value already stored under `key` once it verifies, else the fault: a key another
@@ -327,8 +330,8 @@ class MooncakeClient:
             scratch = torch.zeros(nbytes + value.TRAILER_BYTES, dtype=torch.uint8).numpy()
             self._scratch[nbytes] = (scratch[:nbytes], scratch[nbytes:])
         payload, trailer = self._scratch[nbytes]
-        [(read, fault)] = self._get([key], self._located([payload]), self._located([trailer]),
-                                    "check of the value present under")
+        [halves] = self._get([key], self._located([payload]), self._located([trailer]))
+        read, fault = self._read(key, halves, "check of the value present under")
         answer = fault if fault is not None else self._verified(key, payload, trailer, read)
         return answer if isinstance(answer, TierFault) else self.mac.checksum_of(trailer)
 
@@ -344,13 +347,14 @@ class MooncakeClient:
     def fetch(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
               units: Sequence[np.ndarray] = ()) -> Pending[list[KeyResult]]:
         """Read each key's payload and trailer and verify its MAC; a payload whose result is a fault holds garbage
-        and must not be used."""
+        and must not be used. Between two gets the I/O thread only hands the values that landed to the MAC threads,
+        which read the store's answers for them too; after the last get it checks values beside them (`Crew.join`)."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
-        landed: dict[int, tuple[int, TierFault | None]] = {}
-        """Per key whose get returned, the bytes it read and its fault (written before the key is handed over)."""
+        landed: dict[int, tuple[int, int]] = {}
+        """Per key whose get returned, the store's answers for its two halves (written before it is handed over)."""
 
         def check(i: int) -> KeyResult:
-            read, fault = landed[i]
+            read, fault = self._read(keys[i], landed[i], "fetch of")
             return fault if fault is not None else self._verified(keys[i], payloads[i], trailers[i], read)
 
         def call() -> list[KeyResult]:
@@ -360,10 +364,9 @@ class MooncakeClient:
             with self._macs.crew(check) as checking:
                 for run in pipeline.fetch_runs(len(keys), least, self.hash_threads):
                     landed.update(zip(run, self._get([keys[i] for i in run], payload_at.pick(run),
-                                                     trailer_at.pick(run), "fetch of")))
+                                                     trailer_at.pick(run))))
                     checking.hand(run)
-                checking.close()
-                checked = checking.results()
+                checked = checking.join()
             return [checked[i] for i in range(len(keys))]
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))

@@ -9,6 +9,7 @@ trailer each, which tests and the benchmark use as their source and target memor
 from __future__ import annotations
 
 import bisect
+import ctypes
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -44,7 +45,13 @@ class SlotRegion:
 
 
 def address(array: np.ndarray) -> int:
-    return int(array.ctypes.data)
+    """Where `array`'s first byte lives. A call takes the address of every view it moves (256 for a 128-block
+    fetch), so the cheap way comes first: a ctypes view of a writable buffer, a quarter of the time of numpy's
+    `ctypes.data`, which read-only, empty or strided arrays still take (ctypes refuses their buffers)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError):
+        return int(array.ctypes.data)
 
 
 class Buffers(NamedTuple):

@@ -69,6 +69,15 @@ class Crew(Generic[T]):
         for _ in self.tasks:
             self._queue.put(None)
 
+    def join(self) -> dict[int, T]:
+        """Close the crew, work through what is still queued on the calling thread beside the MAC threads, and answer
+        `results`. A caller that would otherwise only wait (a fetch's I/O thread once its last get returned) starts
+        on the last values at once, instead of leaving them to MAC threads that wake one after another."""
+        self.close()
+        self._queue.put(None)  # the caller's own end marker, behind every task's
+        mine = self._drain()
+        return self.results() | mine
+
     def results(self) -> dict[int, T]:
         """Per value handed over, what `work` answered (once the crew is closed); re-raises what `work` raised."""
         done: dict[int, T] = {}

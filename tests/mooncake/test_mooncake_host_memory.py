@@ -1,6 +1,7 @@
 """Host memory handed to Mooncake: a slot region (the tests' and the benchmark's source and target memory) refuses,
 by name, memory it cannot cut into whole slots of a flat host byte buffer; a slot arena (a Mooncake tier's trailers
-and head-major shadows) gives each payload a buffer of its own, a fresh chunk every `per_chunk` payloads."""
+and head-major shadows) gives each payload a buffer of its own, a fresh chunk every `per_chunk` payloads; a view's
+address is its first byte's, however ctypes takes its buffer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvfsm.mooncake.host_memory import Registrations, SlotRegion
+from kvfsm.mooncake.host_memory import Registrations, SlotRegion, address
 from kvfsm.tiers.mooncake import SlotArena
 
 FLAT = "a slot region is a flat uint8 host tensor"
@@ -47,3 +48,16 @@ def test_a_range_is_covered_only_when_it_ends_inside_a_registration() -> None:
     assert registered.covers(1000, 100) and registered.covers(1050, 50)
     assert not registered.covers(1050, 51), "a range running past its registration's end counted as registered"
     assert not registered.covers(900, 10)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+@pytest.mark.parametrize("view", [
+    lambda base: base[8:24], lambda base: _read_only(base[8:24]), lambda base: base[1:40:3], lambda base: base[5:5],
+], ids=["writable", "read-only", "strided", "empty"])
+def test_the_address_of_a_view_is_the_one_numpy_gives_whether_or_not_ctypes_can_borrow_its_buffer(view) -> None:
+    array = view(np.arange(64, dtype=np.uint8))
+    assert address(array) == array.ctypes.data

@@ -1,0 +1,171 @@
+"""Where a Mooncake fetch loses against the zero-copy get: the same values read several ways in one rotated run.
+
+Stores one batch of values (128 blocks of 2 MiB by default) through the tier's write-back, then, repetition by
+repetition in an order that rotates, reads them back these ways, each timed from call to answer into a zeroed target:
+
+- `payloads, one get`: `batch_get_into` of the payloads alone (the bench's zero-copy get, the ceiling);
+- `both halves, one get`: one `batch_get_into` of every payload and trailer (what two objects a value cost);
+- `both halves, the fetch's runs`: the same, cut into the fetch's runs (`kvfsm.mooncake.pipeline.fetch_runs`), no
+  checks (what the extra gets cost);
+- `fetch`: `MooncakeClient.fetch`, as the tier calls it;
+- `fetch, checks dropped`: the same with the MAC check replaced by nothing (what the checks' tail costs);
+- `fetch, last run of N`: the fetch with its last run N values long (and runs shrinking by 2);
+- `fetch, MAC threads only at its end`: the fetch with its I/O thread waiting for the last checks rather than
+  checking values itself beside the MAC threads (`Crew.join`), as before session 27;
+- `fetch, last N on BLAKE3's threads`: runs shrinking by 2 down to N values, those last N checked on the I/O thread,
+  each by BLAKE3 on all cores (`max_threads=AUTO`), the rest on the MAC threads.
+
+Prints, per placement, each way's median GB/s and the median over repetitions of its time over the zero-copy get's
+in the same repetition (paired, so drift between repetitions cancels) (docs/mooncake.md, session 27).
+
+Usage (where Mooncake is installed; a GPU host for figures worth quoting):
+`python tools/probes/mooncake_fetch_parts.py [BLOCKS] [REPETITIONS]`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+from blake3 import blake3
+
+from kvfsm.mooncake import pipeline, value
+from kvfsm.mooncake.client import MooncakeClient
+from kvfsm.mooncake.host_memory import SlotRegion, address
+from kvfsm.mooncake.mac_crew import Crew
+from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
+from kvfsm.mooncake.secret import ValueKey
+from kvfsm.mooncake.settings import ClientSettings
+from kvfsm.mooncake.value import TRAILER, ValueMac
+
+BLOCK_BYTES, WAIT_S, LAST_RUNS = 2 << 20, 120.0, (1, 2, 4)
+ROUND_VALUES = pipeline.round_values
+
+
+def cut(last: int | None) -> None:
+    """The client's own cut (None), or a last run of `last` values with runs shrinking by 2."""
+    pipeline.CHECK_OVER_GET = 4
+    pipeline.round_values = ROUND_VALUES if last is None else (lambda sizes, threads, pipeline_bytes: last)
+
+
+def placement(segment: str, blocks: int, reps: int) -> dict[str, tuple[float, float]]:
+    own, total = segment == "own", blocks * BLOCK_BYTES
+    capacity = max(4 * total, 64 << 20)
+    with LocalMooncake(DeploymentSettings(segment_bytes=16 << 20 if own else capacity)) as deployment:
+        client = MooncakeClient(ClientSettings(master=deployment.address, op_timeout_s=WAIT_S,
+                                               transfer_buffer_bytes=2 * total, segment_bytes=capacity if own else 0,
+                                               hash_threads=8), ValueMac(ValueKey.derive(os.urandom(32), "probe")))
+        client.connect()
+        source = SlotRegion(torch.randint(0, 256, (total,), dtype=torch.uint8), BLOCK_BYTES)
+        target = SlotRegion(torch.zeros(total, dtype=torch.uint8), BLOCK_BYTES)
+        for buffer in (source.buffer, target.buffer, source.trailers, target.trailers):
+            client.register(buffer)
+        slots = list(range(blocks))
+        keys = [f"probe-{i}" for i in slots]
+        written = client.write_back(keys, source.payloads(slots), source.trailers_of(slots)).wait(WAIT_S)
+        assert written is not None and not any(isinstance(r, Exception) for r in written), written
+        store, got, got_trailers = client.raw(), target.payloads(slots), target.trailers_of(slots)
+        into = [address(p) for p in got] + [address(t) for t in got_trailers]
+        sizes = [BLOCK_BYTES] * blocks + [value.TRAILER_BYTES] * blocks
+        names = value.object_names(keys)
+        checks = client.verify_value
+
+        def one_get(count: int) -> Callable[[], object]:
+            return lambda: store.batch_get_into(names[:count], into[:count], sizes[:count])
+
+        def runs() -> None:
+            least = pipeline.round_values([BLOCK_BYTES] * blocks, 8, client.settings.pipeline_bytes)
+            for run in pipeline.fetch_runs(blocks, least, 8):
+                picked = list(run) + [blocks + i for i in run]
+                store.batch_get_into([names[i] for i in picked], [into[i] for i in picked], [sizes[i] for i in picked])
+
+        def fetch(last: int | None = None, checked: bool = True) -> Callable[[], object]:
+            def move() -> object:
+                cut(last)
+                client.verify_value = checks if checked else (lambda trailer, key, payload: None)
+                try:
+                    return client.fetch(keys, got, got_trailers).wait(WAIT_S)
+                finally:
+                    cut(None)
+                    client.verify_value = checks
+            return move
+
+        def tagged_on_all_cores(i: int) -> bool:
+            """Value `i`'s MAC checked as `ValueMac.check` does, by one BLAKE3 on all cores."""
+            tag, carried, has, _ = TRAILER.unpack(got_trailers[i].tobytes())
+            hasher = blake3(key=client.mac._key._key, max_threads=blake3.AUTO)
+            name = keys[i].encode()
+            hasher.update(value._HEADER.pack(value._FORMAT, has, carried, BLOCK_BYTES, len(name)) + name)
+            hasher.update(memoryview(got[i]))
+            return hasher.digest(value.TAG_BYTES) == tag
+
+        def on_all_cores(last: int) -> Callable[[], object]:
+            def call() -> list[object]:
+                landed: dict[int, tuple[int, int]] = {}
+
+                def check(i: int) -> object:
+                    read, fault = client._read(keys[i], landed[i], "fetch of")
+                    return fault if fault is not None else client._verified(keys[i], got[i], got_trailers[i], read)
+
+                at, trailers_at = client._located(got), client._located(got_trailers)
+                cuts = pipeline.fetch_runs(blocks, last, 8)
+                with client._macs.crew(check) as checking:
+                    for run in cuts:
+                        landed.update(zip(run, client._get([keys[i] for i in run], at.pick(run),
+                                                           trailers_at.pick(run))))
+                        if run is not cuts[-1]:
+                            checking.hand(run)
+                    checking.close()
+                    done = {i: tagged_on_all_cores(i) for i in cuts[-1]} | checking.results()
+                return [done[i] for i in range(blocks)]
+            return lambda: client._submit(call, fallback=lambda fault: [fault] * blocks).wait(WAIT_S)
+
+        def mac_threads_only() -> object:
+            join = Crew.join
+            Crew.join = lambda crew: (crew.close(), crew.results())[1]
+            try:
+                return client.fetch(keys, got, got_trailers).wait(WAIT_S)
+            finally:
+                Crew.join = join
+
+        def runs_down_to_one() -> None:
+            for run in pipeline.fetch_runs(blocks, 1, 8):
+                picked = list(run) + [blocks + i for i in run]
+                store.batch_get_into([names[i] for i in picked], [into[i] for i in picked], [sizes[i] for i in picked])
+
+        ways: dict[str, Callable[[], object]] = {
+            "payloads, one get": one_get(blocks), "both halves, one get": one_get(2 * blocks),
+            "both halves, the fetch's runs": runs, "fetch": fetch(), "fetch, checks dropped": fetch(checked=False)}
+        ways.update((f"fetch, last run of {n}", fetch(n)) for n in LAST_RUNS)
+        ways["both halves, runs down to 1"] = runs_down_to_one
+        ways["fetch, MAC threads only at its end"] = mac_threads_only
+        ways.update((f"fetch, last {n} on BLAKE3's threads", on_all_cores(n)) for n in (1, 2))
+        seconds: dict[str, list[float]] = {way: [] for way in ways}
+        order = list(ways)
+        for rep in range(reps):
+            turn = rep % len(order)
+            for way in order[turn:] + order[:turn]:
+                target.buffer.numpy().fill(0)
+                start = time.perf_counter()
+                ways[way]()
+                seconds[way].append(time.perf_counter() - start)
+                assert np.array_equal(target.buffer.numpy(), source.buffer.numpy()), way
+        client.close()
+    ceiling = seconds["payloads, one get"]
+    return {way: (total / statistics.median(ts) / 1e9, statistics.median(c / t for c, t in zip(ceiling, ts)))
+            for way, ts in seconds.items()}
+
+
+def main(blocks: int, reps: int) -> None:
+    for segment in ("segment host", "own"):
+        for way, (gbps, share) in placement(segment, blocks, reps).items():
+            print(f"{blocks} blocks {segment:12s} {way:32s} {gbps:5.2f} GB/s  paired share {share:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 128, int(sys.argv[2]) if len(sys.argv) > 2 else 24)
