@@ -117,6 +117,29 @@ def test_the_access_log_keeps_issue_and_execution_order() -> None:
     assert store.issued > compute.issued and store.executed < compute.executed
 
 
+def test_the_oldest_queued_is_the_earliest_issued_operation_on_any_stream_or_one_past_the_last_issued() -> None:
+    device = SimDevice()
+    assert device.oldest_queued() == 1
+    device.enqueue("store", "store", "store job 1", lambda: None)
+    device.enqueue("compute", "compute", "compute step 1", lambda: None)
+    device.enqueue("store", "store", "store job 2", lambda: None)
+    assert device.oldest_queued() == 1  # on store, although compute comes first among the streams
+    device.run_one("store")
+    assert device.oldest_queued() == 2  # compute's, older than store's next
+    device.run_until_idle()
+    assert device.oldest_queued() == 4
+
+
+def test_forgetting_accesses_before_an_issue_number_keeps_those_issued_at_or_after_it_in_execution_order() -> None:
+    device = SimDevice()
+    device.enqueue("store", "store", "store job 1", lambda: None, [Touch("read", "gpu", (1,))])
+    device.enqueue("compute", "compute", "compute step 1", lambda: None, [Touch("write", "gpu", (2,))])
+    device.enqueue("store", "store", "store job 2", lambda: None, [Touch("read", "gpu", (3, 4))])
+    device.run_until_idle(choose=lambda runnable: runnable[-1])
+    device.forget_accesses_before(2)
+    assert [(a.issued, a.block) for a in device.accesses] == [(3, 3), (3, 4), (2, 2)]
+
+
 def test_pin_host_is_exact_and_released_once() -> None:
     device = SimDevice()
     with HostPool(device, num_slots=5, slot_bytes=3000) as pool:

@@ -39,7 +39,7 @@ class OneStepBehind:
 
         All of those ran, and anything not yet run was issued after them, so none of theirs can still be
         overtaken by an operation issued earlier: the ordering invariants have nothing more to find in them."""
-        self.device.accesses[:] = [a for a in self.device.accesses if a.issued >= self._settled]
+        self.device.forget_accesses_before(self._settled)
 
     def finish(self) -> None:
         self.device.run_until_idle()

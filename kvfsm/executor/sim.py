@@ -175,6 +175,25 @@ class SimDevice:
         while marker is not None and not marker.done:
             self._step(self.scheduler, f"the host waits for {marker.label} (issued #{marker.issued})")
 
+    # -- the access log -----------------------------------------------------------------------------------------
+
+    def oldest_queued(self) -> int:
+        """The `issued` number of the oldest operation still queued on any stream (running or not), or one past the
+        last issued when none is queued: every operation issued before it has run, and every one that runs from now
+        on was issued at or after it, so it bounds what `forget_accesses_before` may drop. (Each stream is a FIFO
+        in issue order, so its head is its oldest.)"""
+        return min((queue[0].issued for queue in self._queues.values() if queue), default=self._issued + 1)
+
+    def forget_accesses_before(self, issued: int) -> None:
+        """Drop from `accesses` the entries of operations issued before `issued`, keeping the rest in order, so that
+        checks re-reading the log after every step cost what is in flight rather than the whole run.
+
+        Safe only with `issued` at most `oldest_queued()` and only once the ordering invariants have judged the log
+        as it stands: those operations all ran, and whatever runs later was issued after them, so no later access
+        can overtake one of theirs and the invariants have nothing more to find in them. Dropped any earlier, a race
+        between them and an operation still queued would go unseen."""
+        self.accesses[:] = [access for access in self.accesses if access.issued >= issued]
+
     # -- host memory --------------------------------------------------------------------------------------------
 
     def pin_host(self, nbytes: int) -> torch.Tensor:

@@ -207,9 +207,7 @@ class Harness:
         there); `kvfsm.demo.pacing.OneStepBehind.forget_checked` does the same."""
         for device in self.devices:
             if isinstance(device, SimDevice):
-                queued = [op.issued for queue in device._queues.values() for op in queue]
-                settled = min(queued, default=device._issued + 1)
-                device.accesses[:] = [a for a in device.accesses if a.issued >= settled]
+                device.forget_accesses_before(device.oldest_queued())
 
     def _cpu_bytes(self) -> list[str]:
         """Every ready or loading CPU slot holds its prefix's bytes; with tensor parallelism, in every rank's pool,
