@@ -9,11 +9,12 @@ repetition in an order that rotates, reads them back these ways, each timed from
   checks (what the extra gets cost);
 - `fetch`: `MooncakeClient.fetch`, as the tier calls it;
 - `fetch, checks dropped`: the same with the MAC check replaced by nothing (what the checks' tail costs);
-- `fetch, last run of N`: the fetch with its last run N values long (and runs shrinking by 2);
+- `payloads, the fetch's runs`: the payloads alone in the fetch's runs, no checks (whether the runs cost is the
+  trailers');
+- `fetch, trailers first`: one get of every trailer, then the payloads alone in the fetch's runs, checked as the
+  fetch checks them;
 - `fetch, MAC threads only at its end`: the fetch with its I/O thread waiting for the last checks rather than
   checking values itself beside the MAC threads (`Crew.join`), as before session 27;
-- `fetch, last N on BLAKE3's threads`: runs shrinking by 2 down to N values, those last N checked on the I/O thread,
-  each by BLAKE3 on all cores (`max_threads=AUTO`), the rest on the MAC threads.
 
 Prints, per placement, each way's median GB/s and the median over repetitions of its time over the zero-copy get's
 in the same repetition (paired, so drift between repetitions cancels) (docs/mooncake.md, session 27).
@@ -32,7 +33,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-from blake3 import blake3
 
 from kvfsm.mooncake import pipeline, value
 from kvfsm.mooncake.client import MooncakeClient
@@ -41,16 +41,9 @@ from kvfsm.mooncake.mac_crew import Crew
 from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
 from kvfsm.mooncake.secret import ValueKey
 from kvfsm.mooncake.settings import ClientSettings
-from kvfsm.mooncake.value import TRAILER, ValueMac
+from kvfsm.mooncake.value import ValueMac
 
-BLOCK_BYTES, WAIT_S, LAST_RUNS = 2 << 20, 120.0, (1, 2, 4)
-ROUND_VALUES = pipeline.round_values
-
-
-def cut(last: int | None) -> None:
-    """The client's own cut (None), or a last run of `last` values with runs shrinking by 2."""
-    pipeline.CHECK_OVER_GET = 4
-    pipeline.round_values = ROUND_VALUES if last is None else (lambda sizes, threads, pipeline_bytes: last)
+BLOCK_BYTES, WAIT_S = 2 << 20, 120.0
 
 
 def placement(segment: str, blocks: int, reps: int) -> dict[str, tuple[float, float]]:
@@ -84,46 +77,14 @@ def placement(segment: str, blocks: int, reps: int) -> dict[str, tuple[float, fl
                 picked = list(run) + [blocks + i for i in run]
                 store.batch_get_into([names[i] for i in picked], [into[i] for i in picked], [sizes[i] for i in picked])
 
-        def fetch(last: int | None = None, checked: bool = True) -> Callable[[], object]:
+        def fetch(checked: bool = True) -> Callable[[], object]:
             def move() -> object:
-                cut(last)
                 client.verify_value = checks if checked else (lambda trailer, key, payload: None)
                 try:
                     return client.fetch(keys, got, got_trailers).wait(WAIT_S)
                 finally:
-                    cut(None)
                     client.verify_value = checks
             return move
-
-        def tagged_on_all_cores(i: int) -> bool:
-            """Value `i`'s MAC checked as `ValueMac.check` does, by one BLAKE3 on all cores."""
-            tag, carried, has, _ = TRAILER.unpack(got_trailers[i].tobytes())
-            hasher = blake3(key=client.mac._key._key, max_threads=blake3.AUTO)
-            name = keys[i].encode()
-            hasher.update(value._HEADER.pack(value._FORMAT, has, carried, BLOCK_BYTES, len(name)) + name)
-            hasher.update(memoryview(got[i]))
-            return hasher.digest(value.TAG_BYTES) == tag
-
-        def on_all_cores(last: int) -> Callable[[], object]:
-            def call() -> list[object]:
-                landed: dict[int, tuple[int, int]] = {}
-
-                def check(i: int) -> object:
-                    read, fault = client._read(keys[i], landed[i], "fetch of")
-                    return fault if fault is not None else client._verified(keys[i], got[i], got_trailers[i], read)
-
-                at, trailers_at = client._located(got), client._located(got_trailers)
-                cuts = pipeline.fetch_runs(blocks, last, 8)
-                with client._macs.crew(check) as checking:
-                    for run in cuts:
-                        landed.update(zip(run, client._get([keys[i] for i in run], at.pick(run),
-                                                           trailers_at.pick(run))))
-                        if run is not cuts[-1]:
-                            checking.hand(run)
-                    checking.close()
-                    done = {i: tagged_on_all_cores(i) for i in cuts[-1]} | checking.results()
-                return [done[i] for i in range(blocks)]
-            return lambda: client._submit(call, fallback=lambda fault: [fault] * blocks).wait(WAIT_S)
 
         def mac_threads_only() -> object:
             join = Crew.join
@@ -133,6 +94,32 @@ def placement(segment: str, blocks: int, reps: int) -> dict[str, tuple[float, fl
             finally:
                 Crew.join = join
 
+        def trailers_first() -> list[object]:
+            def call() -> list[object]:
+                landed: dict[int, tuple[int, int]] = {}
+                at, trailers_at = client._located(got), client._located(got_trailers)
+                trailer_codes = store.batch_get_into(names[blocks:], trailers_at.at, trailers_at.sizes)
+
+                def check(i: int) -> object:
+                    read, fault = client._read(keys[i], landed[i], "fetch of")
+                    return fault if fault is not None else client._verified(keys[i], got[i], got_trailers[i], read)
+
+                least = pipeline.round_values(at.sizes, 8, client.settings.pipeline_bytes)
+                with client._macs.crew(check) as checking:
+                    for run in pipeline.fetch_runs(blocks, least, 8):
+                        picked = at.pick(run)
+                        codes = store.batch_get_into([keys[i] for i in run], picked.at, picked.sizes)
+                        landed.update((i, (code, trailer_codes[i])) for i, code in zip(run, codes))
+                        checking.hand(run)
+                    done = checking.join()
+                return [done[i] for i in range(blocks)]
+            return client._submit(call, fallback=lambda fault: [fault] * blocks).wait(WAIT_S)
+
+        def payload_runs() -> None:
+            least = pipeline.round_values([BLOCK_BYTES] * blocks, 8, client.settings.pipeline_bytes)
+            for run in pipeline.fetch_runs(blocks, least, 8):
+                store.batch_get_into([names[i] for i in run], [into[i] for i in run], [sizes[i] for i in run])
+
         def runs_down_to_one() -> None:
             for run in pipeline.fetch_runs(blocks, 1, 8):
                 picked = list(run) + [blocks + i for i in run]
@@ -141,10 +128,10 @@ def placement(segment: str, blocks: int, reps: int) -> dict[str, tuple[float, fl
         ways: dict[str, Callable[[], object]] = {
             "payloads, one get": one_get(blocks), "both halves, one get": one_get(2 * blocks),
             "both halves, the fetch's runs": runs, "fetch": fetch(), "fetch, checks dropped": fetch(checked=False)}
-        ways.update((f"fetch, last run of {n}", fetch(n)) for n in LAST_RUNS)
         ways["both halves, runs down to 1"] = runs_down_to_one
+        ways["payloads, the fetch's runs"] = payload_runs
+        ways["fetch, trailers first"] = trailers_first
         ways["fetch, MAC threads only at its end"] = mac_threads_only
-        ways.update((f"fetch, last {n} on BLAKE3's threads", on_all_cores(n)) for n in (1, 2))
         seconds: dict[str, list[float]] = {way: [] for way in ways}
         order = list(ways)
         for rep in range(reps):
