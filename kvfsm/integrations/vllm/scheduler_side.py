@@ -50,7 +50,7 @@ from kvfsm.integrations.vllm.convert import (
     group_block_ids,
     scheduler_output,
 )
-from kvfsm.integrations.vllm.groups import GroupView, is_first_group_key, offloaded_groups
+from kvfsm.integrations.vllm.groups import Group, GroupView, is_first_group_key, offloaded_groups
 from kvfsm.integrations.vllm.telemetry import StatsDelta
 from kvfsm.integrations.vllm.tier_events import to_vllm
 from kvfsm.integrations.vllm.tier_index import TierIndexes
@@ -175,6 +175,40 @@ class SchedulerSide:
         if len(views) > 1:
             self._waiting[request.request_id] = {v.request_id for v in views
                                                  if self.kvfsm.requests[v.request_id].state == RequestState.LOADING}
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """vLLM's indexes of the groups whose blocks of the request's hit are all there once kvfsm's load lands: every
+        block the load writes or vLLM holds on its GPU already (`loaded-groups`).
+
+        vLLM asks only after a lookup offered tokens: before it allocates them (a group outside the answer has its
+        load's blocks zeroed in the allocating step, before the load, which waits on every kernel enqueued then; a
+        DeepSeek-V4.1 bounded-replay group outside it is recomputed from the hit's last window, or a hit no longer
+        than that window set aside) and again once an asynchronous load ended (whether to recompute that window).
+        vLLM's default, its prefix-cacheable groups, leaves the bounded-replay windows out though kvfsm loads them, so
+        vLLM recomputed them; one told loaded that was not would be read unwritten. The answer is read from kvfsm's
+        plan for the request: each group's lookup (`match`) until vLLM allocated it, then the load it started
+        (`restored`). Every group's load ends where the first group's does (`match_together`), so a group is restored
+        when its load starts no later than its window's first block at the hit's end (`Group.first_kept`) or, for a
+        group vLLM caches on its GPU, the GPU prefix's end (vLLM holds the blocks below)."""
+        block_size = self.kvfsm.config.gpu_block_size
+        first, end = self._load_span(self.groups[0], request.request_id)
+        loaded = []
+        for group in self.groups:
+            start, _ = self._load_span(group, request.request_id)
+            held = first if group.gpu_cached else 0
+            if start <= max(held, group.first_kept(end * block_size, block_size)):
+                loaded.append(group.index)
+        return tuple(loaded)
+
+    def _load_span(self, group: Group, req_id: str) -> tuple[int, int]:
+        """The GPU blocks `[first, end)` kvfsm's plan loads for the request's group: its lookup's offer until vLLM
+        allocated it, then the load it started."""
+        record = self.kvfsm.requests[group.request_id(req_id)]
+        if record.match is not None:
+            first, count = record.match
+            return first, first + count
+        _, first, end = record.restored
+        return first, end
 
     def build_connector_meta(self, output: "SchedulerOutput") -> KvfsmMetadata:
         """The step's orders. A step vLLM scheduled, finished and preempted nothing in (an idle step) changes no
