@@ -96,6 +96,10 @@ def test_a_replay_window_begun_below_the_gpu_prefixs_end_is_not_told_loaded_and_
         d.close()
 
 
+def full_driver(model) -> Driver:  # type: ignore[no-untyped-def]
+    return Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker())
+
+
 def hybrid_driver(model) -> Driver:  # type: ignore[no-untyped-def]
     return Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), hybrid_cache(48))
 
@@ -109,20 +113,21 @@ def mamba_driver(model) -> Driver:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("build, gpu_prefix_blocks, groups", [
+    (full_driver, 0, (0,)),
     (hybrid_driver, 0, (0, 1)),
     (full_groups_driver, 0, (0, 1, 2)),
     (full_groups_driver, 1, (0, 1, 2)),
     (mamba_driver, 0, (0, 1)),
     (mamba_driver, 3, (0, 1)),
-], ids=["full+sliding", "full+full+sliding", "full+full+sliding-after-a-gpu-prefix", "full+state",
+], ids=["full", "full+sliding", "full+full+sliding", "full+full+sliding-after-a-gpu-prefix", "full+state",
         "full+state-after-a-gpu-prefix"])
 def test_every_group_of_a_hit_vllm_caches_on_its_gpu_is_told_loaded(model, monkeypatch,
                                                                       build: Callable[[Any], Driver],
                                                                       gpu_prefix_blocks: int,
                                                                       groups: tuple[int, ...]) -> None:
-    """Full attention, a second full group, a sliding window and a state: what kvfsm does not load of them (blocks
-    below the GPU prefix's end, a window's blocks below its start) vLLM holds itself, so each is told loaded, a full
-    group after the first too when its blocks below the GPU prefix's end are vLLM's."""
+    """Full attention alone or beside a second full group, a sliding window or a state: what kvfsm does not load of
+    them (blocks below the GPU prefix's end, a window's blocks below its start) vLLM holds itself, so each is told
+    loaded, a full group after the first too when its blocks below the GPU prefix's end are vLLM's."""
     d = build(model)
     try:
         store_prefix(d)

@@ -18,8 +18,9 @@ Three places where vLLM's protocol differs from kvfsm's, bridged here and nowher
 Under vLLM's hybrid allocator each KV-cache group of a request is a request of its own in kvfsm's scheduler
 (`groups`): a lookup offers the longest prefix every group holds (a later full-attention group all of it, a
 sliding-window group its whole window ending there, a state-space group the state at its end: `window_hit`), vLLM
-hears of a load or a release once every group's is done, and a sliding window's (or a state's) left-behind blocks are
-told to kvfsm (`slide`) before the step that may hand them out is planned.
+hears of a load or a release once every group's is done, vLLM is told exactly the groups a load restores
+(`loaded-groups`: a bounded-replay window only when the load writes it whole), and a sliding window's (or a state's)
+left-behind blocks are told to kvfsm (`slide`) before the step that may hand them out is planned.
 The lower tiers' bytes live in the workers; this process plans every write-back and fetch against an index of each
 tier fed by the workers' reports (`tier_index`), whose orders and discards go out in the step's metadata.
 """
