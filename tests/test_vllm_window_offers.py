@@ -103,7 +103,8 @@ def test_a_request_whose_window_blocks_another_request_still_loads_waits_for_tha
 
 
 REPLAY = 3 * WINDOW
-"""Tokens of the bounded-replay window: longer than PREFIX, so vLLM replays a hit of PREFIX rather than load it."""
+"""Tokens of the bounded-replay window: longer than PREFIX, so vLLM sets a hit of PREFIX aside unless its load restores
+the window."""
 
 
 def replay_cache(num_blocks: int) -> KVCacheConfig:
@@ -119,13 +120,16 @@ def replay_cache(num_blocks: int) -> KVCacheConfig:
 
 def test_a_hit_vllm_replays_instead_of_loading_loads_nothing_in_any_group(model, monkeypatch) -> None:
     """vLLM's `Scheduler.schedule` sets aside a connector's hit no longer than its bounded-replay window when the load
-    would not restore that window's group (kvfsm restores vLLM's prefix-cacheable groups only), and allocates the
-    request no external tokens: it recomputes the prompt. kvfsm had offered the whole PREFIX, the WINDOW group its
-    blocks 2 and 3: every group is told it loads nothing, not a count taken from where its window starts (negative,
-    and refused), and the reader computes its whole prompt."""
+    would not restore that window's group, and allocates the request no external tokens: it recomputes the prompt.
+    vLLM's GPU prefix cache holds PREFIX's first block (in every group but the replay window, which it never caches),
+    so the replay window at the hit's end, from block 0, is not the load's to restore (`loaded-groups`). kvfsm had
+    offered blocks 1 to 3, the WINDOW group its blocks 2 and 3: every group is told it loads nothing, not a count
+    taken from where its window starts (negative, and refused), and the reader computes its whole prompt."""
     d = Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), replay_cache(48))
     try:
         store_prefix(d)
+        d.add("warm", PREFIX[:BLOCK_SIZE] + [5])
+        d.run()
         offered: list[int | None] = []
         lookup = d.connector.get_num_new_matched_tokens
 
@@ -137,7 +141,7 @@ def test_a_hit_vllm_replays_instead_of_loading_loads_nothing_in_any_group(model,
         monkeypatch.setattr(d.connector, "get_num_new_matched_tokens", recorded)
         d.add("reader", PREFIX + [9])
         d.run()
-        assert offered == [len(PREFIX)]
+        assert offered == [len(PREFIX) - BLOCK_SIZE]
         assert first_computed(d, "reader") == 0
         assert [order for g in d.connector.scheduler_side.groups
                 for order in loads_of(d, g.request_id("reader"))] == []

@@ -122,6 +122,11 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """The groups kvfsm's load restores for the request (`SchedulerSide.get_loaded_kv_cache_group_ids`), not
+        vLLM's default (its prefix-cacheable groups), which leaves out bounded-replay windows kvfsm loads."""
+        return self.scheduler_side.get_loaded_kv_cache_group_ids(request)
+
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 

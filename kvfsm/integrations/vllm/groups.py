@@ -14,7 +14,9 @@ id space of jobs, and the GPU fences of a block whichever group reads or writes 
   whole window (`window_hit`), and only that window is reloaded. vLLM frees a running request's blocks as its
   window leaves them behind, and may hand them out in the same step; kvfsm follows the same arithmetic
   (`window_start`) and fires the request's `slide`, which leaves those its stores still read freed-while-read
-  (`window-fence`).
+  (`window-fence`). DeepSeek-V4.1's bounded-replay window (a `SlidingWindowMLASpec`) is served the same way, but vLLM
+  keeps none of its blocks in its GPU prefix cache (`Group.gpu_cached`) and recomputes a hit's last window unless the
+  connector says its load restored the group (`SchedulerSide.get_loaded_kv_cache_group_ids`).
 - A state-space group (vLLM's `MambaSpec`) in vLLM's "align" cache mode keeps, per block, the state after the block's
   last token (vLLM ends every prefill chunk at a block's end, and keeps only the state it runs on and the one before): a
   sliding window of one block in kvfsm's terms. States are stored from a prompt's last whole block on (`store_from`:
@@ -77,6 +79,10 @@ class Group:
     """A state-space group's: each block the state after its last token, only the running state's kept."""
     chunk: int | None = None
     """Chunked local attention's chunk in tokens (a whole number of blocks); None for any other kind."""
+    gpu_cached: bool = True
+    """vLLM's own GPU prefix cache holds this group's blocks (its spec's `prefix_cacheable`). False for a DeepSeek-V4.1
+    bounded-replay window (`SlidingWindowMLASpec` with `bounded_replay`): vLLM keeps none of its blocks for a GPU
+    prefix, so a load restores it only if it writes the group's whole window (`loaded-groups`)."""
 
     @property
     def label(self) -> int | None:
@@ -148,7 +154,8 @@ def offloaded_groups(kv_cache_config: "KVCacheConfig", block_size: int, block_si
         raise UnsupportedKVCache(f"KV-cache groups of different bytes per block ({sorted(sizes)}; {kinds}): kvfsm's "
                                  "CPU pool has one block size")
     order = full + [i for i in range(len(groups)) if i not in full]
-    return tuple(Group(index, rank, windows[index], states[index], chunks[index]) for rank, index in enumerate(order))
+    return tuple(Group(index, rank, windows[index], states[index], chunks[index],
+                       groups[index].kv_cache_spec.prefix_cacheable) for rank, index in enumerate(order))
 
 
 def _check_state(index: int, spec: MambaSpec, block_size_factor: int, kinds: str) -> None:

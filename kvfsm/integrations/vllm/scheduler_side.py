@@ -18,8 +18,9 @@ Three places where vLLM's protocol differs from kvfsm's, bridged here and nowher
 Under vLLM's hybrid allocator each KV-cache group of a request is a request of its own in kvfsm's scheduler
 (`groups`): a lookup offers the longest prefix every group holds (a later full-attention group all of it, a
 sliding-window group its whole window ending there, a state-space group the state at its end: `window_hit`), vLLM
-hears of a load or a release once every group's is done, and a sliding window's (or a state's) left-behind blocks are
-told to kvfsm (`slide`) before the step that may hand them out is planned.
+hears of a load or a release once every group's is done, vLLM is told exactly the groups a load restores
+(`loaded-groups`: a bounded-replay window only when the load writes it whole), and a sliding window's (or a state's)
+left-behind blocks are told to kvfsm (`slide`) before the step that may hand them out is planned.
 The lower tiers' bytes live in the workers; this process plans every write-back and fetch against an index of each
 tier fed by the workers' reports (`tier_index`), whose orders and discards go out in the step's metadata.
 """
@@ -50,7 +51,7 @@ from kvfsm.integrations.vllm.convert import (
     group_block_ids,
     scheduler_output,
 )
-from kvfsm.integrations.vllm.groups import GroupView, is_first_group_key, offloaded_groups
+from kvfsm.integrations.vllm.groups import Group, GroupView, is_first_group_key, offloaded_groups
 from kvfsm.integrations.vllm.telemetry import StatsDelta
 from kvfsm.integrations.vllm.tier_events import to_vllm
 from kvfsm.integrations.vllm.tier_index import TierIndexes
@@ -175,6 +176,40 @@ class SchedulerSide:
         if len(views) > 1:
             self._waiting[request.request_id] = {v.request_id for v in views
                                                  if self.kvfsm.requests[v.request_id].state == RequestState.LOADING}
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """vLLM's indexes of the groups whose blocks of the request's hit are all there once kvfsm's load lands: every
+        block the load writes or vLLM holds on its GPU already (`loaded-groups`).
+
+        vLLM asks only after a lookup offered tokens: before it allocates them (a group outside the answer has its
+        load's blocks zeroed in the allocating step, before the load, which waits on every kernel enqueued then; a
+        DeepSeek-V4.1 bounded-replay group outside it is recomputed from the hit's last window, or a hit no longer
+        than that window set aside) and again once an asynchronous load ended (whether to recompute that window).
+        vLLM's default, its prefix-cacheable groups, leaves the bounded-replay windows out though kvfsm loads them, so
+        vLLM recomputed them; one told loaded that was not would be read unwritten. The answer is read from kvfsm's
+        plan for the request: each group's lookup (`match`) until vLLM allocated it, then the load it started
+        (`restored`). Every group's load ends where the first group's does (`match_together`), so a group is restored
+        when its load starts no later than its window's first block at the hit's end (`Group.first_kept`) or, for a
+        group vLLM caches on its GPU, the GPU prefix's end (vLLM holds the blocks below)."""
+        block_size = self.kvfsm.config.gpu_block_size
+        first, end = self._load_span(self.groups[0], request.request_id)
+        loaded = []
+        for group in self.groups:
+            start, _ = self._load_span(group, request.request_id)
+            held = first if group.gpu_cached else 0
+            if start <= max(held, group.first_kept(end * block_size, block_size)):
+                loaded.append(group.index)
+        return tuple(loaded)
+
+    def _load_span(self, group: Group, req_id: str) -> tuple[int, int]:
+        """The GPU blocks `[first, end)` kvfsm's plan loads for the request's group: its lookup's offer until vLLM
+        allocated it, then the load it started."""
+        record = self.kvfsm.requests[group.request_id(req_id)]
+        if record.match is not None:
+            first, count = record.match
+            return first, first + count
+        _, first, end = record.restored
+        return first, end
 
     def build_connector_meta(self, output: "SchedulerOutput") -> KvfsmMetadata:
         """The step's orders. A step vLLM scheduled, finished and preempted nothing in (an idle step) changes no
