@@ -11,10 +11,10 @@ repetition in an order that rotates, reads them back these ways, each timed from
 - `fetch, checks dropped`: the same with the MAC check replaced by nothing (what the checks' tail costs);
 - `payloads, the fetch's runs`: the payloads alone in the fetch's runs, no checks (whether the runs cost is the
   trailers');
-- `fetch, trailers first`: one get of every trailer, then the payloads alone in the fetch's runs, checked as the
-  fetch checks them;
-- `fetch, MAC threads only at its end`: the fetch with its I/O thread waiting for the last checks rather than
-  checking values itself beside the MAC threads (`Crew.join`), as before session 27;
+- `both halves, the fetch's runs at once`: each run's get on a thread of its own, all started at once, in order (when
+  each lands is printed too);
+- `fetch, gets at once`: the fetch with its runs' gets started so, each run's values handed to the MAC threads as it
+  lands.
 
 Prints, per placement, each way's median GB/s and the median over repetitions of its time over the zero-copy get's
 in the same repetition (paired, so drift between repetitions cancels) (docs/mooncake.md, session 27).
@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -37,7 +38,6 @@ import torch
 from kvfsm.mooncake import pipeline, value
 from kvfsm.mooncake.client import MooncakeClient
 from kvfsm.mooncake.host_memory import SlotRegion, address
-from kvfsm.mooncake.mac_crew import Crew
 from kvfsm.mooncake.local import DeploymentSettings, LocalMooncake
 from kvfsm.mooncake.secret import ValueKey
 from kvfsm.mooncake.settings import ClientSettings
@@ -86,31 +86,35 @@ def placement(segment: str, blocks: int, reps: int) -> dict[str, tuple[float, fl
                     client.verify_value = checks
             return move
 
-        def mac_threads_only() -> object:
-            join = Crew.join
-            Crew.join = lambda crew: (crew.close(), crew.results())[1]
-            try:
-                return client.fetch(keys, got, got_trailers).wait(WAIT_S)
-            finally:
-                Crew.join = join
+        getters = ThreadPoolExecutor(8)
+        cuts = pipeline.fetch_runs(blocks, pipeline.round_values([BLOCK_BYTES] * blocks, 8,
+                                                                  client.settings.pipeline_bytes), 8)
+        landings: list[list[float]] = [[] for _ in cuts]
 
-        def trailers_first() -> list[object]:
+        def runs_at_once() -> None:
+            start = time.perf_counter()
+
+            def get(k: int) -> None:
+                picked = list(cuts[k]) + [blocks + i for i in cuts[k]]
+                store.batch_get_into([names[i] for i in picked], [into[i] for i in picked], [sizes[i] for i in picked])
+                landings[k].append(time.perf_counter() - start)
+            list(getters.map(get, range(len(cuts))))
+
+        def fetch_at_once() -> object:
             def call() -> list[object]:
                 landed: dict[int, tuple[int, int]] = {}
                 at, trailers_at = client._located(got), client._located(got_trailers)
-                trailer_codes = store.batch_get_into(names[blocks:], trailers_at.at, trailers_at.sizes)
 
                 def check(i: int) -> object:
                     read, fault = client._read(keys[i], landed[i], "fetch of")
                     return fault if fault is not None else client._verified(keys[i], got[i], got_trailers[i], read)
 
-                least = pipeline.round_values(at.sizes, 8, client.settings.pipeline_bytes)
                 with client._macs.crew(check) as checking:
-                    for run in pipeline.fetch_runs(blocks, least, 8):
-                        picked = at.pick(run)
-                        codes = store.batch_get_into([keys[i] for i in run], picked.at, picked.sizes)
-                        landed.update((i, (code, trailer_codes[i])) for i, code in zip(run, codes))
+                    def get(run: range) -> None:
+                        landed.update(zip(run, client._get([keys[i] for i in run], at.pick(run),
+                                                           trailers_at.pick(run))))
                         checking.hand(run)
+                    list(getters.map(get, cuts))
                     done = checking.join()
                 return [done[i] for i in range(blocks)]
             return client._submit(call, fallback=lambda fault: [fault] * blocks).wait(WAIT_S)
@@ -120,18 +124,12 @@ def placement(segment: str, blocks: int, reps: int) -> dict[str, tuple[float, fl
             for run in pipeline.fetch_runs(blocks, least, 8):
                 store.batch_get_into([names[i] for i in run], [into[i] for i in run], [sizes[i] for i in run])
 
-        def runs_down_to_one() -> None:
-            for run in pipeline.fetch_runs(blocks, 1, 8):
-                picked = list(run) + [blocks + i for i in run]
-                store.batch_get_into([names[i] for i in picked], [into[i] for i in picked], [sizes[i] for i in picked])
-
         ways: dict[str, Callable[[], object]] = {
             "payloads, one get": one_get(blocks), "both halves, one get": one_get(2 * blocks),
             "both halves, the fetch's runs": runs, "fetch": fetch(), "fetch, checks dropped": fetch(checked=False)}
-        ways["both halves, runs down to 1"] = runs_down_to_one
         ways["payloads, the fetch's runs"] = payload_runs
-        ways["fetch, trailers first"] = trailers_first
-        ways["fetch, MAC threads only at its end"] = mac_threads_only
+        ways["both halves, the fetch's runs at once"] = runs_at_once
+        ways["fetch, gets at once"] = fetch_at_once
         seconds: dict[str, list[float]] = {way: [] for way in ways}
         order = list(ways)
         for rep in range(reps):
@@ -142,7 +140,10 @@ def placement(segment: str, blocks: int, reps: int) -> dict[str, tuple[float, fl
                 ways[way]()
                 seconds[way].append(time.perf_counter() - start)
                 assert np.array_equal(target.buffer.numpy(), source.buffer.numpy()), way
+        getters.shutdown()
         client.close()
+    print(f"{segment}: runs of {[len(c) for c in cuts]} at once land at "
+          f"{[round(statistics.median(t) * 1e3, 2) for t in landings]} ms", flush=True)
     ceiling = seconds["payloads, one get"]
     return {way: (total / statistics.median(ts) / 1e9, statistics.median(c / t for c, t in zip(ceiling, ts)))
             for way, ts in seconds.items()}
