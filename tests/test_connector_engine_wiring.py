@@ -91,7 +91,7 @@ def test_per_layer_stores_start_behind_each_layers_write_and_store_the_right_byt
     h = per_layer_harness(layer_stores=True)
     h.add_request(PREFIX, 1)
     h.engine.step()
-    queued = [op.label for op in h.device._queues["store"]]
+    queued = h.device.queued()["store"]
     assert [label for label in queued if label.startswith("store job")] == [
         f"store job 0 layer {i}" for i in range(SHAPE_LAYERS)]
     assert finish(h) == []

@@ -54,7 +54,7 @@ def test_without_layer_stores_save_kv_layer_sends_nothing() -> None:
     worker.start_load_kv()
     for layer in LAYERS:
         worker.save_kv_layer(layer)
-    assert not device._queues["store"], "a store went out before the forward ended"
+    assert not device.queued()["store"], "a store went out before the forward ended"
 
 
 def test_a_per_layer_store_refused_when_checked_leaves_the_steps_other_stores_to_go_out() -> None:

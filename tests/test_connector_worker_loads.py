@@ -34,7 +34,7 @@ def land_segments(device: SimDevice, count: int) -> None:
     """Run the compute barrier, then the load stream up to (not into) load 0's segment of layer `count`: `count`
     segments landed (all of them, where the load has no more)."""
     device.run_one("compute")
-    while device._queues["load"] and [op.label for op in device._queues["load"]][:1] != [f"load job 0 layer {count}"]:
+    while (queued := device.queued()["load"]) and queued[0] != f"load job 0 layer {count}":
         device.run_one("load")
 
 
@@ -75,9 +75,9 @@ def test_a_layer_whose_segment_a_failed_load_never_sent_waits_for_the_segments_i
     start_one_load(worker, fail_after=1)
     worker.wait_for_layer_load("layer.1")
     device.run_one("compute")  # the load's barrier; what is left on compute is the hook's wait
-    assert [op.label for op in device._queues["compute"]] == ["wait on compute"]
+    assert device.queued()["compute"] == ["wait on compute"]
     assert "compute" not in device.runnable()  # layer 0's segment may still write the request's blocks
-    while device._queues["load"]:
+    while device.queued()["load"]:
         device.run_one("load")
     assert "compute" in device.runnable()
     assert worker.get_finished() == WorkerOutput(failed=(0,))
@@ -97,7 +97,7 @@ def test_a_failed_load_whose_end_could_not_be_recorded_leaves_the_layer_hooks_no
     monkeypatch.setattr(device, "record", record_or_fail_on_load)
     start_one_load(worker, fail_after=0)
     worker.wait_for_layer_load("layer.0")
-    assert "wait on compute" not in [op.label for op in device._queues["compute"]]
+    assert "wait on compute" not in device.queued()["compute"]
     assert worker.get_finished() == WorkerOutput(failed=(0,))
 
 
@@ -138,7 +138,7 @@ def test_a_steps_loads_go_out_together_one_segment_per_layer_and_land_exactly() 
         LoadOrder(job_id=1, req_id="a", gpu_blocks=(6,), cpu_slots=(0,)),
         LoadOrder(job_id=2, req_id="b", gpu_blocks=(7,), cpu_slots=(1,)))))
     worker.start_load_kv()
-    assert [op.label for op in device._queues["load"] if "layer" in op.label] == [
+    assert [label for label in device.queued()["load"] if "layer" in label] == [
         "load jobs 1,2 layer 0", "load jobs 1,2 layer 1"]
     device.run_until_idle()
     assert worker.get_finished().done == (1, 2)
@@ -215,7 +215,7 @@ def test_a_load_from_fragmented_slots_goes_out_whole_alone_and_the_steps_others_
         LoadOrder(job_id=1, req_id="a", gpu_blocks=(4, 5), cpu_slots=(3, 0)),
         LoadOrder(job_id=2, req_id="b", gpu_blocks=(6, 7), cpu_slots=(1, 2)))))
     worker.start_load_kv()
-    assert [op.label for op in device._queues["load"] if "layer" in op.label] == [
+    assert [label for label in device.queued()["load"] if "layer" in label] == [
         "load job 2 layer 0", "load job 2 layer 1", "load job 1 layer 0"]
     device.run_until_idle()
     assert {(a.label, a.layer) for a in device.accesses if a.space == "gpu" and a.mode == "write"} == {
@@ -232,7 +232,7 @@ def test_loads_into_the_same_gpu_block_go_out_one_job_at_a_time() -> None:
         LoadOrder(job_id=1, req_id="a", gpu_blocks=(6,), cpu_slots=(0,)),
         LoadOrder(job_id=2, req_id="b", gpu_blocks=(6,), cpu_slots=(1,)))))
     worker.start_load_kv()
-    assert [op.label for op in device._queues["load"] if "layer" in op.label] == [
+    assert [label for label in device.queued()["load"] if "layer" in label] == [
         "load job 1 layer 0", "load job 1 layer 1", "load job 2 layer 0", "load job 2 layer 1"]
 
 
@@ -281,4 +281,4 @@ def test_shutting_down_waits_for_every_layer_segment_of_a_load_in_flight() -> No
         LoadOrder(job_id=1, req_id="a", gpu_blocks=(6,), cpu_slots=(0,)),)))
     worker.start_load_kv()
     worker.shutdown()
-    assert [op.label for op in device._queues["load"]] == []
+    assert device.queued()["load"] == []

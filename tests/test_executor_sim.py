@@ -130,6 +130,28 @@ def test_the_oldest_queued_is_the_earliest_issued_operation_on_any_stream_or_one
     assert device.oldest_queued() == 4
 
 
+def test_queued_names_each_streams_operations_in_issue_order_the_running_one_included_until_it_ran() -> None:
+    device = SimDevice()
+    assert list(device.queued().items()) == [("compute", []), ("store", []), ("load", [])]
+    seen_while_running: list[list[str]] = []
+    device.enqueue("store", "store", "store job 1", lambda: seen_while_running.append(device.queued()["store"]))
+    device.enqueue("compute", "compute", "compute step 1", lambda: None)
+    event = device.new_event()
+    device.record("compute", event)
+    device.wait("load", event)
+    device.enqueue("store", "store", "store job 2", lambda: None)
+    expected = [("compute", ["compute step 1", "record on compute"]), ("store", ["store job 1", "store job 2"]),
+                ("load", ["wait on load"])]
+    assert list(device.queued().items()) == expected
+    device.queued()["store"].clear()  # the answer is a copy: changing it leaves the queues as they were
+    assert list(device.queued().items()) == expected
+    device.run_one("store")
+    assert seen_while_running == [["store job 1", "store job 2"]]
+    assert device.queued()["store"] == ["store job 2"]
+    device.run_until_idle()
+    assert list(device.queued().items()) == [("compute", []), ("store", []), ("load", [])]
+
+
 def test_forgetting_accesses_before_an_issue_number_keeps_those_issued_at_or_after_it_in_execution_order() -> None:
     device = SimDevice()
     device.enqueue("store", "store", "store job 1", lambda: None, [Touch("read", "gpu", (1,))])

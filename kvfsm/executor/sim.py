@@ -175,6 +175,13 @@ class SimDevice:
         while marker is not None and not marker.done:
             self._step(self.scheduler, f"the host waits for {marker.label} (issued #{marker.issued})")
 
+    def queued(self) -> dict[StreamName, list[str]]:
+        """Per stream (in the order compute, store, load), the labels of the operations still queued on it, running
+        or not, in issue order: what a test asserts has (not) gone out yet and what a state explorer tells states
+        apart by, read without reaching into the queues. The lists are fresh copies, so changing them changes
+        nothing here."""
+        return {stream: [op.label for op in queue] for stream, queue in self._queues.items()}
+
     # -- the access log -----------------------------------------------------------------------------------------
 
     def oldest_queued(self) -> int:

@@ -93,7 +93,7 @@ class _Replay:
     def fingerprint(self) -> str:
         h = self.harness
         digest = hashlib.blake2b(digest_size=16)
-        queues = [(s, [op.label for op in q]) for d in h.devices for s, q in d._queues.items()]
+        queues = [(s, labels) for d in h.devices for s, labels in d.queued().items()]
         digest.update(repr((self.host_index, queues,
                             sorted((j.job_id, j.state) for j in h.connector.scheduler.jobs.values()),
                             sorted((r.request_id, r.phase.name, r.num_computed, r.num_sampled)
