@@ -7,7 +7,8 @@ or sets a hit no longer than the window aside. So vLLM is told exactly the group
 a replay window the load writes whole is taken as loaded, one begun below the GPU prefix's end too (vLLM gives it
 fresh blocks there) when the CPU pool holds it, but not when the pool lacks its blocks below that end (nobody writes
 them), and every other kind (full attention, several full groups, a sliding window, a state) is told whenever it is
-part of the hit. Skipped without vLLM.
+part of the hit. After a GPU prefix a load writes only blocks vLLM gave the request afresh, never one its GPU prefix
+cache serves. Skipped without vLLM.
 """
 
 from __future__ import annotations
@@ -174,6 +175,45 @@ def test_every_group_of_a_hit_vllm_caches_on_its_gpu_is_told_loaded(model, monke
         assert first_computed(d, "reader") == len(PREFIX)
         assert all(loaded_blocks(d, "reader")), "every group loads part of the hit"
         assert set(answers["reader"]) == {groups}
+        assert d.cpu_pool_drained()
+    finally:
+        d.close()
+
+
+def replay_driver(model) -> Driver:  # type: ignore[no-untyped-def]
+    return Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), replay_cache(48))
+
+
+def loads_fresh_blocks_only(d: Driver) -> None:
+    """Each GPU block the step's loads write is one vLLM's pool holds for one request only and has cached under no
+    hash (an asynchronous load's blocks are cached once it lands): never a block its GPU prefix cache served."""
+    pool = d.scheduler.kv_cache_manager.block_pool
+    shared = [(order.req_id, b) for order in d.log[-1].orders.loads for b in order.gpu_blocks
+              if pool.blocks[b].ref_cnt != 1 or pool.blocks[b].block_hash is not None]
+    assert not shared, f"step {d.step_no}: loads write blocks vLLM shares or caches: {shared}"
+
+
+@pytest.mark.parametrize("build, prompt, gpu_prefix_blocks", [
+    (full_groups_driver, PREFIX, 1),
+    (hybrid_driver, LONG, 3),
+    (mamba_driver, PREFIX, 3),
+    (replay_driver, PREFIX, 1),
+    (replay_driver, LONG, 3),
+], ids=["full+full+sliding", "full+sliding", "full+state", "replay-no-longer-than-the-window",
+        "replay-longer-than-the-window"])
+def test_a_load_after_a_gpu_prefix_writes_only_blocks_vllm_gave_the_request_afresh(
+        model, build: Callable[[Any], Driver], prompt: list[int], gpu_prefix_blocks: int) -> None:
+    """vLLM's GPU prefix cache holds the prompt's first blocks: a group it caches is loaded from the GPU prefix's end
+    on (below it vLLM's cached blocks, which other requests may hold, serve the request), and a replay window vLLM
+    caches none of is loaded whole, into the fresh blocks vLLM gave it below that end too."""
+    d = build(model)
+    try:
+        store_prefix(d, prompt + [1, 2, 3])
+        d.add("warm", prompt[:gpu_prefix_blocks * BLOCK_SIZE] + [5])
+        d.run()
+        d.add("reader", prompt + [9])
+        d.run(after_step=lambda: loads_fresh_blocks_only(d))
+        assert loaded_blocks(d, "reader")[0] == len(prompt) // BLOCK_SIZE - gpu_prefix_blocks, "a GPU prefix served"
         assert d.cpu_pool_drained()
     finally:
         d.close()

@@ -150,16 +150,16 @@ def test_a_hit_vllm_replays_instead_of_loading_loads_nothing_in_any_group(model,
     """vLLM's `Scheduler.schedule` sets aside a connector's hit no longer than its bounded-replay window when the load
     would not restore that window's group, and allocates the request no external tokens: it recomputes the prompt.
     The writer of LONG stored the replay group's blocks 1 to 6 (its window at its own end) and the chunked group's 4
-    to 6 (its chunk); vLLM's GPU prefix cache holds LONG's first two blocks (in every group but the replay window,
-    which it never caches). So the replay window at READER's hit's end, from block 0, is not the load's to restore
-    (`loaded-groups`): the CPU pool lacks its block 0. kvfsm had offered blocks 2 to 5, the
-    chunked group its blocks 4 and 5: every group is told it loads nothing, not a count taken from where its window
-    starts (negative, and refused), and the reader computes its whole prompt."""
+    to 6 (its chunk); vLLM's GPU prefix cache holds LONG's first block (in every group but the replay window, which
+    it never caches). So the replay window at READER's hit's end, from block 0, is not the load's to restore
+    (`loaded-groups`): the CPU pool lacks its block 0, and the load would start at block 1. kvfsm had offered blocks 1
+    to 5, the chunked group its blocks 4 and 5: every group is told it loads nothing, not a count taken from where
+    its window starts (negative, and refused), and the reader computes its whole prompt."""
     chunked = ChunkedLocalAttentionSpec(**SHAPE, attention_chunk_size=CHUNK)  # type: ignore[arg-type]
     d = Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), replay_cache(48, chunked))
     try:
         store_prefix(d, LONG + [1, 2, 3])
-        d.add("warm", LONG[:2 * BLOCK_SIZE] + list(range(900, 900 + 7 * BLOCK_SIZE)))
+        d.add("warm", LONG[:BLOCK_SIZE] + list(range(900, 900 + 7 * BLOCK_SIZE)))
         d.run()
         offered: list[int | None] = []
         lookup = d.connector.get_num_new_matched_tokens
@@ -172,7 +172,7 @@ def test_a_hit_vllm_replays_instead_of_loading_loads_nothing_in_any_group(model,
         monkeypatch.setattr(d.connector, "get_num_new_matched_tokens", recorded)
         d.add("reader", READER)
         d.run()
-        assert offered == [4 * BLOCK_SIZE]
+        assert offered == [5 * BLOCK_SIZE]
         assert first_computed(d, "reader") == 0
         assert [order for g in d.connector.scheduler_side.groups
                 for order in loads_of(d, g.request_id("reader"))] == []
