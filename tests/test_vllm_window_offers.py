@@ -1,7 +1,8 @@
 """What a request with sliding-window groups is offered and counted (`kvfsm.integrations.vllm.window_hit`), under
 vLLM's real Scheduler, the hybrid allocator on: the window groups are looked up once each when their windows are whole
 where the full-attention hit ends; a shorter hit is counted once, as the blocks it loads; and a shorter hit after a GPU
-prefix is offered from that prefix's end; a hit vLLM sets aside after it was offered loads nothing in any group.
+prefix is offered from that prefix's end; a request its GPU prefix serves whole counts no replay-window block below
+it; a hit vLLM sets aside after it was offered loads nothing in any group.
 Skipped without vLLM.
 """
 
@@ -13,6 +14,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -107,28 +109,57 @@ REPLAY = 3 * WINDOW
 the window."""
 
 
-def replay_cache(num_blocks: int) -> KVCacheConfig:
-    """A full-attention group, a sliding window of WINDOW tokens, and a DeepSeek-V4.1 style sliding window vLLM
-    replays instead of caching (`bounded_replay`), its latent as many bytes a block as the others' K and V."""
+def replay_cache(num_blocks: int, second: object | None = None) -> KVCacheConfig:
+    """A full-attention group, a sliding window of WINDOW tokens (or `second`), and a DeepSeek-V4.1 style sliding
+    window vLLM replays instead of caching (`bounded_replay`), its latent as many bytes a block as the others' K and
+    V."""
     replayed = SlidingWindowMLASpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=2 * NUM_KV_HEADS * HEAD_SIZE,
                                     dtype=torch.float16, sliding_window=REPLAY, bounded_replay=True)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layers.0.attn"], FullAttentionSpec(**SHAPE)),
-        KVCacheGroupSpec(["layers.1.attn"], SlidingWindowSpec(**SHAPE, sliding_window=WINDOW)),
+        KVCacheGroupSpec(["layers.1.attn"], second or SlidingWindowSpec(**SHAPE, sliding_window=WINDOW)),
         KVCacheGroupSpec(["layers.2.attn"], replayed)])
+
+
+def test_a_request_its_gpu_prefix_serves_whole_counts_no_hit_block_of_its_replay_window(model) -> None:
+    """A second reader of LONG finds its whole hit in vLLM's GPU prefix cache, the first reader's, in every group vLLM
+    caches: nothing is offered past the GPU prefix's end, so no replay block below it is looked up either, though the
+    CPU pool holds the replay window there (blocks 1 to 6): `kvfsm_hit_blocks_total{tier="cpu"}` counts none."""
+    d = Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), replay_cache(48))
+    try:
+        store_prefix(d, LONG + [1, 2, 3])
+        d.add("first", LONG + [9])
+        d.run()
+        stats = d.connector.scheduler_side.kvfsm.stats
+        before = stats.cpu_hit_blocks
+        d.add("again", LONG + [9])
+        d.run()
+        assert stats.cpu_hit_blocks == before
+        assert [order for g in d.connector.scheduler_side.groups for order in loads_of(d, g.request_id("again"))] == []
+        assert d.cpu_pool_drained()
+    finally:
+        d.close()
+
+
+CHUNK = 4 * BLOCK_SIZE
+"""Tokens of a chunk of the chunked local attention group beside the replay window: READER's hit ends inside the
+second chunk, which starts at block 4."""
 
 
 def test_a_hit_vllm_replays_instead_of_loading_loads_nothing_in_any_group(model, monkeypatch) -> None:
     """vLLM's `Scheduler.schedule` sets aside a connector's hit no longer than its bounded-replay window when the load
     would not restore that window's group, and allocates the request no external tokens: it recomputes the prompt.
-    vLLM's GPU prefix cache holds PREFIX's first block (in every group but the replay window, which it never caches),
-    so the replay window at the hit's end, from block 0, is not the load's to restore (`loaded-groups`). kvfsm had
-    offered blocks 1 to 3, the WINDOW group its blocks 2 and 3: every group is told it loads nothing, not a count
-    taken from where its window starts (negative, and refused), and the reader computes its whole prompt."""
-    d = Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), replay_cache(48))
+    The writer of LONG stored the replay group's blocks 1 to 6 (its window at its own end) and the chunked group's 4
+    to 6 (its chunk); vLLM's GPU prefix cache holds LONG's first block (in every group but the replay window, which
+    it never caches). So the replay window at READER's hit's end, from block 0, is not the load's to restore
+    (`loaded-groups`): the CPU pool lacks its block 0, and the load would start at block 1. kvfsm had offered blocks 1
+    to 5, the chunked group its blocks 4 and 5: every group is told it loads nothing, not a count taken from where
+    its window starts (negative, and refused), and the reader computes its whole prompt."""
+    chunked = ChunkedLocalAttentionSpec(**SHAPE, attention_chunk_size=CHUNK)  # type: ignore[arg-type]
+    d = Driver(vllm_config(model, {"cpu_blocks": 32}, 48), FakeWorker(), replay_cache(48, chunked))
     try:
-        store_prefix(d)
-        d.add("warm", PREFIX[:BLOCK_SIZE] + [5])
+        store_prefix(d, LONG + [1, 2, 3])
+        d.add("warm", LONG[:BLOCK_SIZE] + list(range(900, 900 + 7 * BLOCK_SIZE)))
         d.run()
         offered: list[int | None] = []
         lookup = d.connector.get_num_new_matched_tokens
@@ -139,9 +170,9 @@ def test_a_hit_vllm_replays_instead_of_loading_loads_nothing_in_any_group(model,
             return found
 
         monkeypatch.setattr(d.connector, "get_num_new_matched_tokens", recorded)
-        d.add("reader", PREFIX + [9])
+        d.add("reader", READER)
         d.run()
-        assert offered == [len(PREFIX) - BLOCK_SIZE]
+        assert offered == [5 * BLOCK_SIZE]
         assert first_computed(d, "reader") == 0
         assert [order for g in d.connector.scheduler_side.groups
                 for order in loads_of(d, g.request_id("reader"))] == []

@@ -82,7 +82,8 @@ class Group:
     gpu_cached: bool = True
     """vLLM's own GPU prefix cache holds this group's blocks (its spec's `prefix_cacheable`). False for a DeepSeek-V4.1
     bounded-replay window (`SlidingWindowMLASpec` with `bounded_replay`): vLLM keeps none of its blocks for a GPU
-    prefix, so a load restores it only if it writes the group's whole window (`loaded-groups`)."""
+    prefix and gives it fresh blocks for its whole window, so a load restores it only if it writes that whole window,
+    which kvfsm's lookup asks for when the CPU pool holds it (`WindowHits.load_start`, `loaded-groups`)."""
 
     @property
     def label(self) -> int | None:

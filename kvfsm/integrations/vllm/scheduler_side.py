@@ -190,7 +190,8 @@ class SchedulerSide:
         plan for the request: each group's lookup (`match`) until vLLM allocated it, then the load it started
         (`restored`). Every group's load ends where the first group's does (`match_together`), so a group is restored
         when its load starts no later than its window's first block at the hit's end (`Group.first_kept`) or, for a
-        group vLLM caches on its GPU, the GPU prefix's end (vLLM holds the blocks below)."""
+        group vLLM caches on its GPU, the GPU prefix's end (vLLM holds the blocks below); a bounded-replay window begun
+        below the GPU prefix's end is restored when its lookup asked for its whole window (`WindowHits.load_start`)."""
         block_size = self.kvfsm.config.gpu_block_size
         first, end = self._load_span(self.groups[0], request.request_id)
         loaded = []

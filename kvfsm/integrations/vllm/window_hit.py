@@ -7,9 +7,12 @@ but no window ending where it does. The rule, `longest-window-hit`, has two halv
 
 - whole: the hit ends at a block E at which every sliding group holds its whole window (its blocks
   `[first_kept(E), E)`, those below the request's GPU prefix excepted: vLLM computed them). A hit past a partial
-  window would let vLLM compute on window blocks nobody loaded. A full-attention group after the first (vLLM makes
-  several when full-attention layers outnumber the others) is a window whose first kept block is 0: it holds the same
-  prefix's blocks under its own keys, its layers' bytes, so it needs every block of the hit.
+  window would let vLLM compute on window blocks nobody loaded. A bounded-replay window, which vLLM keeps none of on
+  its GPU, is loaded from its first block even below the GPU prefix's end when the CPU pool holds those blocks
+  (`load_start`), so vLLM is told it restored (`loaded-groups`) and recomputes none of it. A full-attention group
+  after the first (vLLM makes several when full-attention layers outnumber the others) is a window whose first kept
+  block is 0: it holds the same prefix's blocks under its own keys, its layers' bytes, so it needs every block of the
+  hit.
 - longest: E is the largest such end up to where the full-attention group's hit ends. When the window is missing
   there, a shorter hit whose windows are whole is offered (an earlier prompt's window, or a running request's
   stored blocks), as vLLM's `OffloadingConnector` searches one; no hit only when no such end lies past the GPU prefix.
@@ -68,6 +71,19 @@ class WindowHits:
         """The first block a hit ending at block `end` must load for `group`: its window's, or the GPU prefix's end."""
         return max(first, group.first_kept(end * self.block_size, self.block_size))
 
+    def load_start(self, view: GroupView, group: Group, first: int, end: int) -> int:
+        """The first block `group`'s lookup asks for at a hit ending at block `end` past the GPU prefix's (`first`): its
+        `window_start`, except that a group vLLM keeps no GPU prefix of (a bounded-replay window, `Group.gpu_cached`)
+        starts at its window's first block when the CPU pool holds ready each of the window's blocks below the GPU
+        prefix's end (none, for a window that begins above it). vLLM gives such a group fresh blocks for its whole
+        window, so the load writing all of it restores the group and vLLM recomputes none of it (`loaded-groups`);
+        when those blocks are not all held, the hit is the one the window's blocks above the GPU prefix's end make,
+        and vLLM recomputes the window. With no hit past the GPU prefix nothing is looked up below it either."""
+        kept = group.first_kept(end * self.block_size, self.block_size)
+        if group.gpu_cached or end <= first or self._first_lacking(view, kept, first) < first:
+            return self.window_start(group, first, end)
+        return kept
+
     def longest_end(self, views: Sequence[GroupView], first: int, end: int) -> int:
         """The largest block E in [first, end] at which every group holds its window `[window_start, E)` in CPU;
         `first` when none does. A block m a group lacks inside the candidate's window rules out every end from m + 1
@@ -103,7 +119,7 @@ class WindowHits:
         None when a lookup deferred. `match` cuts every group's offer at the end it settles on (`match_together`)."""
         whole = True
         for view, group in zip(views, self.windows):
-            start = self.window_start(group, first, end)
+            start = self.load_start(view, group, first, end)
             found = self.kvfsm.get_num_new_matched_tokens(view, start * self.block_size)
             if found is None:
                 return None
