@@ -14,20 +14,19 @@ Threads: `connect`, `register` and `close` run on the caller's thread at start-u
 set-up in a child process first: Mooncake's holds the GIL while it waits); `write_back`, `fetch` and `remove` are
 submitted from the tier's thread (the worker's) and run on the I/O executor, in order, followed at `close` by the
 teardown that unregisters memory and drops the store handle; `contains` is submitted from the scheduler's thread and
-runs on the client's own lookup thread. The back-off (which a MAC thread reading a fetch's answers sets too) and the
-backlog (under a lock) are the only state several threads write.
+runs on the client's own lookup thread; a fetch's gets run on its get lanes. The back-off (which a MAC thread
+reading a fetch's answers sets too) and the backlog (under a lock) are the only state several threads write.
 
 Zero-copy: payloads and trailers are handed over as numpy views of host memory; each is registered with Mooncake
 the first time it is seen (`register` registers a whole buffer up front, which covers every view into it;
 `kvfsm.mooncake.host_memory` keeps which ranges are registered).
 
-Integrity at transfer speed: every value is sealed and checked with the tenant's MAC (`kvfsm.mooncake.value`), a
-pass over every byte, on `hash_threads` threads of its own (`blake3` releases the GIL while it hashes), overlapped
-with the transfers: a write-back puts every payload while the MAC threads seal, and a MAC thread puts the trailers
-that publish them as soon as the last seal is done, beside the payloads' put; a fetch checks each run of values
-while the I/O thread gets the next (`kvfsm.mooncake.pipeline` says how it is cut). A call's values reach the MAC
-threads through one `kvfsm.mooncake.mac_crew.Crew`. The I/O thread waits for the last MACs and the trailers' put
-before it answers, so a `Pending` never settles while another thread still reads a slot.
+Integrity at transfer speed: every value is sealed and checked with the tenant's MAC (`kvfsm.mooncake.value`) on
+`hash_threads` MAC threads (`kvfsm.mooncake.mac_crew`), overlapped with the transfers: a write-back puts every
+payload while they seal, and one of them puts the trailers that publish the values once the last seal is done; a
+fetch checks each run of values while the next run's get moves (`kvfsm.mooncake.pipeline` cuts the runs,
+`kvfsm.mooncake.paced_gets` issues their gets on two get lanes). The I/O thread waits for the last MACs and the
+trailers' put before it answers, so a `Pending` never settles while another thread still reads a slot.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ from kvfsm.mooncake.errors import (
 from kvfsm.mooncake.host_memory import Buffers, Registrations
 from kvfsm.mooncake.io_thread import CancellableCall, IoThread, Pending
 from kvfsm.mooncake.mac_crew import Crew, MacThreads
+from kvfsm.mooncake.paced_gets import GetLanes
 from kvfsm.mooncake.settings import ClientSettings
 from kvfsm.mooncake.setup_probe import set_up_store
 from kvfsm.mooncake.value import ValueMac
@@ -60,11 +60,6 @@ KeyResult = int | None | TierFault
 """Per key, else its fault: of a write-back, the value's own checksum (`ValueMac.seal`); of a fetch, the block
 checksum the verified value carries (None if its writer carried none)."""
 Verify = Callable[[np.ndarray, str, np.ndarray], int | None]
-
-
-def _key_faults(faults: Sequence[TierFault | None]) -> list[TierFault | None]:
-    """Per key, the first fault of its payload's and its trailer's (`faults` of a call on `value.object_names`)."""
-    return [payload or trailer for payload, trailer in value.per_key(faults)]
 
 
 class MooncakeClient:
@@ -89,6 +84,7 @@ class MooncakeClient:
         """How a value read from the store is checked against its trailer, for a fetch and for a key found present
         by a write-back (an attribute so a test's control can drop the MAC)."""
         self._macs = MacThreads(settings.hash_threads or pipeline.default_hash_threads())
+        self._gets = GetLanes(settings.get_lead_s)
         self._scratch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         """Per payload size, memory a write-back reads a value already in the store into, to verify it."""
 
@@ -140,6 +136,7 @@ class MooncakeClient:
         if isinstance(self._io, IoThread):
             self._io.shutdown(wait=False)
         self._queries.shutdown(wait=False)
+        self._gets.shutdown()
         self._macs.shutdown()
         return True
 
@@ -226,10 +223,9 @@ class MooncakeClient:
                    units: Sequence[np.ndarray] = (), carried: Sequence[int | None] = ()
                    ) -> Pending[list[KeyResult]]:
         """Store each payload under its key and its trailer, sealed with the tenant's MAC and carrying `carried[i]`
-        (the block's own checksum) if given, under the key's trailer key (`kvfsm.mooncake.value`): the payloads in
-        one put while the MAC threads seal, and the trailers, which publish the values, in a second put a MAC thread
-        makes once every seal is done, while the payloads still move. A trailer put over a payload the store then
-        refused is removed again. `units` are buffers to register whole before the first use of views into them.
+        (the block's own checksum) if given, under the key's trailer key (`kvfsm.mooncake.value`); the trailers'
+        put publishes the values. A trailer put over a payload the store then refused is removed again. `units` are
+        buffers to register whole before the first use of views into them.
 
         What the store holds already is asked first (one `batch_is_exist`): Mooncake answers success to a put onto
         a present key and keeps the value there. A key held whole counts as written only once the value there
@@ -298,7 +294,7 @@ class MooncakeClient:
         codes = [StoreCode.OK if code == StoreCode.OBJECT_NOT_FOUND else code
                  for code in self._store.batch_remove(names, True)]
         faults = self._faults(names, codes, "removal of half a value under")
-        return {i: fault for i, fault in zip(halves, _key_faults(faults)) if fault is not None}
+        return {i: fault for i, fault in zip(halves, value.first_per_key(faults)) if fault is not None}
 
     def _put(self, names: list[str], buffers: Buffers) -> list[TierFault | None]:
         """One put of `buffers` under `names`; per name, its fault."""
@@ -314,14 +310,22 @@ class MooncakeClient:
 
     def _get(self, keys: list[str], payloads: Buffers, trailers: Buffers) -> list[tuple[int, int]]:
         """One get of each key's payload and trailer into `payloads` and `trailers`; per key, the store's answers
-        for its payload and its trailer (`_read` reads them)."""
+        for its payload and its trailer (`_checked` reads them)."""
         return value.per_key(self._store.batch_get_into(value.object_names(keys), payloads.at + trailers.at,
                                                         payloads.sizes + trailers.sizes))
 
-    def _read(self, key: str, halves: tuple[int, int], what: str) -> tuple[int, TierFault | None]:
-        """From the store's answers for `key`'s two halves, the bytes read (both) and the first fault of its halves."""
-        [fault] = _key_faults(self._faults([key, key], halves, what, read=True))
-        return sum(halves), fault
+    def _checked(self, key: str, payload: np.ndarray, trailer: np.ndarray, halves: tuple[int, int], what: str
+                 ) -> KeyResult:
+        """The verdict on `key`'s value read into `payload` and `trailer`, given the store's answers for its two
+        halves: the first fault of those, else a short read, else what the MAC check says."""
+        [fault] = value.first_per_key(self._faults([key, key], halves, what, read=True))
+        expected = payload.nbytes + value.TRAILER_BYTES
+        if fault is None and sum(halves) != expected:
+            fault = ChecksumMismatch(f"{key}: read {sum(halves)} bytes, expected {expected}")
+        try:
+            return fault or self.verify_value(trailer, key, payload)
+        except TierFault as failed:
+            return failed
 
     def _verify_present(self, key: str, nbytes: int) -> KeyResult:
         """The own checksum of the value already stored under `key` once it verifies, else the fault: a key another
@@ -331,41 +335,35 @@ class MooncakeClient:
             self._scratch[nbytes] = (scratch[:nbytes], scratch[nbytes:])
         payload, trailer = self._scratch[nbytes]
         [halves] = self._get([key], self._located([payload]), self._located([trailer]))
-        read, fault = self._read(key, halves, "check of the value present under")
-        answer = fault if fault is not None else self._verified(key, payload, trailer, read)
+        answer = self._checked(key, payload, trailer, halves, "check of the value present under")
         return answer if isinstance(answer, TierFault) else self.mac.checksum_of(trailer)
-
-    def _verified(self, key: str, payload: np.ndarray, trailer: np.ndarray, nbytes: int) -> KeyResult:
-        expected = payload.nbytes + value.TRAILER_BYTES
-        if nbytes != expected:
-            return ChecksumMismatch(f"{key}: read {nbytes} bytes, expected {expected}")
-        try:
-            return self.verify_value(trailer, key, payload)
-        except TierFault as fault:
-            return fault
 
     def fetch(self, keys: Sequence[str], payloads: Sequence[np.ndarray], trailers: Sequence[np.ndarray],
               units: Sequence[np.ndarray] = ()) -> Pending[list[KeyResult]]:
         """Read each key's payload and trailer and verify its MAC; a payload whose result is a fault holds garbage
-        and must not be used. Between two gets the I/O thread only hands the values that landed to the MAC threads,
-        which read the store's answers for them too; after the last get it checks values beside them (`Crew.join`)."""
+        and must not be used. The MAC threads check each run that landed, and the I/O thread beside them at the end."""
         keys, payloads, trailers = list(keys), list(payloads), list(trailers)
         landed: dict[int, tuple[int, int]] = {}
         """Per key whose get returned, the store's answers for its two halves (written before it is handed over)."""
 
         def check(i: int) -> KeyResult:
-            read, fault = self._read(keys[i], landed[i], "fetch of")
-            return fault if fault is not None else self._verified(keys[i], payloads[i], trailers[i], read)
+            return self._checked(keys[i], payloads[i], trailers[i], landed[i], "fetch of")
 
         def call() -> list[KeyResult]:
             self._located(units)
             payload_at, trailer_at = self._located(payloads), self._located(trailers)
             least = pipeline.round_values(payload_at.sizes, self.hash_threads, self.settings.pipeline_bytes)
+            runs = pipeline.fetch_runs(len(keys), least, self.hash_threads)
+
+            def get(run: range) -> list[tuple[int, int]]:
+                return self._get([keys[i] for i in run], payload_at.pick(run), trailer_at.pick(run))
+
+            def hand(run: range, answers: list[tuple[int, int]]) -> None:
+                landed.update(zip(run, answers))
+                checking.hand(run)
+
             with self._macs.crew(check) as checking:
-                for run in pipeline.fetch_runs(len(keys), least, self.hash_threads):
-                    landed.update(zip(run, self._get([keys[i] for i in run], payload_at.pick(run),
-                                                     trailer_at.pick(run))))
-                    checking.hand(run)
+                self._gets.run(runs, [sum(payload_at.pick(run).sizes) for run in runs], get, hand)
                 checked = checking.join()
             return [checked[i] for i in range(len(keys))]
 
@@ -378,7 +376,7 @@ class MooncakeClient:
 
         def call() -> list[TierFault | None]:
             names = value.object_names(keys)
-            return _key_faults(self._faults(names, self._store.batch_remove(names, True), "removal of"))
+            return value.first_per_key(self._faults(names, self._store.batch_remove(names, True), "removal of"))
 
         return self._submit(call, fallback=lambda fault: [fault] * len(keys))
 

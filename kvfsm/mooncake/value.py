@@ -53,6 +53,7 @@ _HEADER = struct.Struct("<8sIIQI")
 _FORMAT = b"kvfsm-v4"
 TRAILER_SUFFIX = "/trailer"
 T = TypeVar("T")
+E = TypeVar("E", bound=Exception)
 
 
 def trailer_key(key: str) -> str:
@@ -70,6 +71,11 @@ def per_key(answers: Sequence[T]) -> list[tuple[T, T]]:
     """Answers of a call on `object_names(keys)` paired per key: (its payload's, its trailer's)."""
     count = len(answers) // 2
     return list(zip(answers[:count], answers[count:], strict=True))
+
+
+def first_per_key(faults: Sequence[E | None]) -> list[E | None]:
+    """Per key, the first fault of its payload's and its trailer's (`faults` of a call on `object_names(keys)`)."""
+    return [payload or trailer for payload, trailer in per_key(faults)]
 
 
 class ValueMac:
