@@ -59,12 +59,80 @@ def test_every_run_lands_once_with_its_answer_on_the_issuing_thread(lanes) -> No
     assert {ident for *_, ident in recorder.landed} == {threading.get_ident()}
 
 
-def test_with_no_pace_each_get_waits_for_the_one_before_and_the_first_teaches_the_pace(lanes) -> None:
-    recorder, gets = Recorder(hold_s=0.05), lanes(lead_s=1.0)
-    gets.run(RUNS, [4 << 20, 2 << 20, 1 << 20], recorder.get, recorder.land)
+def test_with_no_pace_each_get_waits_for_the_one_before(lanes) -> None:
+    recorder = Recorder(hold_s=0.05)
+    lanes(lead_s=1.0).run(RUNS, [4 << 20, 2 << 20, 1 << 20], recorder.get, recorder.land)
     assert recorder.started[4] >= recorder.ended[0], "the second get started before the first returned"
-    assert gets.pace.bytes_per_s is not None and gets.pace.bytes_per_s <= (4 << 20) / 0.05
-    assert gets.pace.bytes_per_s > (4 << 20) / WAIT_S
+
+
+def test_the_pace_is_learnt_from_the_first_get_of_a_fetch(lanes) -> None:
+    """The first get (4 MiB held 0.1 s) teaches 40 MiB/s; the others (held 0.3 s) would teach 7 MiB/s or less, and
+    the second's bytes over the first's time 20 MiB/s."""
+    gets = lanes(lead_s=1.0)
+    gets.run(RUNS, [4 << 20, 2 << 20, 1 << 20], Recorder(holds={0: 0.1, 4: 0.3, 6: 0.3}).get, lambda run, answer: None)
+    assert gets.pace.bytes_per_s is not None
+    assert (4 << 20) / 0.15 < gets.pace.bytes_per_s <= (4 << 20) / 0.1
+
+
+def test_while_the_pace_is_unknown_the_issuing_thread_waits_without_spinning(lanes) -> None:
+    """The issuing thread is the client's I/O thread: spinning while a get runs would take a core from the MAC
+    threads checking the values beside it."""
+    spent = time.thread_time()
+    lanes(lead_s=0.0).run(RUNS[:2], [4, 2], Recorder(holds={0: 0.5}).get, lambda run, answer: None)
+    assert time.thread_time() - spent < 0.1
+
+
+def test_each_run_lands_while_later_gets_still_run(lanes) -> None:
+    """The second get returns only once the first run landed (or at the deadline): the MAC threads start on a run as
+    soon as its get returned, not once every get did."""
+    first_landed = threading.Event()
+    waited: list[bool] = []
+
+    def get(run: range) -> int:
+        if run.start:
+            waited.append(first_landed.wait(2.0))
+        return 0
+
+    def land(run: range, answer: int) -> None:
+        if run.start == 0:
+            first_landed.set()
+
+    lanes(lead_s=1.0, bytes_per_s=1e12).run(RUNS[:2], [4, 2], get, land)
+    assert waited == [True], "the first run landed only once the second get returned"
+
+
+def test_gets_run_on_two_daemon_threads_named_for_kvfsm(lanes) -> None:
+    """At most two gets are in flight at once, however early they are issued, each on a lane thread."""
+    running, most, names = [0], [0], set()
+    lock = threading.Lock()
+
+    def get(run: range) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            names.add((threading.current_thread().name, threading.current_thread().daemon))
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return 0
+
+    lanes(lead_s=1.0, bytes_per_s=1e12).run(RUNS, [4, 2, 1], get, lambda run, answer: None)
+    assert most[0] == 2 and names == {("kvfsm-mooncake-get", True)}
+
+
+def test_shutting_the_lanes_down_does_not_wait_for_a_get_still_running() -> None:
+    """A get hung on a dead store must not hold up the client's close (which bounds its own wait)."""
+    gets, release = GetLanes(0.0), threading.Event()
+    caller = threading.Thread(target=gets.run, args=([RUNS[0]], [4], lambda run: release.wait(WAIT_S),
+                                                     lambda run, answer: None), daemon=True)
+    caller.start()
+    time.sleep(0.1)
+    start = time.perf_counter()
+    gets.shutdown()
+    took = time.perf_counter() - start
+    release.set()
+    caller.join(WAIT_S)
+    assert took < 1.0
 
 
 def test_with_a_pace_the_next_get_is_issued_before_the_one_before_returns(lanes) -> None:
@@ -150,5 +218,7 @@ def test_a_pace_is_learnt_only_from_a_get_that_moved_bytes_in_measurable_time() 
     pace.learn(0, 1.0)
     pace.learn(100, 0.0)
     assert pace.bytes_per_s is None
+    pace.learn(1, 0.5)
+    assert pace.bytes_per_s == 2.0
     pace.learn(100, 0.5)
     assert pace.bytes_per_s == 200.0 and pace.seconds(50) == 0.25
