@@ -7,9 +7,9 @@ should end, the round trip overlaps that transfer, and the bytes move back to ba
 bandwidth for a moment, which costs no throughput: four gets started at once took as long as one get of all their
 values (docs/mooncake.md, session 27). Issued too early, the next get shares bandwidth for longer, and the previous
 run lands later; its checks then overlap less. So the next get is issued `lead_s` before the previous one's expected
-end, from the rate at which this client's gets moved bytes (`GetPace`): on a one-H200 host, at a 3 ms lead, a fetch
-of 128 values of 2 MiB rose from 0.87 to 0.91 of the zero-copy get to 0.92 to 0.96, in four paired runs
-(docs/mooncake.md, session 28).
+end, from the rate at which this client's gets moved bytes (`GetPace`). On one-H200 hosts a fetch of 128 values of
+2 MiB into local memory rose from 0.87 to 0.91 of the zero-copy get to 0.92 to 0.96 (four paired runs at a 3 ms
+lead), and the bench read 0.91 to 0.98 each way at the default 8 ms (docs/mooncake.md, session 28).
 
 Threads: `GetLanes.run` runs on the client's I/O thread, which issues each get, hands every run that landed on, and
 returns only once every get it issued returned, so no get of a fetch outlives the fetch's call. The gets run on the
