@@ -66,12 +66,12 @@ def test_with_no_pace_each_get_waits_for_the_one_before(lanes) -> None:
 
 
 def test_the_pace_is_learnt_from_the_first_get_of_a_fetch(lanes) -> None:
-    """The first get (4 MiB held 0.1 s) teaches 40 MiB/s; the others (held 0.3 s) would teach 7 MiB/s or less, and
-    the second's bytes over the first's time 20 MiB/s."""
+    """The first get (4 MiB held 0.1 s) teaches 40 MiB/s (more than 21 with 90 ms to spare); the others (held 0.3 s)
+    would teach 7 MiB/s or less, and the second's bytes over the first's time 20 MiB/s or less."""
     gets = lanes(lead_s=1.0)
     gets.run(RUNS, [4 << 20, 2 << 20, 1 << 20], Recorder(holds={0: 0.1, 4: 0.3, 6: 0.3}).get, lambda run, answer: None)
     assert gets.pace.bytes_per_s is not None
-    assert (4 << 20) / 0.15 < gets.pace.bytes_per_s <= (4 << 20) / 0.1
+    assert (4 << 20) / 0.19 < gets.pace.bytes_per_s <= (4 << 20) / 0.1
 
 
 def test_while_the_pace_is_unknown_the_issuing_thread_waits_without_spinning(lanes) -> None:
